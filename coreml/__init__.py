@@ -1,0 +1,1 @@
+"""Core ML packages: conversion, compression recipes, and a numpy MIL reference executor."""

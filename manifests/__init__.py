@@ -1,0 +1,1 @@
+"""Artifact identity: sha256 inventories, canonical manifests, schemas and safe paths."""

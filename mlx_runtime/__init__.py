@@ -1,0 +1,1 @@
+"""MLX fallback runtime that executes CMF quantized dtypes on MLX quantized kernels."""
