@@ -49,14 +49,17 @@ def _as_u8(data) -> np.ndarray:
     return np.frombuffer(data, dtype=np.uint8)
 
 
-def hash64(data) -> int:
-    """hash64 of the bytes of `data` (bytes, bytearray, memoryview, mmap or contiguous ndarray)."""
+def hash64(data, chunk_words: int = CHUNK_WORDS) -> int:
+    """hash64 of the bytes of `data` (bytes, bytearray, memoryview, mmap or contiguous ndarray).
+
+    `chunk_words` bounds the scratch memory (two uint64 arrays of that length).
+    """
     buf = _as_u8(data)
     n = buf.size
     n_words = n // 8
     words = buf[: n_words * 8].view("<u8")
 
-    chunk = min(CHUNK_WORDS, max(n_words, 1))
+    chunk = min(chunk_words, max(n_words, 1))
     x = np.empty(chunk, dtype=np.uint64)
     tmp = np.empty(chunk, dtype=np.uint64)
     # i * GOLDEN for i in 0..chunk-1; a chunk starting at word `base` adds base * GOLDEN
