@@ -273,7 +273,8 @@ def _enc_f32(w):
 
 
 def _enc_f16(w):
-    return _to_bytes(np.asarray(w, dtype=np.float32).astype("<f2"))
+    with np.errstate(over="ignore"):  # beyond 65504 is inf, as IEEE rounding says
+        return _to_bytes(np.asarray(w, dtype=np.float32).astype("<f2"))
 
 
 def _enc_bf16(w):
