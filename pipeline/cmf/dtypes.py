@@ -107,6 +107,22 @@ def _safe_div(w: np.ndarray, s: np.ndarray) -> np.ndarray:
     return np.divide(w, s, out=np.zeros(np.broadcast_shapes(w.shape, s.shape), np.float32), where=s != 0)
 
 
+def _byte_table(values: np.ndarray) -> np.ndarray:
+    """A [256, k] float32 table of what each byte decodes to, as 256 single wide elements.
+
+    Gathering one k*4-byte element per payload byte is several times faster than
+    2-D fancy indexing; numpy moves native 8/16-byte types faster than void ones.
+    """
+    nbytes = values.shape[1] * 4
+    wide = {8: np.uint64, 16: np.complex128}.get(nbytes, np.dtype(f"V{nbytes}"))
+    return np.ascontiguousarray(values, dtype=np.float32).view(wide).reshape(256)
+
+
+def _expand(table: np.ndarray, payload: np.ndarray) -> np.ndarray:
+    """float32 [..., n, k] -> [..., n * k]: each payload byte replaced by its k table values."""
+    return table[payload].view(np.float32).reshape(*payload.shape[:-1], -1)
+
+
 def _group_pad(w: np.ndarray) -> np.ndarray:
     """Flattened float32 values, zero-padded to whole groups: [G, 32]."""
     flat = np.asarray(w, dtype=np.float32).reshape(-1)
@@ -346,12 +362,12 @@ def _enc_q8_2f(w):
 # ---------------------------------------------------------------- q4 block / tiled
 
 # byte -> (low nibble - 8, high nibble - 8): one gather decodes two elements.
-_NIB_LUT = np.stack([(np.arange(256) & 15) - 8, (np.arange(256) >> 4) - 8], axis=1).astype(np.float32)
+_NIB_LUT = _byte_table(np.stack([(np.arange(256) & 15) - 8, (np.arange(256) >> 4) - 8], axis=1))
 
 
 def _nibble_values(nibbles: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """(q - 8) * scale for nibble bytes [..., 16] and scales broadcastable to [...]: float32 [..., 32]."""
-    vals = _NIB_LUT[nibbles].reshape(*nibbles.shape[:-1], GROUP)
+    vals = _expand(_NIB_LUT, nibbles)
     vals *= scales.astype(np.float32)[..., None]
     return vals
 
@@ -450,7 +466,7 @@ def _q4tp_decode(buf, shape, where):
 
 
 # byte -> its four 2-bit fields (LSB-first) minus 1.5.
-_Q2_LUT = (((np.arange(256)[:, None] >> (2 * np.arange(4))) & 3) - 1.5).astype(np.float32)
+_Q2_LUT = _byte_table(((np.arange(256)[:, None] >> (2 * np.arange(4))) & 3) - 1.5)
 
 
 def _q2tp_scales(t: np.ndarray, rung: np.ndarray) -> np.ndarray:
@@ -463,7 +479,7 @@ def _q2tp_decode(buf, shape, where):
     p = _q2tp_parts(buf, shape, where)
     rows, gpr = p["plane"].shape[:2]
     scale = _q2tp_scales(ladder(p["lo"], p["step"]), tile_rungs(p["codes"], gpr))
-    vals = _Q2_LUT[p["plane"]].reshape(rows, gpr, GROUP)
+    vals = _expand(_Q2_LUT, p["plane"])
     vals *= scale[..., None]
     return vals.reshape(shape)
 
@@ -565,24 +581,42 @@ def _vbit_ro_parts(buf, shape, where):
     }
 
 
+def _vbit_codes(rowbytes: np.ndarray, b: int) -> np.ndarray:
+    """Codes u8 [k, cols] of MSB-first width-b rows [k, cols*b/8].
+
+    With in % 32 == 0 every row is whole blocks of b bytes holding 8 codes, and code j
+    of a block sits at the same bit offset j*b in every block: eight strided slices
+    decode the whole tensor.
+    """
+    k = rowbytes.shape[0]
+    blk = rowbytes.reshape(k, -1, b)
+    u = np.empty((k, blk.shape[1], 8), np.uint8)
+    mask = np.uint16((1 << b) - 1)
+    for j in range(8):
+        byte, bit = divmod(j * b, 8)
+        pair = blk[..., byte].astype(np.uint16) << np.uint16(8)
+        if bit + b > 8:  # the code runs into the next byte
+            pair |= blk[..., byte + 1]
+        u[..., j] = (pair >> np.uint16(16 - b - bit)) & mask
+    return u.reshape(k, -1)
+
+
 def _vbit_values(bits, scales, packed, cols):
-    """Decode rows grouped by width: each code starts at bit i*b and, with b <= 8, lies within
-    the big-endian pair of bytes at i*b//8, so two gathers and a shift extract all codes."""
+    """Rows grouped by width (at most five groups); w = (u - L) * scale[r, i/32]."""
     rows = bits.size
     out = np.empty((rows, cols), np.float32)
-    starts = np.concatenate([[0], np.cumsum(vbit_row_bytes(bits, cols))[:-1]])
+    spans = vbit_row_bytes(bits, cols)
+    starts = np.concatenate([[0], np.cumsum(spans)[:-1]])
     for b in np.unique(bits):
         b = int(b)
         sel = np.flatnonzero(bits == b)
-        rb = (cols * b + 7) // 8
-        raw = np.zeros((sel.size, rb + 1), np.uint16)
-        raw[:, :rb] = packed[starts[sel][:, None] + np.arange(rb)]
-        first = np.arange(cols) * b
-        byte = first // 8
-        shift = (16 - b - first % 8).astype(np.uint16)
-        pair = (raw[:, byte] << np.uint16(8)) | raw[:, byte + 1]
-        u = (pair >> shift) & np.uint16((1 << b) - 1)
-        vals = (u.astype(np.float32) - np.float32(2 ** (b - 1) - 1)).reshape(sel.size, -1, GROUP)
+        rb = cols * b // 8
+        if sel.size == rows:  # one width for the whole tensor: the packed area is a plain matrix
+            rowbytes = packed.reshape(rows, rb)
+        else:
+            rowbytes = packed[starts[sel][:, None] + np.arange(rb)]
+        vals = np.subtract(_vbit_codes(rowbytes, b), np.float32(2 ** (b - 1) - 1), dtype=np.float32)
+        vals = vals.reshape(sel.size, -1, GROUP)
         vals *= scales[sel].astype(np.float32)[..., None]
         out[sel] = vals.reshape(sel.size, cols)
     return out
@@ -666,7 +700,7 @@ def _enc_vbit_ro(w, bits=None, rel_rmse=VBIT_REL_RMSE):
 # ---------------------------------------------------------------- q1 / q1s / q1t
 
 # byte -> its 8 bits LSB-first as -1/+1.
-_SIGN_LUT = np.where((np.arange(256)[:, None] >> np.arange(8)) & 1, 1.0, -1.0).astype(np.float32)
+_SIGN_LUT = _byte_table(np.where((np.arange(256)[:, None] >> np.arange(8)) & 1, 1.0, -1.0))
 
 
 def _q1_size(shape, where):
@@ -679,7 +713,7 @@ def _q1_tiles(buf, g):
 
 
 def _q1_values(p) -> np.ndarray:
-    vals = _SIGN_LUT[p["signs"]].reshape(-1, GROUP)
+    vals = _expand(_SIGN_LUT, p["signs"])
     vals *= p["scales"].astype(np.float32)[:, None]
     return vals
 
@@ -800,7 +834,7 @@ def _q1t_parts(buf, shape, where):
 
 _TERN_VALUES = np.array([0.0, 1.0, -1.0], np.float32)  # base-3 code 0 -> 0, 1 -> +s, 2 -> -s
 # byte -> the values of its five base-3 codes.
-_TERN_LUT = _TERN_VALUES[(np.arange(256)[:, None] // 3 ** np.arange(5)) % 3]
+_TERN_LUT = _byte_table(_TERN_VALUES[(np.arange(256)[:, None] // 3 ** np.arange(5)) % 3])
 
 
 def _q1t_decode(buf, shape, where):
@@ -811,7 +845,7 @@ def _q1t_decode(buf, shape, where):
         j = int(bad[0])
         off = 9 * _groups(shape) + 4 * (rows + 1) + 4 * j
         raise Bounds(f"{where}: q1t overlay entry {j} (byte {off}) has col {int(p['col'][j])}, rows have {cols}")
-    vals = _TERN_LUT[p["codes"]].reshape(-1, 35)[:, :GROUP]
+    vals = _expand(_TERN_LUT, p["codes"])[:, :GROUP]
     vals *= p["scales"].astype(np.float32)[:, None]
     out = _finish(vals, shape)
     row = np.repeat(np.arange(rows), np.diff(p["row_ptr"].astype(np.int64)))
