@@ -1,0 +1,93 @@
+"""KV-cache semantics of the reference decoder: chunk schedules, snapshots, stale slots, tracing."""
+
+import pytest
+import torch
+
+from _hf_models import load_saved, save_hf_model
+from pipeline.models import CachedStep, KVCache, ModelArgs, build_model
+from pipeline.models.errors import ContextOverflow
+from pipeline.models.hf_config import arch_from_hf_config
+
+SCHEDULES = [[1, 3, 124], [128], [3, 1, 124], [124, 3, 1], [127, 1]]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("qwen3")
+    save_hf_model("qwen3", directory, seed=3, tie_word_embeddings=False)
+    config, weights = load_saved(directory)
+    arch, moe = arch_from_hf_config(config)
+    return build_model(ModelArgs.from_header({"arch": arch, "moe": moe}), weights)
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(0, 128, (128,), generator=torch.Generator().manual_seed(7))
+
+
+def _run(model, ids, schedule, cache):
+    out, start = [], 0
+    for size in schedule:
+        out.append(model.forward_cached(ids[start : start + size], cache))
+        start += size
+    return torch.cat(out)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: "-".join(map(str, s)))
+def test_any_chunk_schedule_gives_the_full_forward(model, ids, schedule):
+    expected = model(ids)
+    got = _run(model, ids, schedule, KVCache.empty(model.args, 160))
+    assert (got - expected).abs().max().item() <= 1e-5
+
+
+@torch.no_grad()
+def test_snapshot_branches_do_not_disturb_each_other(model, ids):
+    cache = KVCache.empty(model.args, 160)
+    model.forward_cached(ids[:64], cache)
+    snapshot = cache.snapshot()
+    keys_before = snapshot.keys.clone()
+    first = model.forward_cached(ids[64:80], cache)
+    branch = snapshot.snapshot()
+    second = model.forward_cached(ids[64:80], branch)
+    assert snapshot.position == 64 and torch.equal(snapshot.keys, keys_before)
+    assert torch.equal(first, second)
+    assert (first - model(ids[:80])[64:]).abs().max().item() <= 1e-5
+
+
+@torch.no_grad()
+def test_slots_at_or_after_the_chunk_end_never_affect_the_output(model, ids):
+    clean = KVCache.empty(model.args, 160)
+    model.forward_cached(ids[:40], clean)
+    dirty = KVCache(clean.keys.clone(), clean.values.clone(), clean.position)
+    garbage = torch.randn(dirty.keys[..., 48:, :].shape, generator=torch.Generator().manual_seed(0)) * 1e3
+    dirty.keys[..., 48:, :] = garbage
+    dirty.values[..., 48:, :] = -garbage
+    assert torch.equal(model.forward_cached(ids[40:48], dirty), model.forward_cached(ids[40:48], clean))
+
+
+def test_writing_past_the_context_is_refused(model, ids):
+    cache = KVCache.empty(model.args, 16)
+    with torch.no_grad():
+        model.forward_cached(ids[:10], cache)
+        with pytest.raises(ContextOverflow, match="position 10 exceed the context of 16"):
+            model.forward_cached(ids[10:17], cache)
+    assert cache.position == 10
+
+
+@torch.no_grad()
+def test_traced_step_follows_position_and_length(model, ids):
+    """The graph a converter traces keeps the position and chunk length symbolic."""
+    args, context = model.args, 32
+    empty = KVCache.empty(args, context)
+    traced = torch.jit.trace(
+        CachedStep(model), (ids[None, :3], torch.tensor([5]), empty.keys, empty.values), check_trace=False
+    )
+    cache = KVCache.empty(args, context)
+    model.forward_cached(ids[:9], cache)
+    for length in (1, 4):
+        logits, keys, values = traced(ids[None, 9 : 9 + length], torch.tensor([9]), cache.keys, cache.values)
+        branch = cache.snapshot()
+        expected = model.forward_cached(ids[9 : 9 + length], branch)
+        assert (logits[0] - expected).abs().max().item() <= 1e-5
+        assert torch.equal(keys, branch.keys) and torch.equal(values, branch.values)
