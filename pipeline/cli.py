@@ -12,6 +12,7 @@ import sys
 from pipeline.errors import CmfdeployError
 
 COMMAND_MODULES = [
+    "pipeline.cmf.commands",
 ]
 
 

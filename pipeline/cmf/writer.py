@@ -85,7 +85,7 @@ def tensor_alignment(nbytes: int) -> int:
     return DATA_ALIGN if nbytes >= LARGE_TENSOR else TENSOR_ALIGN
 
 
-def _round_up(n: int, align: int) -> int:
+def round_up(n: int, align: int) -> int:
     return -(-n // align) * align
 
 
@@ -153,7 +153,7 @@ class _Shard:
     end: int = 0  # end of the last tensor, relative to data_off
 
     def add(self, name: str, dtype: DType, shape: tuple[int, ...], payload: np.ndarray) -> None:
-        off = _round_up(self.end, tensor_alignment(payload.size))
+        off = round_up(self.end, tensor_alignment(payload.size))
         if off > self.end:
             self.blob.write(bytes(off - self.end))
         self.blob.write(memoryview(payload))
@@ -186,7 +186,7 @@ def assemble(dst, header: dict, records: list[Record], blob, sections: dict[str,
     header_bytes = dump_header(header)
     dir_bytes = pack_directory(records)
     dir_off = ENVELOPE_SIZE + len(header_bytes)
-    data_off = _round_up(dir_off + len(dir_bytes), DATA_ALIGN)
+    data_off = round_up(dir_off + len(dir_bytes), DATA_ALIGN)
     data_len = max((r.off + r.nbytes for r in records), default=0)
     offsets = {"masks": (0, 0), "vocab": (0, 0), "index": (0, 0)}
     pos = data_off + data_len
@@ -260,7 +260,7 @@ def write_cmf(
             if name in seen:
                 raise Parse(f"write_cmf: duplicate tensor name '{name}'")
             seen.add(name)
-            if limit is not None and shard.records and _round_up(shard.end, 64) + payload.size > limit:
+            if limit is not None and shard.records and round_up(shard.end, 64) + payload.size > limit:
                 shard = new_shard()
             shard.add(name, dtype, shape, payload)
             bytes_by_dtype[dtype.name] = bytes_by_dtype.get(dtype.name, 0) + payload.size
