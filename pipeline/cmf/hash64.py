@@ -28,10 +28,11 @@ def _fmix64_int(x: int) -> int:
     return x
 
 
-def _fmix64_inplace(x: np.ndarray, tmp: np.ndarray) -> None:
+def _fmix64_into(w: np.ndarray, x: np.ndarray, tmp: np.ndarray) -> None:
+    """x = fmix64(w); the first step reads w (possibly an unaligned mmap view) directly."""
     m1, m2, s = np.uint64(_M1), np.uint64(_M2), np.uint64(33)
-    np.right_shift(x, s, out=tmp)
-    np.bitwise_xor(x, tmp, out=x)
+    np.right_shift(w, s, out=tmp)
+    np.bitwise_xor(w, tmp, out=x)
     np.multiply(x, m1, out=x)
     np.right_shift(x, s, out=tmp)
     np.bitwise_xor(x, tmp, out=x)
@@ -71,8 +72,7 @@ def hash64(data, chunk_words: int = CHUNK_WORDS) -> int:
         for base in range(0, n_words, chunk):
             m = min(chunk, n_words - base)
             xs, ts = x[:m], tmp[:m]
-            np.copyto(xs, words[base : base + m])
-            _fmix64_inplace(xs, ts)
+            _fmix64_into(words[base : base + m], xs, ts)
             np.add(index_term[:m], np.uint64((base * _GOLDEN) & _MASK), out=ts)
             np.bitwise_xor(xs, ts, out=xs)
             acc ^= int(np.bitwise_xor.reduce(xs))
