@@ -216,7 +216,9 @@ def encode_masks(masks: Masks, header: dict, required_features: int) -> bytes:
             pos = _align(pos + len(blob))
         for entry, (blob, _), off in zip(entries, blobs, offsets):
             entry["blob_off"], entry["blob_len"] = off, len(blob)
-        meta = json.dumps({"default_task": masks.default_task, "masks": entries}).encode()
+        meta = json.dumps(
+            {"default_task": masks.default_task, "masks": entries}, ensure_ascii=False, separators=(",", ":")
+        ).encode("utf-8")
         if len(meta) == meta_len:
             break
         meta_len = len(meta)
