@@ -9,12 +9,13 @@ import importlib
 from collections.abc import Mapping
 
 from pipeline.models.args import ModelArgs, MoeArgs
-from pipeline.models.base import CachedStep, Decoder, KVCache, TaskMasks, Weights
+from pipeline.cmf.masks import TaskMask
+from pipeline.models.base import CachedStep, Decoder, KVCache, Weights
 
-__all__ = ["CachedStep", "Decoder", "KVCache", "ModelArgs", "MoeArgs", "TaskMasks", "build_model"]
+__all__ = ["CachedStep", "Decoder", "KVCache", "ModelArgs", "MoeArgs", "build_model"]
 
 
-def build_model(args: ModelArgs, weights: Mapping[str, object], masks: TaskMasks | None = None,
+def build_model(args: ModelArgs, weights: Mapping[str, object], masks: TaskMask | None = None,
                 source: str = "weights") -> Decoder:
     """The family's decoder in eval mode; `source` names the file in error messages."""
     family = importlib.import_module(f"pipeline.models.{args.family}")

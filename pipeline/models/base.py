@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.cmf.masks import TaskMask
 from pipeline.errors import UnsupportedModel
 from pipeline.models.args import ModelArgs
 from pipeline.models.errors import ContextOverflow, ModelConfigError
@@ -59,16 +60,6 @@ class Weights:
         if leftover:
             shown = ", ".join(leftover[:5]) + (" ..." if len(leftover) > 5 else "")
             raise UnsupportedModel(f"{self.source}: tensors this model family cannot run: {shown}")
-
-
-@dataclass(frozen=True)
-class TaskMasks:
-    """One CMF task mask (spec §5) as boolean arrays; True = active."""
-
-    ffn: np.ndarray  # [num_layers, intermediate_size]
-    heads: np.ndarray  # [num_layers, num_attention_heads]
-    layers: np.ndarray  # [num_layers]
-    experts: np.ndarray | None = None  # [num_layers, num_experts]
 
 
 def _frozen(tensor: torch.Tensor) -> nn.Parameter:
@@ -268,7 +259,7 @@ class Decoder(nn.Module):
     (plus `lm_head.weight` only when untied).
     """
 
-    def __init__(self, args: ModelArgs, weights: Weights, masks: TaskMasks | None = None):
+    def __init__(self, args: ModelArgs, weights: Weights, masks: TaskMask | None = None):
         super().__init__()
         for index, layer_type in enumerate(args.layer_types):
             if layer_type != "FullAttention":
@@ -283,7 +274,7 @@ class Decoder(nn.Module):
             prefix = f"model.layers.{i}"
             attn = Attention(args, weights, f"{prefix}.self_attn", None if masks is None else masks.heads[i])
             mlp = self.make_ffn(args, weights, f"{prefix}.mlp", i, masks)
-            active = True if masks is None else bool(masks.layers[i])
+            active = True if masks is None else bool(masks.layer_gates[i])
             layers.append(DecoderLayer(args, attn, mlp, weights, prefix, active))
         self.model.layers = nn.ModuleList(layers)
         self.model.norm = RMSNorm(weights.take("model.norm.weight", (hidden,)), args.rms_norm_eps, args.norm_style)
@@ -295,7 +286,7 @@ class Decoder(nn.Module):
     def embed_scale(self) -> torch.Tensor | None:
         return None
 
-    def make_ffn(self, args: ModelArgs, weights: Weights, prefix: str, index: int, masks: TaskMasks | None):
+    def make_ffn(self, args: ModelArgs, weights: Weights, prefix: str, index: int, masks: TaskMask | None):
         return GatedMLP(args, weights, prefix, None if masks is None else masks.ffn[index])
 
     def forward_with_cache_tensors(self, ids, position, key_cache, value_cache):

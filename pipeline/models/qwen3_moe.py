@@ -13,7 +13,8 @@ from torch import nn
 
 from pipeline.errors import UnsupportedModel
 from pipeline.models.args import ModelArgs
-from pipeline.models.base import Decoder, GatedMLP, TaskMasks, Weights, linear
+from pipeline.cmf.masks import TaskMask
+from pipeline.models.base import Decoder, GatedMLP, Weights, linear
 from pipeline.models.errors import ModelConfigError
 
 
@@ -65,7 +66,7 @@ class SparseMoeBlock(nn.Module):
 
 
 class Model(Decoder):
-    def make_ffn(self, args: ModelArgs, weights: Weights, prefix: str, index: int, masks: TaskMasks | None):
+    def make_ffn(self, args: ModelArgs, weights: Weights, prefix: str, index: int, masks: TaskMask | None):
         if not weights.has(f"{prefix}.gate.weight"):
             return super().make_ffn(args, weights, prefix, index, masks)
         if masks is not None and not masks.ffn[index].all():
