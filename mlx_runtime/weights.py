@@ -78,10 +78,11 @@ class Linear:
     row: mx.array | None = None
     sparse: Sparse | None = None
     fallback: str | None = None
+    bias: mx.array | None = None
 
     @property
     def nbytes(self) -> int:
-        extras = [a for a in (self.order, self.col, self.row) if a is not None]
+        extras = [a for a in (self.order, self.col, self.row, self.bias) if a is not None]
         total = sum(b.nbytes for b in self.blocks) + sum(a.nbytes for a in extras)
         return total + (self.sparse.nbytes if self.sparse is not None else 0)
 
@@ -324,7 +325,19 @@ def matmul(lin: Linear, x: mx.array) -> mx.array:
         contrib = (mx.take(flat, sp.cols, axis=1) * sp.delta).T
         extra = mx.zeros((lin.shape[0], flat.shape[0]), mx.float32).at[sp.rows].add(contrib)
         y = y + extra.T.reshape(y.shape)
-    return y
+    return y if lin.bias is None else y + lin.bias
+
+
+def expanded_matmul(lin: Linear, x: mx.array) -> mx.array:
+    """matmul through a transient float32 copy of W and numpy's BLAS GEMM.
+
+    For many rows of x this is far faster than MLX's CPU quantized kernel (serial, one row
+    at a time) and its float32 GEMM (reference BLAS); the resident weights stay packed and
+    the expansion is freed when the call returns."""
+    w = dense(lin)
+    mx.eval(x, w)
+    y = mx.array(np.asarray(x) @ np.asarray(w).T)
+    return y if lin.bias is None else y + lin.bias
 
 
 def dense(lin: Linear) -> mx.array:
