@@ -419,3 +419,11 @@ def test_reserved_unknown_and_misshapen():
         "f32", "f16", "bf16", "q8_row", "q4_block", "mix8_4", "u8", "q4_col", "vbit",
         "q8_2f", "vbit_ro", "q4_tiled", "q1", "q1s", "q1t", "q4tp", "q2tp",
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize("dt", [dt for dt in DTYPES.values() if dt.encode is not None], ids=lambda dt: dt.name)
+def test_empty_tensors_round_trip(dt):
+    flattened = dt.name in ("f32", "f16", "bf16", "q4_block", "q4_tiled", "q1", "q1s")
+    for shape in [(0, 64), (3, 0)] + ([(0,)] if flattened else []):
+        w = np.zeros(shape, np.float32)
+        assert dt.decode(dt.encode(w), shape).shape == shape

@@ -107,6 +107,11 @@ def _safe_div(w: np.ndarray, s: np.ndarray) -> np.ndarray:
     return np.divide(w, s, out=np.zeros(np.broadcast_shapes(w.shape, s.shape), np.float32), where=s != 0)
 
 
+def _rms(x: np.ndarray, axis: int) -> np.ndarray:
+    """Root mean square along axis in float64; 0 along an empty axis."""
+    return np.sqrt(np.square(x, dtype=np.float64).sum(axis=axis) / max(x.shape[axis], 1))
+
+
 def _byte_table(values: np.ndarray) -> np.ndarray:
     """A [256, k] float32 table of what each byte decodes to, as 256 single wide elements.
 
@@ -120,15 +125,17 @@ def _byte_table(values: np.ndarray) -> np.ndarray:
 
 def _expand(table: np.ndarray, payload: np.ndarray) -> np.ndarray:
     """float32 [..., n, k] -> [..., n * k]: each payload byte replaced by its k table values."""
-    return table[payload].view(np.float32).reshape(*payload.shape[:-1], -1)
+    k = table.itemsize // 4
+    return table[payload].view(np.float32).reshape(*payload.shape[:-1], payload.shape[-1] * k)
 
 
 def _group_pad(w: np.ndarray) -> np.ndarray:
     """Flattened float32 values, zero-padded to whole groups: [G, 32]."""
     flat = np.asarray(w, dtype=np.float32).reshape(-1)
-    out = np.zeros(_groups(flat.shape) * GROUP, np.float32)
+    g = _groups(flat.shape)
+    out = np.zeros(g * GROUP, np.float32)
     out[: flat.size] = flat
-    return out.reshape(-1, GROUP)
+    return out.reshape(g, GROUP)
 
 
 def ladder(lo: np.ndarray, step: np.ndarray) -> np.ndarray:
@@ -184,8 +191,8 @@ def _nearest_rung(t: np.ndarray, s: np.ndarray) -> np.ndarray:
 def _fit_ladder(s: np.ndarray, n_rungs: int) -> tuple[np.ndarray, np.ndarray]:
     """f16 (lo, step) per row spanning the row's nonzero group scales s [rows, gpr] with n_rungs rungs."""
     pos = s > 0
-    big = np.where(pos, s, 0).max(axis=1)
-    small = np.where(pos, s, np.inf).min(axis=1)
+    big = np.where(pos, s, 0).max(axis=1, initial=0)
+    small = np.where(pos, s, np.inf).min(axis=1, initial=np.inf)
     any_pos = pos.any(axis=1)
     lo = np.where(any_pos, np.log2(np.where(any_pos, small, 1.0)), 0.0)
     hi = np.where(any_pos, np.log2(np.where(any_pos, big, 1.0)), 0.0)
@@ -351,8 +358,7 @@ Q8_2F_COL_FLOOR = 6.104e-5  # smallest normal f16, so col never underflows
 def _enc_q8_2f(w):
     w = np.asarray(w, dtype=np.float32)
     _rows_cols(w.shape, "q8_2f", "q8_2f encoder")
-    rms = np.sqrt(np.mean(np.square(w, dtype=np.float64), axis=0)) if w.shape[0] else np.zeros(w.shape[1])
-    col = _round_f16(np.maximum(rms, Q8_2F_COL_FLOOR))
+    col = _round_f16(np.maximum(_rms(w, axis=0), Q8_2F_COL_FLOOR))
     wc = w / col.astype(np.float32)
     row = _round_f16(np.abs(wc).max(axis=1, initial=0) / 127)
     q = np.clip(np.rint(_safe_div(wc, row[:, None])), -127, 127).astype(np.int8)
@@ -567,7 +573,7 @@ def _vbit_ro_check(buf, shape, where):
 
 def _vbit_parts(buf, shape, where):
     bits, scales, packed = _vbit_head(buf, shape, where, "vbit")
-    return {"bits": bits, "scales": _f16(scales).reshape(shape[0], -1), "packed": packed}
+    return {"bits": bits, "scales": _f16(scales).reshape(shape[0], shape[1] // GROUP), "packed": packed}
 
 
 def _vbit_ro_parts(buf, shape, where):
@@ -575,7 +581,7 @@ def _vbit_ro_parts(buf, shape, where):
     n_off = 4 * (shape[0] + 1)
     return {
         "bits": bits,
-        "scales": _f16(scales).reshape(shape[0], -1),
+        "scales": _f16(scales).reshape(shape[0], shape[1] // GROUP),
         "offsets": rest[:n_off].view("<u4"),
         "packed": rest[n_off:],
     }
@@ -588,9 +594,9 @@ def _vbit_codes(rowbytes: np.ndarray, b: int) -> np.ndarray:
     of a block sits at the same bit offset j*b in every block: eight strided slices
     decode the whole tensor.
     """
-    k = rowbytes.shape[0]
-    blk = rowbytes.reshape(k, -1, b)
-    u = np.empty((k, blk.shape[1], 8), np.uint8)
+    k, nblk = rowbytes.shape[0], rowbytes.shape[1] // b
+    blk = rowbytes.reshape(k, nblk, b)
+    u = np.empty((k, nblk, 8), np.uint8)
     mask = np.uint16((1 << b) - 1)
     for j in range(8):
         byte, bit = divmod(j * b, 8)
@@ -598,7 +604,7 @@ def _vbit_codes(rowbytes: np.ndarray, b: int) -> np.ndarray:
         if bit + b > 8:  # the code runs into the next byte
             pair |= blk[..., byte + 1]
         u[..., j] = (pair >> np.uint16(16 - b - bit)) & mask
-    return u.reshape(k, -1)
+    return u.reshape(k, nblk * 8)
 
 
 def _vbit_values(bits, scales, packed, cols):
@@ -610,14 +616,14 @@ def _vbit_values(bits, scales, packed, cols):
     for b in np.unique(bits):
         b = int(b)
         sel = np.flatnonzero(bits == b)
-        rb = cols * b // 8
-        if sel.size == rows:  # one width for the whole tensor: the packed area is a plain matrix
-            rowbytes = packed.reshape(rows, rb)
-        else:
-            rowbytes = packed[starts[sel][:, None] + np.arange(rb)]
-        vals = np.subtract(_vbit_codes(rowbytes, b), np.float32(2 ** (b - 1) - 1), dtype=np.float32)
-        vals = vals.reshape(sel.size, -1, GROUP)
+        # Whole-row gather through a zero-copy window view: one memcpy per row, not per byte.
+        rowbytes = np.lib.stride_tricks.sliding_window_view(packed, cols * b // 8)[starts[sel]]
+        vals = _vbit_codes(rowbytes, b).astype(np.float32)
+        vals -= np.float32(2 ** (b - 1) - 1)
+        vals = vals.reshape(sel.size, cols // GROUP, GROUP)
         vals *= scales[sel].astype(np.float32)[..., None]
+        if sel.size == rows:  # one width for the whole tensor (the usual case): no scatter
+            return vals.reshape(rows, cols)
         out[sel] = vals.reshape(sel.size, cols)
     return out
 
@@ -636,7 +642,7 @@ VBIT_REL_RMSE = 0.05
 def _vbit_quantize(w: np.ndarray, b: int) -> tuple[np.ndarray, np.ndarray]:
     """(codes u16 [rows, cols], f16 scales [rows, gpr]) at width b."""
     L = 2 ** (b - 1) - 1
-    wg = w.reshape(w.shape[0], -1, GROUP)
+    wg = w.reshape(w.shape[0], w.shape[1] // GROUP, GROUP)
     scale = _round_f16(np.abs(wg).max(axis=2) / L)
     u = np.clip(np.rint(_safe_div(wg, scale[..., None])) + L, 0, 2**b - 1)
     return u.reshape(w.shape).astype(np.uint16), scale
@@ -647,12 +653,12 @@ def _vbit_choose_bits(w: np.ndarray, rel_rmse: float) -> np.ndarray:
     rows = w.shape[0]
     chosen = np.full(rows, VBIT_WIDTHS[-1], np.uint8)
     undecided = np.ones(rows, bool)
-    row_rms = np.sqrt(np.mean(np.square(w, dtype=np.float64), axis=1))
+    row_rms = _rms(w, axis=1)
     for b in VBIT_WIDTHS[:-1]:
         u, scale = _vbit_quantize(w, b)
         L = 2 ** (b - 1) - 1
-        recon = (u.astype(np.float32) - L).reshape(rows, -1, GROUP) * scale.astype(np.float32)[..., None]
-        err = np.sqrt(np.mean(np.square(recon.reshape(w.shape) - w, dtype=np.float64), axis=1))
+        recon = (u.astype(np.float32) - L).reshape(scale.shape + (GROUP,)) * scale.astype(np.float32)[..., None]
+        err = _rms(recon.reshape(w.shape) - w, axis=1)
         ok = undecided & (err <= rel_rmse * row_rms)
         chosen[ok] = b
         undecided &= ~ok
