@@ -1,0 +1,7 @@
+"""numpy reference executor for saved ML Programs (prediction without macOS)."""
+
+from coreml.mil.errors import MilError, UnsupportedOp
+from coreml.mil.executor import Executor, State
+from coreml.mil.loader import Program, load_program
+
+__all__ = ["Executor", "MilError", "Program", "State", "UnsupportedOp", "load_program"]

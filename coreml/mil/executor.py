@@ -1,0 +1,212 @@
+"""Run one function of a loaded ML Program with numpy.
+
+Constants (`const` and the `constexpr_*` decompression ops) are evaluated once when the
+executor is built; `run` then walks the remaining operations in program order, binding values
+by name. Every op result is cast to the dtype the program declares for it and checked against
+the declared fixed dimensions, so dtype rules (fp16 states, int32 indices, bool masks) hold
+exactly and a wrong op implementation fails at the op, not at the logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from coreml.mil.errors import MilError, UnsupportedOp
+from coreml.mil.loader import Arg, FeatureSpec, Function, Operation, Program, TensorSpec
+from coreml.mil.ops import OPS
+
+_FOLDED = ("const",)  # plus every op whose type starts with constexpr_
+
+
+class StateCell:
+    """One state buffer; writes keep its declared dtype and shape (Core ML states are fixed)."""
+
+    def __init__(self, name: str, value: np.ndarray):
+        self.name = name
+        self.value = value
+
+    def write(self, data: np.ndarray) -> None:
+        data = np.asarray(data)
+        if data.shape != self.value.shape:
+            raise MilError(f"state {self.name!r}: write of shape {data.shape} into {self.value.shape}")
+        self.value = data.astype(self.value.dtype)
+
+
+class State(Mapping):
+    """The states of one function, updated in place by `predict(..., state=)`."""
+
+    def __init__(self, arrays: Mapping[str, np.ndarray]):
+        self.cells = {name: StateCell(name, np.array(a)) for name, a in arrays.items()}
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.cells[name].value
+
+    def __iter__(self):
+        return iter(self.cells)
+
+    def __len__(self) -> int:
+        return len(self.cells)
+
+    def copy(self) -> "State":
+        return State({name: cell.value for name, cell in self.cells.items()})
+
+
+@dataclass(frozen=True)
+class _Step:
+    op: Operation
+    fn: object
+    lists: frozenset[str]
+    where: str
+
+
+def _op_label(op: Operation) -> str:
+    if op.outputs:
+        return ", ".join(name for name, _ in op.outputs)
+    name = op.attributes.get("name")
+    return str(np.asarray(name).reshape(-1)[0]) if name is not None else "?"
+
+
+def _conform(value, spec: TensorSpec | None, where: str):
+    """Cast an op result to its declared dtype and check the declared fixed dimensions."""
+    if spec is None or spec.is_state or isinstance(value, StateCell):
+        return value
+    value = np.asarray(value)
+    if value.dtype != spec.dtype.numpy:
+        value = value.astype(spec.dtype.numpy)
+    if spec.shape and (
+        value.ndim != len(spec.shape) or any(d is not None and d != n for d, n in zip(spec.shape, value.shape))
+    ):
+        raise MilError(f"{where}: result shape {value.shape} does not match the declared {spec.shape}")
+    return value
+
+
+class Executor:
+    """Executes `program.functions[function_name]`; constants are decompressed once here.
+
+    `fold_cache` may be shared between the executors of one package so that functions of a
+    multifunction package decompress shared weights once.
+    """
+
+    def __init__(self, program: Program, function_name: str | None = None, fold_cache: dict | None = None):
+        name = function_name or program.default_function
+        if name not in program.functions:
+            raise MilError(f"{program.path}: no function {name!r}; it has {sorted(program.functions)}")
+        self.program = program
+        self.function: Function = program.functions[name]
+        self.where = f"{program.path}: function {name}"
+        self._fold_cache = {} if fold_cache is None else fold_cache
+        self.constants: dict[str, object] = {}
+        self._steps: list[_Step] = []
+        self._plan()
+
+    # -- building ---------------------------------------------------------------------------
+    def _plan(self) -> None:
+        for op in self.function.block.operations:
+            where = f"{self.where}, op {op.type} -> {_op_label(op)}"
+            if op.blocks:
+                raise UnsupportedOp(f"{where}: ops with nested blocks ({op.type}) are not supported")
+            if op.type == "const":
+                (name, spec), = op.outputs
+                self.constants[name] = _conform(op.attributes["val"], spec, where)
+                continue
+            if op.type not in OPS:
+                raise UnsupportedOp(f"{where}: MIL op type {op.type!r} is not implemented by the executor")
+            step = _Step(op, OPS[op.type].fn, OPS[op.type].lists, where)
+            if op.type.startswith("constexpr_"):
+                self._fold(step)
+            else:
+                self._steps.append(step)
+
+    def _fold(self, step: _Step) -> None:
+        kwargs = self._bind(step, self.constants)
+        key = (step.op.type, tuple(sorted((k, id(v)) for k, v in kwargs.items())))
+        if key not in self._fold_cache:
+            # The cache keeps the operands alive, so their ids stay unique while it lives.
+            self._fold_cache[key] = (self._call(step, kwargs), kwargs)
+        self._store(step, self._fold_cache[key][0], self.constants)
+
+    # -- running ----------------------------------------------------------------------------
+    def _bind(self, step: _Step, env: Mapping[str, object]) -> dict[str, object]:
+        kwargs = {k: v for k, v in step.op.attributes.items() if k != "name"}
+        for key, args in step.op.inputs.items():
+            values = tuple(self._resolve(a, env, step.where) for a in args)
+            kwargs[key] = values if key in step.lists else values[0]
+        return kwargs
+
+    @staticmethod
+    def _resolve(arg: Arg, env: Mapping[str, object], where: str):
+        if arg.name is None:
+            return arg.value
+        try:
+            return env[arg.name]
+        except KeyError:
+            raise MilError(f"{where}: operand {arg.name!r} is not defined before its use") from None
+
+    @staticmethod
+    def _call(step: _Step, kwargs: dict[str, object]):
+        try:
+            return step.fn(**kwargs)
+        except (ValueError, IndexError, TypeError) as exc:
+            raise MilError(f"{step.where}: {exc}") from exc
+
+    @staticmethod
+    def _store(step: _Step, result, env: dict[str, object]) -> None:
+        outputs = step.op.outputs
+        results = result if isinstance(result, tuple) else (result,)
+        if len(results) != len(outputs):
+            raise MilError(f"{step.where}: produced {len(results)} values for {len(outputs)} outputs")
+        for (name, spec), value in zip(outputs, results):
+            env[name] = _conform(value, spec, step.where)
+
+    def make_state(self) -> State:
+        """Fresh zero-filled states of this function, in their declared (typically fp16) dtype."""
+        return State({s.name: np.zeros(s.shape, s.dtype.numpy) for s in self.function.spec_states})
+
+    def run(self, inputs: Mapping[str, object], state: State | None = None) -> dict[str, np.ndarray]:
+        env: dict[str, object] = dict(self.constants)
+        env.update(self._check_inputs(inputs))
+        if self.function.spec_states:
+            if state is None:
+                raise MilError(f"{self.where}: this function has states; pass state=make_state()")
+            missing = {s.name for s in self.function.spec_states} - set(state.cells)
+            if missing:
+                raise MilError(f"{self.where}: state object lacks {sorted(missing)}")
+            env.update(state.cells)
+        for step in self._steps:
+            self._store(step, self._call(step, self._bind(step, env)), env)
+        outputs = {}
+        for feature, var in zip(self.function.spec_outputs, self.function.block.outputs):
+            value = np.asarray(env[var])
+            outputs[feature.name] = value.astype(feature.dtype.numpy) if feature.dtype else value
+        return outputs
+
+    def _check_inputs(self, inputs: Mapping[str, object]) -> dict[str, np.ndarray]:
+        declared = {f.name: f for f in self.function.spec_inputs}
+        unknown = set(inputs) - set(declared)
+        if unknown:
+            raise MilError(f"{self.where}: unknown inputs {sorted(unknown)}; expected {sorted(declared)}")
+        checked = {}
+        for name, feature in declared.items():
+            if name not in inputs:
+                raise MilError(f"{self.where}: input {name!r} is missing")
+            value = np.asarray(inputs[name])
+            _check_shape(feature, value.shape, f"{self.where}: input {name!r}")
+            if not np.can_cast(value.dtype, feature.dtype.numpy, casting="same_kind"):
+                raise MilError(f"{self.where}: input {name!r} has dtype {value.dtype}, expected {feature.dtype.name}")
+            checked[name] = value.astype(feature.dtype.numpy)
+        return checked
+
+
+def _check_shape(feature: FeatureSpec, shape: tuple[int, ...], where: str) -> None:
+    if feature.enumerated is not None:
+        if tuple(shape) not in feature.enumerated:
+            raise MilError(f"{where}: shape {shape} is not one of the enumerated shapes {list(feature.enumerated)}")
+        return
+    ranges = feature.ranges or tuple((d, d) for d in feature.shape)
+    if len(shape) != len(ranges) or any(
+        n < lo or (hi != -1 and n > hi) for n, (lo, hi) in zip(shape, ranges)
+    ):
+        raise MilError(f"{where}: shape {shape} outside the declared {['%d..%s' % (lo, hi if hi != -1 else 'inf') for lo, hi in ranges]}")

@@ -1,0 +1,370 @@
+"""Read a saved `.mlpackage` into plain Python objects: the spec protobuf plus its weight blobs.
+
+The package layout is Apple's: `Manifest.json` names the root model item (normally
+`Data/com.apple.CoreML/model.mlmodel`), whose ML Program refers to weights as
+`@model_path/weights/weight.bin` at a byte offset. The weight file is MIL blob storage
+(MILBlob/Blob/StorageFormat.hpp in coremltools): a 64-byte `storage_header`, then per blob a
+64-byte `blob_metadata` (sentinel 0xDEADBEEF, dtype, size, data offset, padding bits)
+followed by the 64-byte aligned raw data. Sub-byte types are packed LSB first.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from coreml.mil.errors import MilError
+
+# coremltools.proto imports the whole coremltools package (slow, noisy); it is needed only here.
+from coremltools.proto import MIL_pb2, Model_pb2  # noqa: E402
+
+
+@dataclass(frozen=True)
+class MilDType:
+    """One MIL scalar type: how its values are held in numpy and how they are stored."""
+
+    name: str
+    numpy: np.dtype
+    nbits: int  # storage width; < 8 means packed sub-byte
+    blob_id: int | None  # BlobDataType in weight.bin, None when it never appears there
+
+
+_DT = MIL_pb2.DataType
+# (MIL data type, name, numpy dtype used in the executor, storage bits, BlobDataType id)
+_DTYPE_TABLE = [
+    (_DT.BOOL, "bool", np.bool_, 8, None),
+    (_DT.FLOAT16, "fp16", np.float16, 16, 1),
+    (_DT.FLOAT32, "fp32", np.float32, 32, 2),
+    (_DT.FLOAT64, "fp64", np.float64, 64, None),
+    (_DT.UINT8, "uint8", np.uint8, 8, 3),
+    (_DT.INT8, "int8", np.int8, 8, 4),
+    (_DT.INT16, "int16", np.int16, 16, 6),
+    (_DT.UINT16, "uint16", np.uint16, 16, 7),
+    (_DT.INT4, "int4", np.int8, 4, 8),
+    (_DT.UINT1, "uint1", np.uint8, 1, 9),
+    (_DT.UINT2, "uint2", np.uint8, 2, 10),
+    (_DT.UINT4, "uint4", np.uint8, 4, 11),
+    (_DT.UINT3, "uint3", np.uint8, 3, 12),
+    (_DT.UINT6, "uint6", np.uint8, 6, 13),
+    (_DT.INT32, "int32", np.int32, 32, 14),
+    (_DT.UINT32, "uint32", np.uint32, 32, 15),
+    (_DT.INT64, "int64", np.int64, 64, None),
+    (_DT.UINT64, "uint64", np.uint64, 64, None),
+    (_DT.STRING, "string", np.object_, 0, None),
+]
+DTYPES: dict[int, MilDType] = {
+    code: MilDType(name, np.dtype(npt), nbits, blob) for code, name, npt, nbits, blob in _DTYPE_TABLE
+}
+DTYPE_BY_NAME: dict[str, MilDType] = {d.name: d for d in DTYPES.values()}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Declared type of a value: dtype and shape, `None` for a dimension unknown until run time."""
+
+    dtype: MilDType
+    shape: tuple[int | None, ...]
+    is_state: bool = False
+
+
+@dataclass(frozen=True)
+class Arg:
+    """One operand binding: a variable name, or an immediate value inlined in the op."""
+
+    name: str | None
+    value: object = None
+
+
+@dataclass(frozen=True)
+class Operation:
+    type: str
+    inputs: dict[str, tuple[Arg, ...]]
+    outputs: tuple[tuple[str, TensorSpec | None], ...]
+    attributes: dict[str, object]
+    blocks: tuple["Block", ...] = ()
+
+
+@dataclass(frozen=True)
+class Block:
+    inputs: tuple[tuple[str, TensorSpec | None], ...]
+    outputs: tuple[str, ...]
+    operations: tuple[Operation, ...]
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    """A model-level input/output/state from the spec description (what a caller passes)."""
+
+    name: str
+    dtype: MilDType | None  # None for an output whose type the spec leaves open
+    shape: tuple[int, ...]  # default shape; empty when unspecified
+    ranges: tuple[tuple[int, int], ...] | None = None  # (lo, hi) per dim, hi == -1 unbounded
+    enumerated: tuple[tuple[int, ...], ...] | None = None
+
+
+@dataclass(frozen=True)
+class Function:
+    name: str
+    opset: str
+    inputs: tuple[tuple[str, TensorSpec], ...]
+    block: Block
+    spec_inputs: tuple[FeatureSpec, ...]
+    spec_outputs: tuple[FeatureSpec, ...]
+    spec_states: tuple[FeatureSpec, ...]
+
+
+@dataclass(frozen=True)
+class Program:
+    path: Path
+    functions: dict[str, Function]
+    default_function: str
+    metadata: dict[str, str] = field(default_factory=dict)
+
+
+def unpack_subbyte(packed: np.ndarray, nbits: int, count: int, signed: bool) -> np.ndarray:
+    """Unpack `count` nbits-wide integers stored LSB first (coremltools pack_elements_into_bits)."""
+    bits = np.unpackbits(packed.view(np.uint8), bitorder="little", count=count * nbits)
+    weights = (1 << np.arange(nbits, dtype=np.uint8)).astype(np.uint8)
+    values = bits.reshape(count, nbits) @ weights if count else np.zeros(0, np.uint8)
+    values = values.astype(np.uint8)
+    if signed:
+        return (values.astype(np.int8) << (8 - nbits)) >> (8 - nbits)  # sign-extend
+    return values
+
+
+def _from_bytes(raw: bytes | memoryview | np.ndarray, dtype: MilDType, shape: tuple[int, ...], where: str):
+    count = int(np.prod(shape, dtype=np.int64))
+    buf = np.frombuffer(raw, dtype=np.uint8)
+    if dtype.nbits < 8:
+        need = (count * dtype.nbits + 7) // 8
+        if buf.size < need:
+            raise MilError(f"{where}: {dtype.name} tensor of shape {shape} needs {need} bytes, found {buf.size}")
+        return unpack_subbyte(buf[:need], dtype.nbits, count, signed=dtype.name == "int4").reshape(shape)
+    need = count * dtype.numpy.itemsize
+    if buf.size != need:
+        raise MilError(f"{where}: {dtype.name} tensor of shape {shape} needs {need} bytes, found {buf.size}")
+    return buf.view(dtype.numpy).reshape(shape)
+
+
+class BlobStorage:
+    """Memory-mapped MIL blob storage file (`weight.bin`); blobs are read on demand by offset."""
+
+    SENTINEL = 0xDEADBEEF
+    _HEADER = np.dtype([("count", "<u4"), ("version", "<u4"), ("reserved", "<u8", 7)])
+    _META = np.dtype(
+        [("sentinel", "<u4"), ("dtype", "<u4"), ("size", "<u8"), ("offset", "<u8"),
+         ("padding_bits", "<u8"), ("reserved", "<u8", 4)]
+    )
+
+    def __init__(self, path: Path):
+        self.path = path
+        with open(path, "rb") as fh:
+            self._map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if path.stat().st_size else b""
+        self._bytes = np.frombuffer(self._map, dtype=np.uint8)
+        if self._bytes.size < 64:
+            raise MilError(f"{path}: blob storage header needs 64 bytes, file has {self._bytes.size}")
+        header = self._bytes[:64].view(self._HEADER)[0]
+        if header["version"] != 2:
+            raise MilError(f"{path}: storage_header.version is {header['version']}, only 2 is supported")
+
+    def read(self, offset: int, dtype: MilDType, shape: tuple[int, ...]) -> np.ndarray:
+        where = f"{self.path} @ {offset}"
+        if offset % 64 or offset + 64 > self._bytes.size:
+            raise MilError(f"{where}: blob offset outside the file or not 64-byte aligned")
+        meta = self._bytes[offset : offset + 64].view(self._META)[0]
+        if meta["sentinel"] != self.SENTINEL:
+            raise MilError(f"{where}: blob_metadata.sentinel is {int(meta['sentinel']):#x}, expected 0xdeadbeef")
+        if meta["dtype"] != dtype.blob_id:
+            raise MilError(f"{where}: blob_metadata.mil_dtype is {int(meta['dtype'])}, the program declares {dtype.name}")
+        start, size = int(meta["offset"]), int(meta["size"])
+        if start + size > self._bytes.size:
+            raise MilError(f"{where}: blob data [{start}, {start + size}) runs past the end of the file")
+        return _from_bytes(self._bytes[start : start + size], dtype, shape, where)
+
+
+def _dtype(code: int, where: str) -> MilDType:
+    if code not in DTYPES:
+        raise MilError(f"{where}: data type {MIL_pb2.DataType.Name(code)} is not supported")
+    return DTYPES[code]
+
+
+def _tensor_spec(vt: MIL_pb2.ValueType, where: str) -> TensorSpec | None:
+    kind = vt.WhichOneof("type")
+    if kind == "stateType":
+        inner = _tensor_spec(vt.stateType.wrappedType, where)
+        return TensorSpec(inner.dtype, inner.shape, is_state=True)
+    if kind != "tensorType":
+        return None
+    tt = vt.tensorType
+    dims = tuple(d.constant.size if d.WhichOneof("dimension") == "constant" else None for d in tt.dimensions)
+    return TensorSpec(_dtype(tt.dataType, where), dims)
+
+
+class _ValueReader:
+    """Decodes MIL `Value`s; blob-backed ones are read once per (file, offset) and shared."""
+
+    def __init__(self, model_dir: Path):
+        self.model_dir = model_dir
+        self._files: dict[str, BlobStorage] = {}
+        self._cache: dict[tuple[str, int], np.ndarray] = {}
+
+    def value(self, v: MIL_pb2.Value, where: str):
+        which = v.WhichOneof("value")
+        if which == "blobFileValue":
+            return self._blob(v, where)
+        if which != "immediateValue":
+            raise MilError(f"{where}: value has neither an immediate nor a blob payload")
+        return self._immediate(v.type, v.immediateValue, where)
+
+    def _immediate(self, vt: MIL_pb2.ValueType, iv, where: str):
+        kind = iv.WhichOneof("value")
+        if kind == "tensor":
+            spec = _tensor_spec(vt, where)
+            if spec is None:
+                raise MilError(f"{where}: immediate tensor without a tensor type")
+            return _tensor_value(iv.tensor, spec, where)
+        if kind == "tuple":
+            types = vt.tupleType.types
+            return tuple(
+                self._immediate(types[i] if i < len(types) else item.type, item.immediateValue, where)
+                for i, item in enumerate(iv.tuple.values)
+            )
+        if kind == "list":
+            return [self.value(item, where) for item in iv.list.values]
+        if kind == "dictionary":
+            return {self.value(kv.key, where): self.value(kv.value, where) for kv in iv.dictionary.values}
+        raise MilError(f"{where}: immediate value kind {kind!r} is not supported")
+
+    def _blob(self, v: MIL_pb2.Value, where: str) -> np.ndarray:
+        spec = _tensor_spec(v.type, where)
+        if spec is None or None in spec.shape:
+            raise MilError(f"{where}: blob value needs a tensor type of fixed shape")
+        name, offset = v.blobFileValue.fileName, v.blobFileValue.offset
+        key = (name, offset)
+        if key not in self._cache:
+            if name not in self._files:
+                rel = name.removeprefix("@model_path/")
+                path = (self.model_dir / rel).resolve()
+                if self.model_dir.resolve() not in path.parents or not path.is_file():
+                    raise MilError(f"{where}: weight file {name!r} is not a file inside {self.model_dir}")
+                self._files[name] = BlobStorage(path)
+            self._cache[key] = self._files[name].read(offset, spec.dtype, spec.shape)
+        return self._cache[key]
+
+
+def _tensor_value(tv: MIL_pb2.TensorValue, spec: TensorSpec, where: str) -> np.ndarray:
+    shape = tuple(d if d is not None else 0 for d in spec.shape)
+    kind = tv.WhichOneof("value")
+    if kind == "bytes":
+        return _from_bytes(tv.bytes.values, spec.dtype, shape, where).copy()
+    if kind == "strings":
+        return np.array(list(tv.strings.values), dtype=object).reshape(shape)
+    if kind is None:
+        return np.zeros(shape, spec.dtype.numpy)
+    values = getattr(tv, kind).values
+    return np.array(values, dtype=spec.dtype.numpy).reshape(shape)
+
+
+def feature_spec(fd: Model_pb2.FeatureDescription, where: str) -> FeatureSpec:
+    kind = fd.type.WhichOneof("Type")
+    if kind == "stateType":
+        arr = fd.type.stateType.arrayType
+    elif kind == "multiArrayType":
+        arr = fd.type.multiArrayType
+    else:
+        raise MilError(f"{where}: feature {fd.name!r} has type {kind}; only multi-arrays and states are supported")
+    dtypes = {
+        Model_pb2.ArrayFeatureType.FLOAT32: DTYPE_BY_NAME["fp32"],
+        Model_pb2.ArrayFeatureType.FLOAT16: DTYPE_BY_NAME["fp16"],
+        Model_pb2.ArrayFeatureType.DOUBLE: DTYPE_BY_NAME["fp64"],
+        Model_pb2.ArrayFeatureType.INT32: DTYPE_BY_NAME["int32"],
+    }
+    ranges = enumerated = None
+    if arr.WhichOneof("ShapeFlexibility") == "shapeRange":
+        ranges = tuple((r.lowerBound, r.upperBound) for r in arr.shapeRange.sizeRanges)
+    elif arr.WhichOneof("ShapeFlexibility") == "enumeratedShapes":
+        enumerated = tuple(tuple(s.shape) for s in arr.enumeratedShapes.shapes)
+    return FeatureSpec(fd.name, dtypes.get(arr.dataType), tuple(arr.shape), ranges, enumerated)
+
+
+def _block(pb: MIL_pb2.Block, reader: _ValueReader, where: str) -> Block:
+    ops = []
+    for op in pb.operations:
+        at = f"{where}, op {op.type} -> {', '.join(o.name for o in op.outputs) or '(no outputs)'}"
+        inputs = {
+            key: tuple(
+                Arg(b.name) if b.WhichOneof("binding") == "name" else Arg(None, reader.value(b.value, at))
+                for b in arg.arguments
+            )
+            for key, arg in op.inputs.items()
+        }
+        attributes = {k: reader.value(v, at) for k, v in op.attributes.items()}
+        ops.append(
+            Operation(
+                type=op.type,
+                inputs=inputs,
+                outputs=tuple((o.name, _tensor_spec(o.type, at)) for o in op.outputs),
+                attributes=attributes,
+                blocks=tuple(_block(b, reader, at) for b in op.blocks),
+            )
+        )
+    return Block(
+        inputs=tuple((i.name, _tensor_spec(i.type, where)) for i in pb.inputs),
+        outputs=tuple(pb.outputs),
+        operations=tuple(ops),
+    )
+
+
+def model_path(package: Path) -> Path:
+    """The root model spec file of a `.mlpackage`, as its Manifest.json names it."""
+    manifest_path = package / "Manifest.json"
+    if not manifest_path.is_file():
+        raise MilError(f"{package}: not an .mlpackage (no Manifest.json)")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        root = manifest["itemInfoEntries"][manifest["rootModelIdentifier"]]["path"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise MilError(f"{manifest_path}: rootModelIdentifier does not name an item ({exc!r})") from None
+    path = (package / "Data" / root).resolve()
+    if package.resolve() not in path.parents or not path.is_file():
+        raise MilError(f"{manifest_path}: root model path {root!r} is not a file inside the package")
+    return path
+
+
+def load_program(package: str | Path) -> Program:
+    """Parse a saved ML Program package; every const is decoded (blob data stays memory-mapped)."""
+    package = Path(package)
+    spec_path = model_path(package)
+    model = Model_pb2.Model()
+    try:
+        model.ParseFromString(spec_path.read_bytes())
+    except Exception as exc:  # protobuf raises its own DecodeError hierarchy
+        raise MilError(f"{spec_path}: not a Core ML model spec ({exc})") from None
+    if model.WhichOneof("Type") != "mlProgram":
+        raise MilError(f"{spec_path}: model type is {model.WhichOneof('Type')}, expected mlProgram")
+    reader = _ValueReader(spec_path.parent)
+    desc = model.description
+    described = {f.name: f for f in desc.functions}
+    functions = {}
+    for name, fn in model.mlProgram.functions.items():
+        where = f"{spec_path}: function {name}"
+        if fn.opset not in fn.block_specializations:
+            raise MilError(f"{where}: no block for opset {fn.opset!r}")
+        fd = described.get(name, desc)
+        functions[name] = Function(
+            name=name,
+            opset=fn.opset,
+            inputs=tuple((i.name, _tensor_spec(i.type, where)) for i in fn.inputs),
+            block=_block(fn.block_specializations[fn.opset], reader, where),
+            spec_inputs=tuple(feature_spec(f, where) for f in fd.input),
+            spec_outputs=tuple(feature_spec(f, where) for f in fd.output),
+            spec_states=tuple(feature_spec(f, where) for f in fd.state),
+        )
+    default = desc.defaultFunctionName or "main"
+    if default not in functions:
+        raise MilError(f"{spec_path}: default function {default!r} not among {sorted(functions)}")
+    return Program(package, functions, default, dict(desc.metadata.userDefined))

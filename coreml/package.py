@@ -1,0 +1,133 @@
+"""Open a saved Core ML package for prediction, on macOS (Core ML) or anywhere (the executor).
+
+`open_package(path)` accepts a cmfdeploy package directory (`model.mlpackage` plus
+`manifest.json`, see coreml/manifest.py) or a bare `.mlpackage`. Both engines expose the same
+small interface, so gates, scoring and benchmarks never care where they run:
+
+    pkg = open_package(path)                       # backend "auto": Core ML on macOS
+    out = pkg.predict({"input_ids": ids})          # dict name -> np.ndarray
+    state = pkg.make_state(); pkg.predict(inputs, state=state)   # stateful packages
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+from manifests.identity import MANIFEST_NAME, load_manifest
+from pipeline.errors import CmfdeployError
+
+MODEL_NAME = "model.mlpackage"
+ENGINES = ("executor", "macos")
+
+
+class PackageError(CmfdeployError):
+    """The path is not a Core ML package, or the requested engine cannot run here."""
+
+
+def _has(folder: Path, name: str) -> bool:
+    # Exact-case lookup: on macOS's case-insensitive disks Apple's Manifest.json would
+    # otherwise pass for cmfdeploy's manifest.json.
+    return folder.is_dir() and name in os.listdir(folder)
+
+
+def locate(path: str | Path) -> tuple[Path, Path, dict | None]:
+    """(package dir, .mlpackage, manifest or None) for a package dir or a bare .mlpackage."""
+    path = Path(path)
+    if _has(path, "Manifest.json"):
+        mlpackage = path
+    elif _has(path, MODEL_NAME):
+        mlpackage = path / MODEL_NAME
+    else:
+        raise PackageError(f"{path}: neither an .mlpackage nor a folder holding {MODEL_NAME}")
+    manifest = load_manifest(path) if _has(path, MANIFEST_NAME) else None
+    return path, mlpackage, manifest
+
+
+class _Package:
+    """What both engines share: where the package is and what the spec says it takes."""
+
+    backend: str
+
+    def __init__(self, path: Path, mlpackage: Path, manifest: dict | None, function_name: str):
+        self.path = path
+        self.mlpackage = mlpackage
+        self.manifest = manifest
+        self.function_name = function_name
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.mlpackage} function={self.function_name} backend={self.backend}>"
+
+
+class ExecutorPackage(_Package):
+    """The numpy MIL reference executor over the saved program (any platform)."""
+
+    backend = "coreml-executor"
+
+    def __init__(self, path: Path, mlpackage: Path, manifest: dict | None, function_name: str | None):
+        from coreml.mil import Executor, load_program
+
+        self.program = load_program(mlpackage)
+        self.executor = Executor(self.program, function_name)
+        super().__init__(path, mlpackage, manifest, self.executor.function.name)
+        self.functions = tuple(self.program.functions)
+        fn = self.executor.function
+        self.spec_inputs = {f.name: f for f in fn.spec_inputs}
+        self.spec_outputs = {f.name: f for f in fn.spec_outputs}
+        self.spec_states = {f.name: f for f in fn.spec_states}
+
+    def predict(self, inputs: Mapping[str, object], state=None) -> dict[str, np.ndarray]:
+        return self.executor.run(inputs, state)
+
+    def make_state(self):
+        return self.executor.make_state()
+
+
+class MacPackage(_Package):
+    """Core ML itself, through coremltools.models.MLModel (macOS only)."""
+
+    backend = "coreml-macos"
+
+    def __init__(self, path: Path, mlpackage: Path, manifest: dict | None, function_name: str | None):
+        import coremltools as ct
+
+        from coreml.mil.loader import feature_spec
+
+        if sys.platform != "darwin":
+            raise PackageError(f"{mlpackage}: backend 'macos' needs macOS (this is {sys.platform})")
+        self.model = ct.models.MLModel(str(mlpackage), function_name=function_name)
+        spec = self.model.get_spec()
+        described = {f.name: f for f in spec.description.functions}
+        name = function_name or spec.description.defaultFunctionName or "main"
+        desc = described.get(name, spec.description)
+        super().__init__(path, mlpackage, manifest, name)
+        self.functions = tuple(described) or ("main",)
+        where = f"{mlpackage}: function {name}"
+        self.spec_inputs = {f.name: feature_spec(f, where) for f in desc.input}
+        self.spec_outputs = {f.name: feature_spec(f, where) for f in desc.output}
+        self.spec_states = {f.name: feature_spec(f, where) for f in desc.state}
+
+    def predict(self, inputs: Mapping[str, object], state=None) -> dict[str, np.ndarray]:
+        feed = {name: np.asarray(value) for name, value in inputs.items()}
+        out = self.model.predict(feed, state=state) if state is not None else self.model.predict(feed)
+        return {name: np.asarray(value) for name, value in out.items()}
+
+    def make_state(self):
+        return self.model.make_state()
+
+
+def open_package(path: str | Path, backend: str = "auto", function_name: str | None = None) -> _Package:
+    """Open the package at `path`. backend: "auto" (Core ML on macOS, else the executor),
+    "executor"/"coreml-executor" or "macos"/"coreml-macos". `function_name` picks a function of
+    a multifunction package (default: the package's default function)."""
+    engine = backend.removeprefix("coreml-")
+    if engine == "auto":
+        engine = "macos" if sys.platform == "darwin" else "executor"
+    if engine not in ENGINES:
+        raise PackageError(f"{path}: backend {backend!r} is not one of auto, coreml-executor, coreml-macos")
+    located = locate(path)
+    return (ExecutorPackage if engine == "executor" else MacPackage)(*located, function_name)

@@ -1,0 +1,192 @@
+"""The numpy MIL executor against torch eager on real coremltools conversions.
+
+Every variant of a tiny Llama-like decoder (tests/_mil_modules.py) is converted once per
+session with ct.convert(iOS18, FLOAT32, flexible T) and run from the SAVED package.
+"""
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import _mil_modules as mm
+from coreml.mil import Executor, MilError, UnsupportedOp, load_program
+from coreml.package import PackageError, open_package
+
+TOL = 1e-4
+# The stateful variant keeps K/V in fp16 states; torch eager does the same (fp16 buffers), so
+# both round the cache identically and the fp32 tolerance still holds (measured ~1e-5).
+STATEFUL_TOL = 1e-4
+CHUNKS = ((0, 5), (5, 1), (6, 4), (10, 17))  # (position, T): prefill, decode, then chunks
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    return mm.build_packages(tmp_path_factory.mktemp("mil"))
+
+
+@pytest.fixture(scope="module")
+def paths(built):
+    return built["paths"]
+
+
+def _ids(T, seed):
+    return np.random.default_rng(seed).integers(0, mm.VOCAB, size=(1, T), dtype=np.int32)
+
+
+def _torch(module, *args):
+    with torch.no_grad():
+        out = module(*args)
+    return [o.numpy() for o in out] if isinstance(out, tuple) else out.numpy()
+
+
+@pytest.mark.parametrize("T", [1, 2, 7, 33, 128])
+def test_stateless_matches_torch_for_every_length(paths, T):
+    pkg = open_package(paths["stateless"])
+    ids = _ids(T, T)
+    out = pkg.predict({"ids": ids})["logits"]
+    ref = _torch(mm.TinyDecoder().eval(), torch.from_numpy(ids))
+    assert out.shape == (1, T, mm.VOCAB) and out.dtype == np.float32
+    assert np.abs(out - ref).max() <= TOL
+
+
+def test_kv_variant_matches_torch_chunk_by_chunk(paths):
+    pkg = open_package(paths["kv"])
+    module = mm.TinyDecoderKV().eval()
+    k = v = np.zeros(mm.cache_shape(), np.float32)
+    tk, tv = torch.zeros(mm.cache_shape()), torch.zeros(mm.cache_shape())
+    for step, (pos, T) in enumerate(CHUNKS):
+        ids, position = _ids(T, step), np.array([pos], np.int32)
+        out = pkg.predict({"ids": ids, "position": position, "k_cache": k, "v_cache": v})
+        logits, tk, tv = (torch.from_numpy(a) for a in _torch(module, torch.from_numpy(ids), torch.from_numpy(position), tk, tv))
+        assert np.abs(out["logits"] - logits.numpy()).max() <= TOL
+        assert np.abs(out["k_out"] - tk.numpy()).max() <= TOL
+        assert np.abs(out["v_out"] - tv.numpy()).max() <= TOL
+        k, v = out["k_out"], out["v_out"]
+    assert np.count_nonzero(np.abs(k).sum(axis=(0, 1, 3))) == sum(T for _, T in CHUNKS)
+
+
+def test_stateful_variant_matches_torch_and_keeps_fp16_states(paths):
+    pkg = open_package(paths["stateful"])
+    module = mm.TinyDecoderStateful().eval()
+    state = pkg.make_state()
+    assert {name: state[name].dtype for name in state} == {"k_cache": np.float16, "v_cache": np.float16}
+    for step, (pos, T) in enumerate(CHUNKS):
+        ids, position = _ids(T, step), np.array([pos], np.int32)
+        out = pkg.predict({"ids": ids, "position": position}, state=state)["logits"]
+        ref = _torch(module, torch.from_numpy(ids), torch.from_numpy(position))
+        assert np.abs(out - ref).max() <= STATEFUL_TOL
+    assert state["k_cache"].dtype == np.float16
+    np.testing.assert_array_equal(state["k_cache"], module.k_cache.numpy())
+    np.testing.assert_array_equal(state["v_cache"], module.v_cache.numpy())
+
+
+def test_stateful_package_needs_a_state(paths):
+    pkg = open_package(paths["stateful"])
+    with pytest.raises(MilError, match="state"):
+        pkg.predict({"ids": _ids(3, 0), "position": np.array([0], np.int32)})
+
+
+def test_multifunction_package_runs_each_function(paths):
+    ids = _ids(9, 1)
+    prefill = open_package(paths["multi"])
+    assert prefill.function_name == "prefill" and set(prefill.functions) == {"prefill", "decode"}
+    ref = _torch(mm.TinyDecoder().eval(), torch.from_numpy(ids))
+    assert np.abs(prefill.predict({"ids": ids})["logits"] - ref).max() <= TOL
+
+    decode = open_package(paths["multi"], function_name="decode")
+    cache = np.zeros(mm.cache_shape(), np.float32)
+    out = decode.predict({"ids": ids, "position": np.array([4], np.int32), "k_cache": cache, "v_cache": cache})
+    zero = torch.zeros(mm.cache_shape())
+    ref = _torch(mm.TinyDecoderKV().eval(), torch.from_numpy(ids), torch.tensor([4], dtype=torch.int32), zero, zero)
+    assert np.abs(out["logits"] - ref[0]).max() <= TOL
+    with pytest.raises(MilError, match="no function 'nope'"):
+        open_package(paths["multi"], function_name="nope")
+
+
+@pytest.mark.parametrize("kind", mm.COMPRESSIONS)
+def test_compressed_package_matches_torch_with_decompressed_weights(built, kind):
+    weights = built["weights"][kind]
+    original = mm.TinyDecoder().eval()
+    # The reference weights really are the lossy ones: compare against them, not the originals.
+    assert max(np.abs(w - original.state_dict()[_key(original, n)].numpy()).max() for n, w in weights.items()) > 1e-4
+    module = mm.with_weights(original, weights)
+    pkg = open_package(built["paths"][kind])
+    for T in (1, 6, 40):
+        ids = _ids(T, T)
+        ref = _torch(module, torch.from_numpy(ids))
+        assert np.abs(pkg.predict({"ids": ids})["logits"] - ref).max() <= TOL
+
+
+def _key(module, const_name):
+    return next(k for k in module.state_dict() if k.replace(".", "_") == const_name)
+
+
+def test_compressed_weights_are_decompressed_once_at_load(built):
+    pkg = open_package(built["paths"]["int4"])
+    folded = {name for name, v in pkg.executor.constants.items() if isinstance(v, np.ndarray) and v.size >= 512}
+    assert {"q_weight", "embed"} <= {n.removesuffix("_quantized") for n in folded}
+    assert not any(step.op.type.startswith("constexpr_") for step in pkg.executor._steps)
+
+
+def test_unknown_op_fails_by_name(paths, tmp_path):
+    from coremltools.proto import Model_pb2
+
+    from coreml.mil.loader import model_path
+
+    bad = tmp_path / "bad.mlpackage"
+    shutil.copytree(paths["stateless"], bad)
+    spec_file = model_path(bad)
+    model = Model_pb2.Model()
+    model.ParseFromString(spec_file.read_bytes())
+    silu = next(op for op in model.mlProgram.functions["main"].block_specializations["CoreML8"].operations if op.type == "silu")
+    silu.type = "frobnicate"
+    spec_file.write_bytes(model.SerializeToString())
+    with pytest.raises(UnsupportedOp, match=rf"function main, op frobnicate -> {silu.outputs[0].name}"):
+        open_package(bad)
+
+
+def test_inputs_are_checked_against_the_spec(paths):
+    pkg = open_package(paths["stateless"])
+    with pytest.raises(MilError, match=r"input 'ids': shape \(1, 129\)"):
+        pkg.predict({"ids": _ids(129, 0)})
+    with pytest.raises(MilError, match="input 'ids' is missing"):
+        pkg.predict({})
+    with pytest.raises(MilError, match="input 'ids' has dtype float32"):
+        pkg.predict({"ids": np.zeros((1, 3), np.float32)})
+    with pytest.raises(MilError, match="unknown inputs"):
+        pkg.predict({"ids": _ids(3, 0), "extra": 1})
+
+
+def test_corrupt_weight_blob_is_named(paths, tmp_path):
+    bad = tmp_path / "corrupt.mlpackage"
+    shutil.copytree(paths["stateless"], bad)
+    weights = bad / "Data" / "com.apple.CoreML" / "weights" / "weight.bin"
+    raw = bytearray(weights.read_bytes())
+    raw[64:68] = b"\0\0\0\0"  # the first blob_metadata sentinel
+    weights.write_bytes(bytes(raw))
+    with pytest.raises(MilError, match=r"weight.bin @ 64: blob_metadata.sentinel is 0x0"):
+        load_program(bad)
+
+
+def test_open_package_layouts_and_backends(paths, tmp_path):
+    pkg = open_package(paths["stateless"], backend="coreml-executor")
+    assert pkg.backend == "coreml-executor" and pkg.manifest is None
+    assert list(pkg.spec_inputs) == ["ids"] and list(pkg.spec_outputs) == ["logits"]
+    assert pkg.spec_inputs["ids"].ranges == ((1, 1), (1, mm.MAX_LEN))
+    folder = tmp_path / "pkg"
+    folder.mkdir()
+    shutil.copytree(paths["stateless"], folder / "model.mlpackage")
+    assert open_package(folder, backend="executor").mlpackage == folder / "model.mlpackage"
+    with pytest.raises(PackageError, match="neither an .mlpackage"):
+        open_package(tmp_path)
+    with pytest.raises(PackageError, match="backend 'tpu'"):
+        open_package(folder, backend="tpu")
+
+
+def test_executor_is_built_per_function_from_a_loaded_program(paths):
+    program = load_program(paths["multi"])
+    assert program.default_function == "prefill"
+    decode = Executor(program, "decode")
+    assert [f.name for f in decode.function.spec_outputs] == ["logits", "k_out", "v_out"]
