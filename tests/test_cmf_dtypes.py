@@ -397,6 +397,11 @@ def test_overlay_indices_out_of_range_are_bounds():
     payload[at : at + 2] = np.array([32], "<u2").view(np.uint8)
     with pytest.raises(Bounds, match="col 32"):
         q1t.decode(payload, (2, 32))
+    payload = q1t.encode(_weights((3, 32), 2), outliers=0.1).copy()
+    ptr_at = 9 * 3
+    payload[ptr_at + 4 : ptr_at + 8] = np.array([11], "<u4").view(np.uint8)  # above row_ptr[3] = 10
+    with pytest.raises(Bounds, match=r"row_ptr\[2\] .* below row_ptr\[1\] = 11"):
+        q1t.decode(payload, (3, 32))
 
 
 def test_reserved_unknown_and_misshapen():

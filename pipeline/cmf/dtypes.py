@@ -823,8 +823,12 @@ def _q1t_parts(buf, shape, where):
         raise Bounds(f"{where}: q1t payload is {buf.size} bytes, its tiles and row_ptr need {ptr_end}")
     row_ptr = buf[base:ptr_end].view("<u4")
     nnz = int(row_ptr[-1])
-    if row_ptr[0] != 0 or np.any(np.diff(row_ptr.astype(np.int64)) < 0):
-        raise Bounds(f"{where}: q1t row_ptr at byte {base} must start at 0 and not decrease, got {row_ptr.tolist()[:8]}...")
+    if row_ptr[0] != 0:
+        raise Bounds(f"{where}: q1t row_ptr[0] (byte {base}) is {int(row_ptr[0])}, must be 0")
+    drops = np.flatnonzero(np.diff(row_ptr.astype(np.int64)) < 0)
+    if drops.size:
+        r = int(drops[0]) + 1
+        raise Bounds(f"{where}: q1t row_ptr[{r}] (byte {base + 4 * r}) = {int(row_ptr[r])} is below row_ptr[{r - 1}] = {int(row_ptr[r - 1])}")
     if buf.size != ptr_end + 4 * nnz:
         raise Bounds(f"{where}: q1t payload is {buf.size} bytes, row_ptr[{rows}] = {nnz} implies {ptr_end + 4 * nnz}")
     tiles = buf[:base].reshape(g, 9)
