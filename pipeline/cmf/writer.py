@@ -18,13 +18,13 @@ import os
 import shutil
 import struct
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from pipeline.cmf.dtypes import DType, dtype_by_name, dtype_for_id
+from pipeline.cmf.dtypes import DTYPES, DType, dtype_by_name, dtype_for_id
 from pipeline.cmf.errors import Parse
 from pipeline.cmf.hash64 import hash64
 from pipeline.cmf.masks import Masks, encode_masks
@@ -52,6 +52,7 @@ _QUANT_2F_IDS = {dtype_by_name("q8_2f").id, dtype_by_name("vbit").id}
 _MAX_NAME = 0xFFFF
 _MAX_DIM = 0xFFFFFFFF
 _COPY_CHUNK = 1 << 26
+_LONGEST_DTYPE_NAME = max(len(dt.name) for dt in DTYPES.values())
 # Header keys write_cmf fills itself; extra_header may not override them.
 _OWN_KEYS = {
     "format", "version", "arch", "quant_type", "provenance", "tokenizer_config",
@@ -146,17 +147,23 @@ def dump_header(header: dict) -> bytes:
 
 @dataclass
 class _Shard:
-    """A blob being streamed into a temporary file, and its directory records."""
+    """A blob being streamed into `file` from offset `start`, and its directory records.
 
-    blob: object  # binary file object
+    `file` is either the output file itself, with `start` the data_off reserved for
+    the head (no copy later), or a staging file with `start` 0 (copied in later).
+    """
+
+    file: object  # binary file object
+    start: int
+    direct: bool
     records: list[Record] = field(default_factory=list)
-    end: int = 0  # end of the last tensor, relative to data_off
+    end: int = 0  # end of the last tensor, relative to the blob start
 
     def add(self, name: str, dtype: DType, shape: tuple[int, ...], payload: np.ndarray) -> None:
         off = round_up(self.end, tensor_alignment(payload.size))
         if off > self.end:
-            self.blob.write(bytes(off - self.end))
-        self.blob.write(memoryview(payload))
+            self.file.write(bytes(off - self.end))
+        self.file.write(memoryview(payload))
         self.records.append(Record(name, dtype.id, shape, off, payload.size, hash64(payload)))
         self.end = off + payload.size
 
@@ -181,13 +188,22 @@ def _copy_into(src, dst) -> None:
     dst.seek(0, os.SEEK_END)
 
 
-def assemble(dst, header: dict, records: list[Record], blob, sections: dict[str, bytes], features: int) -> None:
-    """Write one complete file into `dst`: envelope, header, directory, blob, then sections."""
+def _head_size(header: dict, dir_len: int) -> int:
+    """data_off for a header and a directory of these sizes: the first page after them."""
+    return round_up(ENVELOPE_SIZE + len(dump_header(header)) + dir_len, DATA_ALIGN)
+
+
+def assemble(dst, header: dict, shard: _Shard, sections: dict[str, bytes], features: int) -> None:
+    """Complete one file in `dst`: envelope, header, directory, blob, then sections."""
     header_bytes = dump_header(header)
-    dir_bytes = pack_directory(records)
+    dir_bytes = pack_directory(shard.records)
     dir_off = ENVELOPE_SIZE + len(header_bytes)
     data_off = round_up(dir_off + len(dir_bytes), DATA_ALIGN)
-    data_len = max((r.off + r.nbytes for r in records), default=0)
+    if shard.direct:
+        if data_off > shard.start:
+            raise RuntimeError(f"write_cmf: head needs {data_off:#x} bytes, only {shard.start:#x} were reserved")
+        data_off = shard.start
+    data_len = shard.end
     offsets = {"masks": (0, 0), "vocab": (0, 0), "index": (0, 0)}
     pos = data_off + data_len
     for name, data in sections.items():
@@ -199,10 +215,15 @@ def assemble(dst, header: dict, records: list[Record], blob, sections: dict[str,
         *offsets["masks"], *offsets["vocab"], *offsets["index"],
         hash64(header_bytes), hash64(dir_bytes),
     )  # fmt: skip
+    dst.seek(0)
     dst.write(env.pack() + header_bytes + dir_bytes + bytes(data_off - dir_off - len(dir_bytes)))
-    _copy_into(blob, dst)
+    if shard.direct:
+        dst.seek(data_off + data_len)
+    else:
+        _copy_into(shard.file, dst)
     for data in sections.values():
         dst.write(data)
+    dst.truncate()
 
 
 def write_cmf(
@@ -231,6 +252,10 @@ def write_cmf(
     `{stem}-{no:05}-of-{count:05}.cmf` files of at most that many MiB (a single larger
     tensor gets a shard of its own); shard 1 holds masks, vocab, tokenizer_config and
     skills. An existing output is refused unless `force`.
+
+    When `tensors` is a sequence and no sharding is asked for, the directory size is
+    known up front (names and count), so payloads are written straight behind a
+    reserved head in the output file; otherwise they are staged and copied in-kernel.
     """
     path = Path(path)
     if not force and path.exists():
@@ -241,6 +266,29 @@ def write_cmf(
         raise Parse(f"write_cmf: extra_header keys {sorted(clash)} are set by write_cmf itself")
     limit = None if shard_max_mb is None else int(shard_max_mb * (1 << 20))
 
+    header = {"format": "cmf", "version": VERSION, "arch": arch, "quant_type": quant_type, "provenance": provenance or {}}
+    if moe is not None:
+        header["moe"] = moe
+    if mtp is not None:
+        header["mtp"] = mtp
+    header.update(extra_header)
+    features = FEATURE_TENSOR_DIR | extra_features
+    sections: dict[str, bytes] = {}
+    if masks is not None:
+        features |= FEATURE_BINARY_MASKS
+        if arch.get("num_loops", 1) > 1:
+            features |= FEATURE_LOOP_MASKS
+        sections["masks"] = encode_masks(masks, header, features)
+    if tokenizer_json is not None:
+        sections["vocab"] = tokenizer_json.encode("utf-8") if isinstance(tokenizer_json, str) else bytes(tokenizer_json)
+    first_header = dict(header)
+    if tokenizer_config is not None:
+        first_header["tokenizer_config"] = tokenizer_config
+    if skills:
+        first_header["skills"] = skills
+    if sections:
+        first_header["section_hashes"] = {k: f"{hash64(v):016x}" for k, v in sections.items()}
+
     directory = path.parent
     temps: list[Path] = []
     shards: list[_Shard] = []
@@ -248,45 +296,32 @@ def write_cmf(
     seen: set[str] = set()
     try:
 
-        def new_shard() -> _Shard:
-            fd, name = tempfile.mkstemp(prefix=f".{path.name}.blob", dir=directory)
+        def new_file(prefix: str):
+            fd, name = tempfile.mkstemp(prefix=f".{path.name}.{prefix}", dir=directory)
+            os.close(fd)
             temps.append(Path(name))
-            shards.append(_Shard(os.fdopen(fd, "w+b")))
-            return shards[-1]
+            return open(name, "w+b")  # noqa: SIM115 - closed in the finally below
 
-        shard = new_shard()
+        if limit is None and isinstance(tensors, Sequence):
+            # An upper bound: the longest dtype name stands in for a derived quant_type.
+            estimate = dict(first_header, quant_type=quant_type or "X" * _LONGEST_DTYPE_NAME)
+            start = _head_size(estimate, _dir_len([t.name if isinstance(t, RawTensor) else t[0] for t in tensors]))
+            shard = _Shard(new_file("tmp"), start, direct=True)
+            shard.file.seek(start)
+            shards.append(shard)
+        else:
+            shards.append(_Shard(new_file("blob"), 0, direct=False))
+        shard = shards[0]
         for item in tensors:
             name, dtype, shape, payload = encode_tensor(item)
             if name in seen:
                 raise Parse(f"write_cmf: duplicate tensor name '{name}'")
             seen.add(name)
             if limit is not None and shard.records and round_up(shard.end, 64) + payload.size > limit:
-                shard = new_shard()
+                shard = _Shard(new_file("blob"), 0, direct=False)
+                shards.append(shard)
             shard.add(name, dtype, shape, payload)
             bytes_by_dtype[dtype.name] = bytes_by_dtype.get(dtype.name, 0) + payload.size
-
-        features = FEATURE_TENSOR_DIR | extra_features
-        header = {
-            "format": "cmf",
-            "version": VERSION,
-            "arch": arch,
-            "quant_type": quant_type or _main_dtype(bytes_by_dtype),
-            "provenance": provenance or {},
-        }
-        if moe is not None:
-            header["moe"] = moe
-        if mtp is not None:
-            header["mtp"] = mtp
-        header.update(extra_header)
-
-        sections: dict[str, bytes] = {}
-        if masks is not None:
-            features |= FEATURE_BINARY_MASKS
-            if arch.get("num_loops", 1) > 1:
-                features |= FEATURE_LOOP_MASKS
-            sections["masks"] = encode_masks(masks, header, features)
-        if tokenizer_json is not None:
-            sections["vocab"] = tokenizer_json.encode("utf-8") if isinstance(tokenizer_json, str) else bytes(tokenizer_json)
 
         count = len(shards)
         finals = [path] if count == 1 else [shard_path(_shard_base(path), no, count) for no in range(1, count + 1)]
@@ -294,37 +329,34 @@ def write_cmf(
         if existing and not force:
             raise OutputExists(f"{', '.join(existing)}: already exist(s); pass force to overwrite")
 
+        header["quant_type"] = first_header["quant_type"] = quant_type or _main_dtype(bytes_by_dtype)
         outs = []
         for no, (shard, final) in enumerate(zip(shards, finals), start=1):
-            shard_header = dict(header)
-            shard_sections = sections if no == 1 else {}
-            if no == 1:
-                if tokenizer_config is not None:
-                    shard_header["tokenizer_config"] = tokenizer_config
-                if skills:
-                    shard_header["skills"] = skills
+            shard_header = dict(first_header if no == 1 else header)
             if count > 1:
                 shard_header["shard"] = {"no": no, "count": count}
-            if shard_sections:
-                shard_header["section_hashes"] = {k: f"{hash64(v):016x}" for k, v in shard_sections.items()}
             shard_features = features if no == 1 else features & ~(FEATURE_BINARY_MASKS | FEATURE_LOOP_MASKS)
             if _QUANT_2F_IDS & {r.dtype_id for r in shard.records}:
                 shard_features |= FEATURE_QUANT_2F
-            fd, tmp_name = tempfile.mkstemp(prefix=f".{final.name}.tmp", dir=directory)
-            temps.append(Path(tmp_name))
-            with os.fdopen(fd, "w+b") as dst:
-                assemble(dst, shard_header, shard.records, shard.blob, shard_sections, shard_features)
+            dst = shard.file if shard.direct else new_file("tmp")
+            with dst:
+                assemble(dst, shard_header, shard, sections if no == 1 else {}, shard_features)
                 dst.flush()
                 os.fsync(dst.fileno())
-            outs.append((Path(tmp_name), final))
+            outs.append((Path(dst.name), final))
         for tmp, final in outs:
             os.replace(tmp, final)
         return finals
     finally:
         for shard in shards:
-            shard.blob.close()
+            shard.file.close()
         for tmp in temps:
             tmp.unlink(missing_ok=True)
+
+
+def _dir_len(names: list) -> int:
+    pool = sum(len(n.encode("utf-8", "replace")) if isinstance(n, str) else 0 for n in names)
+    return DIR_PREFIX + DIR_RECORD.itemsize * len(names) + pool
 
 
 def _shard_base(path: Path) -> Path:
