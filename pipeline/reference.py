@@ -108,10 +108,6 @@ def load_reference(artifact: str | Path, task: str | int | None = None, skill: s
         return model, args, cmf.vocab
 
 
-def bundle_tokenizer_config(path: Path) -> dict | None:
-    return json.loads((path / BUNDLE_CONFIG).read_text()).get("tokenizer_config")
-
-
 def _load_bundle(path: Path) -> tuple[Decoder, ModelArgs, bytes | None]:
     from safetensors.numpy import load_file
 

@@ -1,0 +1,123 @@
+"""One harness for logits, perplexity, scoring and gates: the Backend protocol and its dispatch.
+
+    backend = open_backend("model.cmf")              # torch reference, FP32
+    backend = open_backend("out/package")            # a folder with model.mlpackage: Core ML
+    backend = open_backend("model.cmf", "mlx")       # the MLX runtime
+
+Each runtime implements the protocol in its own area; this module holds the torch one and
+imports the others only when asked for, so the reference path never needs coremltools or MLX.
+"""
+
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from pipeline.errors import CmfdeployError
+from pipeline.models import Decoder, KVCache, ModelArgs
+from pipeline.reference import load_reference
+
+PACKAGE_MARKER = "model.mlpackage"
+BACKENDS = ("auto", "torch", "coreml", "coreml-executor", "coreml-macos", "mlx")
+# The torch cache is [layers, 1, kv, context, head_dim] and attention reads all of it, so the
+# default stays far below the long contexts some models declare; `context=` raises it.
+DEFAULT_TORCH_CONTEXT = 2048
+
+
+class BackendError(CmfdeployError):
+    """An artifact no backend can open as asked, or input a backend cannot run."""
+
+
+class Backend(Protocol):
+    name: str  # "torch-fp32", "coreml-executor", "coreml-macos", "mlx"
+    context: int  # max tokens
+
+    def logits(self, ids: np.ndarray) -> np.ndarray:
+        """ids int [T] -> float32 [T, vocab], one full forward."""
+
+    def prefill(self, ids: np.ndarray) -> tuple[np.ndarray, object]:
+        """Logits [T, vocab] and an immutable snapshot of the state after ids."""
+
+    def extend(self, snapshot: object, ids: np.ndarray) -> np.ndarray:
+        """Logits of ids run after the snapshot; the snapshot stays unchanged (branching)."""
+
+
+class TorchBackend:
+    """The FP32 reference decoder behind the Backend protocol.
+
+    Snapshots are KVCaches whose tensors the model never writes in place, so holding one
+    costs nothing and `extend` branches from it freely. With `chunk`, `logits` feeds the
+    sequence through the cache `chunk` tokens at a time (the path a chunked package takes).
+    """
+
+    name = "torch-fp32"
+
+    def __init__(self, model: Decoder, args: ModelArgs, context: int | None = None, chunk: int | None = None):
+        self.model, self.args = model, args
+        self.context = min(args.max_position_embeddings, DEFAULT_TORCH_CONTEXT) if context is None else context
+        if chunk is not None and chunk < 1:
+            raise BackendError(f"torch backend: chunk {chunk} must be at least 1")
+        self.chunk = chunk
+
+    def _ids(self, ids, offset: int = 0) -> torch.Tensor:
+        ids = np.asarray(ids)
+        if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+            raise BackendError(f"{self.name}: ids must be a non-empty 1-D integer array, got {ids.dtype} {ids.shape}")
+        bad = (ids < 0) | (ids >= self.args.vocab_size)
+        if bad.any():
+            raise BackendError(f"{self.name}: token id {ids[bad][0]} at {int(np.argmax(bad))} is outside "
+                               f"the vocabulary of {self.args.vocab_size}")
+        if offset + ids.size > self.context:
+            raise BackendError(f"{self.name}: {offset + ids.size} tokens exceed the context of {self.context}")
+        return torch.from_numpy(ids.astype(np.int64))
+
+    @torch.no_grad()
+    def logits(self, ids: np.ndarray) -> np.ndarray:
+        tokens = self._ids(ids)
+        if self.chunk is None:
+            return self.model(tokens).numpy()
+        cache = KVCache.empty(self.args, tokens.numel())
+        return torch.cat([self.model.forward_cached(part, cache) for part in tokens.split(self.chunk)]).numpy()
+
+    @torch.no_grad()
+    def prefill(self, ids: np.ndarray) -> tuple[np.ndarray, KVCache]:
+        cache = KVCache.empty(self.args, self.context)
+        logits = self.model.forward_cached(self._ids(ids), cache)
+        return logits.numpy(), cache.snapshot()
+
+    @torch.no_grad()
+    def extend(self, snapshot: KVCache, ids: np.ndarray) -> np.ndarray:
+        branch = snapshot.snapshot()
+        return self.model.forward_cached(self._ids(ids, snapshot.position), branch).numpy()
+
+
+def open_backend(artifact: str | Path, backend: str = "auto", **options) -> Backend:
+    """The backend for an artifact: a CMF file or bundle folder runs on torch ("auto"/"torch")
+    or MLX ("mlx"); a folder holding model.mlpackage runs on Core ML ("auto"/"coreml", or
+    "coreml-executor"/"coreml-macos" to pick the engine). `options` go to the backend:
+    torch takes task, skill, blend, temperature, context, chunk; Core ML takes chunk."""
+    path = Path(artifact)
+    if backend not in BACKENDS:
+        raise BackendError(f"{path}: backend {backend!r} is not one of {BACKENDS}")
+    if not path.exists():
+        raise BackendError(f"{path}: no such file or folder")
+    is_package = path.is_dir() and (path / PACKAGE_MARKER).exists()
+    if is_package:
+        if backend not in ("auto", "coreml", "coreml-executor", "coreml-macos"):
+            raise BackendError(f"{path}: a Core ML package folder runs on coreml, not {backend!r}")
+        from coreml.package import open_package
+
+        engine = backend.removeprefix("coreml-") if backend.startswith("coreml-") else "auto"
+        return open_package(path, backend=engine, **options)
+    if backend.startswith("coreml"):
+        raise BackendError(f"{path}: backend {backend!r} needs a folder holding {PACKAGE_MARKER}")
+    if backend == "mlx":
+        if path.is_dir():
+            raise BackendError(f"{path}: the MLX runtime reads CMF files, not folders")
+        from mlx_runtime.backend import MlxBackend
+
+        return MlxBackend(path, **options)
+    context, chunk = options.pop("context", None), options.pop("chunk", None)
+    model, args, _ = load_reference(path, **options)
+    return TorchBackend(model, args, context=context, chunk=chunk)
