@@ -13,6 +13,7 @@ from pipeline.errors import CmfdeployError
 
 COMMAND_MODULES = [
     "pipeline.cmf.commands",
+    "pipeline.artifact_commands",
     "pipeline.eval_commands",
 ]
 

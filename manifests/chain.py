@@ -1,0 +1,100 @@
+"""Verify any stage output by its manifest's `format`, then walk its chain back to the CMF.
+
+Each stage registers its verifier as one row of `VERIFIERS`: format -> "module:function".
+A verifier is `verify(path, hashes=True) -> Manifest` and raises IdentityError on any
+difference. The table holds import paths, not functions, so verifying a bundle never
+imports Core ML.
+
+Every manifest's `source` is either an earlier artifact (`kind: artifact`, its folder and
+the sha256 of its manifest.json) or the CMF the chain starts from (`kind: cmf`, its size,
+sha256, envelope hashes). The walk verifies each artifact, checks that the upstream
+manifest is byte-for-byte the one recorded, and re-hashes the CMF when it is still at its
+recorded path.
+"""
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from manifests.identity import MANIFEST_NAME, Manifest, read_json, sha256_file
+from pipeline.errors import IdentityError
+
+VERIFIERS = {
+    "cmfdeploy.bundle/1": "pipeline.bundle:verify_bundle",
+}
+
+
+@dataclass(frozen=True)
+class Link:
+    """One step of a chain: what was checked and how it came out."""
+
+    path: str
+    format: str  # a manifest format, or "cmf"
+    result: str  # "verified" or "not available: <why>"
+
+    def __str__(self) -> str:
+        return f"{self.format} {self.path}: {self.result}"
+
+
+def verifier_for(format_name: str):
+    target = VERIFIERS.get(format_name)
+    if target is None:
+        raise IdentityError(f"no verifier for manifest format {format_name!r}; known formats: {sorted(VERIFIERS)}")
+    module, function = target.split(":")
+    return getattr(importlib.import_module(module), function)
+
+
+def verify_artifact(path: str | Path, hashes: bool = True) -> Manifest:
+    """Verify one artifact folder by the verifier its manifest's format names."""
+    path = Path(path)
+    format_name = read_json(path / MANIFEST_NAME).get("format")
+    return verifier_for(format_name)(path, hashes=hashes)
+
+
+def verify_chain(path: str | Path, hashes: bool = True) -> list[Link]:
+    """Verify `path` and every artifact upstream of it, ending at the source CMF.
+
+    Raises IdentityError at the first link that does not check out. A link that is no
+    longer on disk ends the walk as "not available", which is reported, not hidden.
+    """
+    links: list[Link] = []
+    current, seen = Path(path), set()
+    while True:
+        resolved = current.resolve()
+        if resolved in seen:
+            raise IdentityError(f"{current}: the source chain loops back to this artifact")
+        seen.add(resolved)
+        manifest = verify_artifact(current, hashes=hashes)
+        links.append(Link(str(current), manifest.format, "verified"))
+        source = manifest["source"]
+        if source["kind"] == "cmf":
+            links.append(_check_cmf_source(source, hashes))
+            return links
+        upstream = Path(source["path"])
+        if not (upstream / MANIFEST_NAME).is_file():
+            links.append(Link(str(upstream), source["format"], "not available: no manifest at the recorded path"))
+            return links
+        digest = sha256_file(upstream / MANIFEST_NAME)
+        if digest != source["manifest_sha256"]:
+            raise IdentityError(
+                f"{current / MANIFEST_NAME}: field 'source.manifest_sha256' is {source['manifest_sha256']}, "
+                f"but {upstream / MANIFEST_NAME} has sha256 {digest}"
+            )
+        current = upstream
+
+
+def _check_cmf_source(source: dict, hashes: bool) -> Link:
+    path = Path(source["path"])
+    files = source.get("shards") or [{"file": source["file"], "bytes": source["bytes"], "sha256": source["sha256"]}]
+    for entry in files:
+        file = path.with_name(entry["file"])
+        if not file.is_file():
+            return Link(str(path), "cmf", f"not available: {file} is not there")
+        size = file.stat().st_size
+        if size != entry["bytes"]:
+            raise IdentityError(f"{file}: {size} bytes, the manifest's source records {entry['bytes']}")
+        if hashes:
+            digest = sha256_file(file)
+            if digest != entry["sha256"]:
+                raise IdentityError(f"{file}: sha256 {digest}, the manifest's source records {entry['sha256']}")
+    return Link(str(path), "cmf", "verified" if hashes else "verified (sizes only)")

@@ -1,0 +1,190 @@
+"""Artifact identity: streamed sha256, file inventories, canonical JSON, safe paths.
+
+Every stage output is a directory whose `manifest.json` lists each file with its byte
+count and sha256. These helpers are the only place that hashes files, writes manifests
+or turns a recorded name back into a path, so every stage checks identity the same way.
+"""
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from pipeline.errors import IdentityError
+
+MANIFEST_NAME = "manifest.json"
+
+# Big enough that hashing runs at hashlib speed, small enough to stay out of RSS.
+HASH_CHUNK = 8 << 20
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A stage output: its folder and its manifest as a dict (read-only by convention)."""
+
+    path: Path
+    data: dict
+
+    @property
+    def format(self) -> str:
+        return self.data["format"]
+
+    def __getitem__(self, key: str):
+        return self.data[key]
+
+
+def sha256_file(path: str | Path) -> str:
+    """Hex sha256 of a file, read in chunks (never the whole file in memory)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def file_identity(path: str | Path) -> dict:
+    """`{"bytes", "sha256"}` of one file, as every manifest records it."""
+    path = Path(path)
+    return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+
+
+def inventory(root: str | Path, exclude: tuple[str, ...] = (MANIFEST_NAME,)) -> dict[str, dict]:
+    """Every regular file under `root` by relative POSIX name -> `{"bytes", "sha256"}`.
+
+    Symlinks and other non-regular entries are refused: an artifact is plain files, and a
+    link would let the recorded hash describe bytes that live outside the artifact.
+    """
+    root = Path(root)
+    files = {}
+    for path in sorted(root.rglob("*")):
+        name = path.relative_to(root).as_posix()
+        if path.is_symlink() or not (path.is_file() or path.is_dir()):
+            raise IdentityError(f"{root}: entry {name!r} is not a regular file or folder")
+        if path.is_file() and name not in exclude:
+            files[name] = file_identity(path)
+    return files
+
+
+def canonical_json(obj) -> bytes:
+    """The one byte form of a manifest: sorted keys, 2-space indent, UTF-8, newline-terminated.
+
+    NaN and infinities are refused (they are not JSON, and a manifest must round-trip).
+    """
+    return (json.dumps(obj, sort_keys=True, indent=2, ensure_ascii=False, allow_nan=False) + "\n").encode()
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def write_json(path: str | Path, obj) -> None:
+    """Write `obj` as canonical JSON atomically: temp file in the same folder, fsync, rename."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(canonical_json(obj))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_json(path: str | Path) -> dict:
+    """A JSON object from `path`; anything else is an IdentityError naming the file."""
+    path = Path(path)
+    try:
+        obj = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise IdentityError(f"{path}: file not found") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise IdentityError(f"{path}: not valid JSON ({error})") from None
+    if not isinstance(obj, dict):
+        raise IdentityError(f"{path}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def resolve_inside(root: str | Path, name: str) -> Path:
+    """The path of a recorded relative `name` under `root`, refusing any escape.
+
+    Absolute names, `..` components and symlinks that resolve outside `root` all raise
+    IdentityError: manifests are input, and a crafted one must not make a verifier read
+    (or a stage overwrite) a file elsewhere.
+    """
+    pure = PurePosixPath(name)
+    if not name or pure.is_absolute() or "\\" in name or (pure.parts and ":" in pure.parts[0]):
+        raise IdentityError(f"{root}: recorded name {name!r} is not a relative path")
+    if ".." in pure.parts:
+        raise IdentityError(f"{root}: recorded name {name!r} contains '..'")
+    base = Path(root).resolve()
+    resolved = (base / pure).resolve()
+    if not resolved.is_relative_to(base):
+        raise IdentityError(f"{root}: recorded name {name!r} resolves outside the artifact, to {resolved}")
+    return resolved
+
+
+def environment(packages: tuple[str, ...] = ("cmfdeploy", "numpy", "safetensors", "torch", "tokenizers", "gguf")) -> dict:
+    """Interpreter, platform and the versions of the packages that shaped an artifact."""
+    import platform
+    from importlib import metadata
+
+    def version(name: str) -> str | None:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "packages": {name: version(name) for name in packages},
+    }
+
+
+def load_manifest(root: str | Path, format_name: str | None = None) -> dict:
+    """The manifest of the artifact at `root`: valid against its schema, of `format_name`
+    when given, and `"status": "complete"` (anything else is a half-written artifact)."""
+    from manifests.schema import validate
+
+    path = Path(root) / MANIFEST_NAME
+    manifest = read_json(path)
+    if format_name is not None and manifest.get("format") != format_name:
+        raise IdentityError(f"{path}: field 'format' is {manifest.get('format')!r}, expected {format_name!r}")
+    # Before the schema: a half-written manifest lacks fields, and "not finished" is the real story.
+    if manifest.get("status") != "complete":
+        raise IdentityError(f"{path}: field 'status' is {manifest.get('status')!r}: the artifact was not finished")
+    validate(manifest, where=str(path))
+    return manifest
+
+
+def check_files(root: str | Path, recorded: dict[str, dict], hashes: bool = True) -> None:
+    """The files under `root` are exactly `recorded`, with the recorded sizes (and sha256
+    when `hashes`); the first difference raises IdentityError naming the file."""
+    root = Path(root)
+    for name in recorded:
+        resolve_inside(root, name)
+    present = {path.relative_to(root).as_posix() for path in root.rglob("*") if not path.is_dir()}
+    present.discard(MANIFEST_NAME)
+    unexpected = sorted(present - recorded.keys())
+    if unexpected:
+        raise IdentityError(f"{root}: unexpected file {unexpected[0]!r} (not in the manifest's 'files')")
+    missing = sorted(recorded.keys() - present)
+    if missing:
+        raise IdentityError(f"{root}: file {missing[0]!r} listed in the manifest is missing")
+    for name, entry in recorded.items():
+        path = root / name
+        if path.is_symlink():
+            raise IdentityError(f"{root}: file {name!r} is a symlink; artifacts hold plain files only")
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            raise IdentityError(f"{root}: file {name!r} has {size} bytes, the manifest records {entry['bytes']}")
+        if hashes:
+            digest = sha256_file(path)
+            if digest != entry["sha256"]:
+                raise IdentityError(
+                    f"{root}: file {name!r} has sha256 {digest}, the manifest records {entry['sha256']}"
+                )

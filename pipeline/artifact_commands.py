@@ -1,0 +1,66 @@
+"""CLI: `cmfdeploy bundle | verify-artifact | import-hf | import-gguf`."""
+
+from pipeline.importers.quant_policy import add_quant_arguments, policy_from_args
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("bundle", help="decode a verified CMF into an FP32 bundle folder")
+    p.add_argument("cmf")
+    p.add_argument("-o", "--output", required=True, help="bundle folder to create")
+    p.add_argument("--task", help="bake this mask task (name or id) into the weights, where exact")
+    p.add_argument("--skill", help="apply this skill id (its tensors replace the base's)")
+    p.add_argument("--force", action="store_true", help="replace an existing output")
+    p.set_defaults(func=_bundle)
+
+    p = subparsers.add_parser("verify-artifact", help="verify a stage output and its chain back to the source CMF")
+    p.add_argument("artifact")
+    p.add_argument("--sizes-only", action="store_true", help="check sizes, skip sha256 (fast)")
+    p.set_defaults(func=_verify_artifact)
+
+    p = subparsers.add_parser("import-hf", help="convert a Hugging Face checkpoint folder to CMF")
+    p.add_argument("folder")
+    p.add_argument("-o", "--output", required=True)
+    add_quant_arguments(p)
+    p.add_argument("--force", action="store_true", help="replace an existing output")
+    p.set_defaults(func=_import_hf)
+
+    p = subparsers.add_parser("import-gguf", help="convert a GGUF file (llama family) to CMF")
+    p.add_argument("file")
+    p.add_argument("-o", "--output", required=True)
+    add_quant_arguments(p)
+    p.add_argument("--force", action="store_true", help="replace an existing output")
+    p.set_defaults(func=_import_gguf)
+
+
+def _bundle(args) -> int:
+    from pipeline.bundle import export_bundle
+
+    manifest = export_bundle(args.cmf, args.output, task=args.task, skill=args.skill, force=args.force)
+    print(f"{manifest.path}: {manifest['parameter_count']} parameters, "
+          f"{manifest['files']['weights.safetensors']['bytes']} bytes of FP32 weights")
+    return 0
+
+
+def _verify_artifact(args) -> int:
+    from manifests.chain import verify_chain
+
+    for link in verify_chain(args.artifact, hashes=not args.sizes_only):
+        print(link)
+    return 0
+
+
+def _import_hf(args) -> int:
+    from pipeline.importers.hf import import_hf
+
+    path = import_hf(args.folder, args.output, policy=policy_from_args(args), force=args.force)
+    print(f"{path}: written")
+    return 0
+
+
+def _import_gguf(args) -> int:
+    from pipeline.importers.gguf import import_gguf
+
+    path = import_gguf(args.file, args.output, policy=policy_from_args(args), force=args.force)
+    print(f"{path}: written")
+    return 0
+

@@ -1,0 +1,1 @@
+"""Importers: Hugging Face checkpoints and GGUF files to CMF v2."""
