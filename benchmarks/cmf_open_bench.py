@@ -83,7 +83,8 @@ def main() -> None:
             )
             path.unlink()
     ratio = results["large"] / results["small"]
-    print(f"open time ratio large/small: {ratio:.2f} for a {args.large_mb / args.small_mb:.0f}x larger blob (O(directory) ~ 1)")
+    scale = args.large_mb / args.small_mb
+    print(f"open time ratio large/small: {ratio:.2f} for a {scale:.0f}x larger blob (O(directory): ~1)")
 
 
 if __name__ == "__main__":

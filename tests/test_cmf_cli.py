@@ -67,10 +67,11 @@ def test_sign_then_verify_then_tamper(tmp_path, capsys, form):
     shutil.copy(VECTORS / "model_f16_a.cmf", model)
     key = Ed25519PrivateKey.generate()
     key_file = tmp_path / "key"
-    if form == "raw":
-        key_file.write_bytes(key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()))
-    else:
-        key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    encoding, fmt = {
+        "raw": (serialization.Encoding.Raw, serialization.PrivateFormat.Raw),
+        "pem": (serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8),
+    }[form]
+    key_file.write_bytes(key.private_bytes(encoding, fmt, serialization.NoEncryption()))
     assert run(capsys, "sign", model, "--key", key_file)[0] == 0
     sig = json.loads((tmp_path / "m.cmf.sig").read_text())
     pub = key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)

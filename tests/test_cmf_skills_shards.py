@@ -105,12 +105,14 @@ def test_skill_file_export_and_apply_reproduce_the_same_file(base, tmp_path, rng
 def test_skills_survive_a_second_append(base, rng):
     w = rng.standard_normal((64, 32)).astype(np.float32)
     add_skill(base, {"id": "a"}, [("model.layers.0.mlp.up_proj.weight", w, "f16")])
-    add_skill(base, {"id": "b"}, [("model.embed_tokens.weight", w, "q8_row"), ("model.layers.0.mlp.up_proj.weight", -w, "f32")])
+    up = "model.layers.0.mlp.up_proj.weight"
+    add_skill(base, {"id": "b"}, [("model.embed_tokens.weight", w, "q8_row"), (up, -w, "f32")])
     with open_cmf(base) as cmf:
         assert [s["id"] for s in cmf.skills] == ["a", "b"]
         assert verify_cmf(cmf).ok
-        np.testing.assert_array_equal(cmf.decode(skill_tensor_source(cmf, "b")["model.layers.0.mlp.up_proj.weight"]), -w)
-        np.testing.assert_array_equal(cmf.decode(skill_tensor_source(cmf, "a")["model.layers.0.mlp.up_proj.weight"]), w.astype(np.float16))
+        np.testing.assert_array_equal(cmf.decode(skill_tensor_source(cmf, "b")[up]), -w)
+        np.testing.assert_array_equal(cmf.decode(skill_tensor_source(cmf, "a")[up]), w.astype(np.float16))
+        assert skill_tensor_source(cmf, "b")["model.embed_tokens.weight"] == "skill.b.model.embed_tokens.weight"
 
 
 # ---------------------------------------------------------------- shards

@@ -138,7 +138,8 @@ def _inspect(args) -> int:
     print("sections: " + ", ".join(f"{k} {v['off']:#x}+{v['len']:#x}" for k, v in summary["sections"].items()))
     for mask in summary["masks"] or []:
         q = "unmeasured" if mask["quality"] is None else mask["quality"]
-        print(f"  mask {mask['task_id']} '{mask['name']}': ffn {mask['ffn_active']} heads {mask['heads_active']} quality {q}")
+        active = f"ffn {mask['ffn_active']} heads {mask['heads_active']}"
+        print(f"  mask {mask['task_id']} '{mask['name']}': {active} quality {q}")
     for skill in summary["skills"]:
         print(f"  skill '{skill['id']}' ({skill['name']}): {skill['tensors']} tensors")
     return 0

@@ -4,11 +4,13 @@ Layout: envelope, header at 128, directory, weight blob at a 4096-aligned offset
 (tensors on 64-byte boundaries, on 4096-byte boundaries from 16 KiB up, zero
 padding), then masks, vocab. The sparse index is read-only (§7) and never written.
 
-Tensors are streamed: each one is encoded, hashed and appended to a temporary blob
-file as it arrives, so memory holds one tensor at a time. The directory (which
-precedes the blob) is only known once the iterable is exhausted; the blob is then
-copied in-kernel behind the header into a temporary file in the destination
-directory, which is renamed into place.
+Tensors are streamed: each one is encoded, hashed and written as it arrives, so
+memory holds one tensor at a time. The directory precedes the blob, so the blob's
+offset depends on every name. For a sequence of tensors the names are known up
+front and payloads go straight into the output file behind a reserved head; for any
+other iterable (and for shards) they are staged in a temporary blob file that is
+copied in-kernel behind the head at the end. Either way the output is a temporary
+file in the destination directory, renamed into place.
 """
 
 from __future__ import annotations
@@ -96,22 +98,27 @@ def encode_tensor(item: RawTensor | tuple) -> tuple[str, DType, tuple[int, ...],
     The payload is checked against the dtype's size rule, so a file this library
     writes always opens.
     """
+    name = item.name if isinstance(item, RawTensor) else item[0]
+    where = f"write_cmf: tensor {name!r}"
+    try:
+        name_len = len(name.encode("utf-8"))
+    except (AttributeError, UnicodeEncodeError):
+        name_len = 0
+    if not 0 < name_len <= _MAX_NAME:
+        raise Parse(f"{where}: a name must be a non-empty str of at most {_MAX_NAME} UTF-8 bytes")
     if isinstance(item, RawTensor):
-        name, shape = item.name, tuple(int(d) for d in item.shape)
-        dtype = dtype_for_id(item.dtype_id, f"write_cmf: tensor '{item.name}'")
+        shape = tuple(int(d) for d in item.shape)
+        dtype = dtype_for_id(item.dtype_id, where)
         payload = np.frombuffer(item.payload, np.uint8) if not isinstance(item.payload, np.ndarray) else item.payload
         payload = np.ascontiguousarray(payload).reshape(-1).view(np.uint8)
     else:
-        name, array, dtype_name = item
+        _, array, dtype_name = item
         dtype = dtype_by_name(dtype_name)
         if dtype.encode is None:
-            raise Parse(f"write_cmf: tensor '{name}': dtype {dtype.name} has no encoder; pass a RawTensor")
+            raise Parse(f"{where}: dtype {dtype.name} has no encoder; pass a RawTensor")
         array = np.asarray(array)
         shape = tuple(array.shape)
         payload = np.ascontiguousarray(dtype.encode(array)).reshape(-1).view(np.uint8)
-    where = f"write_cmf: tensor '{name}'"
-    if not isinstance(name, str) or not 0 < len(name.encode("utf-8", "surrogatepass")) <= _MAX_NAME:
-        raise Parse(f"{where}: a name must be a non-empty str of at most {_MAX_NAME} UTF-8 bytes")
     if len(shape) > MAX_NDIM or any(not 0 <= d <= _MAX_DIM for d in shape):
         raise Parse(f"{where}: shape {shape} needs ndim <= {MAX_NDIM} and dims < 2^32")
     dtype.check_payload(payload, shape, where)
@@ -119,11 +126,8 @@ def encode_tensor(item: RawTensor | tuple) -> tuple[str, DType, tuple[int, ...],
 
 
 def pack_directory(records: list[Record]) -> bytes:
-    """The binary directory (spec §3): prefix, 56-byte records, UTF-8 name pool."""
-    try:
-        names = [r.name.encode("utf-8") for r in records]
-    except UnicodeEncodeError as error:
-        raise Parse(f"write_cmf: tensor name is not encodable as UTF-8: {error}") from None
+    """The binary directory (spec §3): prefix, 56-byte records, UTF-8 name pool (names checked by encode_tensor)."""
+    names = [r.name.encode("utf-8") for r in records]
     rec = np.zeros(len(records), DIR_RECORD)
     rec["name_len"] = [len(n) for n in names]
     rec["name_off"] = np.cumsum([0] + [len(n) for n in names[:-1]]) if names else []
