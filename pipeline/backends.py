@@ -43,6 +43,20 @@ class Backend(Protocol):
         """Logits of ids run after the snapshot; the snapshot stays unchanged (branching)."""
 
 
+def validate_ids(ids, backend_name: str, vocab_size: int, context: int, offset: int = 0) -> np.ndarray:
+    """ids as int64 [T], or a BackendError naming the problem; `offset` tokens are already cached."""
+    ids = np.asarray(ids)
+    if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+        raise BackendError(f"{backend_name}: ids must be a non-empty 1-D integer array, got {ids.dtype} {ids.shape}")
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bad.any():
+        raise BackendError(f"{backend_name}: token id {ids[bad][0]} at {int(np.argmax(bad))} is outside "
+                           f"the vocabulary of {vocab_size}")
+    if offset + ids.size > context:
+        raise BackendError(f"{backend_name}: {offset + ids.size} tokens exceed the context of {context}")
+    return ids.astype(np.int64)
+
+
 class TorchBackend:
     """The FP32 reference decoder behind the Backend protocol.
 
@@ -61,16 +75,8 @@ class TorchBackend:
         self.chunk = chunk
 
     def _ids(self, ids, offset: int = 0) -> torch.Tensor:
-        ids = np.asarray(ids)
-        if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
-            raise BackendError(f"{self.name}: ids must be a non-empty 1-D integer array, got {ids.dtype} {ids.shape}")
-        bad = (ids < 0) | (ids >= self.args.vocab_size)
-        if bad.any():
-            raise BackendError(f"{self.name}: token id {ids[bad][0]} at {int(np.argmax(bad))} is outside "
-                               f"the vocabulary of {self.args.vocab_size}")
-        if offset + ids.size > self.context:
-            raise BackendError(f"{self.name}: {offset + ids.size} tokens exceed the context of {self.context}")
-        return torch.from_numpy(ids.astype(np.int64))
+        ids = validate_ids(ids, self.name, self.args.vocab_size, self.context, offset)
+        return torch.from_numpy(ids)
 
     @torch.no_grad()
     def logits(self, ids: np.ndarray) -> np.ndarray:
@@ -106,10 +112,9 @@ def open_backend(artifact: str | Path, backend: str = "auto", **options) -> Back
     if is_package:
         if backend not in ("auto", "coreml", "coreml-executor", "coreml-macos"):
             raise BackendError(f"{path}: a Core ML package folder runs on coreml, not {backend!r}")
-        from coreml.package import open_package
+        from coreml.runner import open_package_backend
 
-        engine = backend.removeprefix("coreml-") if backend.startswith("coreml-") else "auto"
-        return open_package(path, backend=engine, **options)
+        return open_package_backend(path, backend="auto" if backend in ("auto", "coreml") else backend, **options)
     if backend.startswith("coreml"):
         raise BackendError(f"{path}: backend {backend!r} needs a folder holding {PACKAGE_MARKER}")
     if backend == "mlx":
