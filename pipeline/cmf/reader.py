@@ -184,6 +184,9 @@ class _Container:
             raise Parse(f"{self.label}: header JSON is a {type(header).__name__}, not an object")
         if not isinstance(header.get("arch"), dict):
             raise Parse(f"{self.label}: header 'arch' is {_short(header.get('arch'))}, not an object")
+        for key in ("tokenizer_config", "moe", "mtp"):
+            if header.get(key) is not None and not isinstance(header[key], dict):
+                raise Parse(f"{self.label}: header '{key}' is {_short(header[key])}, not an object or null")
         hashes = header.get("section_hashes")
         if hashes is not None:
             if not isinstance(hashes, dict):
@@ -462,6 +465,9 @@ def _check_sibling(first: _Container, other: _Container) -> None:
     for name in HASHED_SECTIONS:
         if other.envelope.section(name)[1]:
             raise ShardError(f"{other.label}: holds a '{name}' section; only shard 1 may (spec §10)")
+    for key in ("tokenizer_config", "skills"):
+        if other.header.get(key):
+            raise ShardError(f"{other.label}: header holds '{key}'; only shard 1 may (spec §10)")
 
 
 def _build(containers: list[_Container]) -> CmfFile:
