@@ -179,3 +179,24 @@ def test_skills_on_a_sharded_model_go_to_shard_one(sharded, rng):
         assert cmf.tensors["skill.s.model.layers.4.w"].shard_no == 1
         np.testing.assert_array_equal(cmf.decode(skill_tensor_source(cmf, "s")["model.layers.4.w"]), w)
         assert verify_cmf(cmf).ok
+
+
+def test_signing_a_sharded_model_signs_every_file(sharded, tmp_path):
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
+
+    from pipeline.cmf import sign_cmf
+
+    paths, _ = sharded
+    key = tmp_path / "key.raw"
+    key.write_bytes(Ed25519PrivateKey.generate().private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption()))
+    sigs = sign_cmf(paths[1], key)
+    assert [s.name for s in sigs] == [p.name + ".sig" for p in paths]
+    report = verify_cmf(paths[0])
+    assert report.ok and report.signatures == [p.name for p in paths]
+
+    data = bytearray(paths[2].read_bytes())
+    data[-1] ^= 0xFF  # inside shard 3's last payload: its tensor hash and its signature both fail
+    paths[2].write_bytes(bytes(data))
+    failures = verify_cmf(paths[0]).failures
+    assert [(f.what, f.file) for f in failures] == [("tensor", paths[2].name), ("signature", paths[2].name)]
