@@ -15,6 +15,7 @@ COMMAND_MODULES = [
     "pipeline.cmf.commands",
     "pipeline.artifact_commands",
     "pipeline.eval_commands",
+    "mlx_runtime.commands",
 ]
 
 

@@ -1,0 +1,109 @@
+"""Token generation: chunked prefill, greedy / temperature / top-p sampling with a seed, streaming.
+
+Prompt chunks of `GEMM_MIN_TOKENS` or more run their projections as dense GEMMs over a
+transient expansion of each weight (see `weights.expanded_matmul`); shorter chunks and every
+decode step run the packed weights on MLX's quantized kernels.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_runtime.cache import KVCache
+from mlx_runtime.models import Model, forward
+
+# From this many tokens a transient dense GEMM beats MLX's row-serial quantized kernel
+# (measured by benchmarks/mlx_bench.py on the CPU build).
+GEMM_MIN_TOKENS = 8
+PREFILL_CHUNK = 512
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int = 0
+
+
+@dataclass
+class Stats:
+    """Prefill covers the prompt up to the first sampled token; each later token is one decode
+    step. Time spent by the consumer of the stream is not counted."""
+
+    prompt_tokens: int = 0
+    prefill_s: float = 0.0
+    generated: int = 0
+    decode_steps: int = 0
+    decode_s: float = 0.0
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        return self.decode_steps / self.decode_s if self.decode_s else 0.0
+
+
+def prefill(model: Model, ids: np.ndarray, cache: KVCache, chunk: int = PREFILL_CHUNK) -> mx.array:
+    """Run the prompt through the cache in chunks; logits [1, vocab] of its last token."""
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    if ids.size == 0:
+        raise ValueError("prefill needs at least one token")
+    logits = None
+    for lo in range(0, ids.size, chunk):
+        part = ids[lo : lo + chunk]
+        last = lo + chunk >= ids.size
+        logits = forward(model, part, cache, gemm=part.size >= GEMM_MIN_TOKENS, last_only=last)
+        mx.eval(logits)
+    return logits
+
+
+def sample(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> int:
+    """One token from logits [vocab]: argmax, or softmax(logits / T) cut to the smallest set of
+    tokens whose probability reaches top_p (nucleus), renormalised."""
+    if sampling.temperature <= 0:
+        return int(np.argmax(logits))
+    z = logits.astype(np.float64) / sampling.temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    if sampling.top_p < 1.0:
+        order = np.argsort(-p, kind="stable")
+        keep = np.cumsum(p[order]) - p[order] < sampling.top_p  # the token that crosses top_p stays
+        cut = np.zeros_like(p)
+        cut[order[keep]] = p[order[keep]]
+        p = cut / cut.sum()
+    return int(rng.choice(p.size, p=p))
+
+
+def generate(model: Model, prompt: np.ndarray, *, max_tokens: int, sampling: Sampling = Sampling(),
+             eos_ids: tuple[int, ...] = (), stats: Stats | None = None) -> Iterator[int]:
+    """Stream up to `max_tokens` new tokens after `prompt`; stops after any of `eos_ids`
+    (which is yielded). `stats`, when given, is filled with token counts and timings."""
+    stats = Stats() if stats is None else stats
+    prompt = np.asarray(prompt, dtype=np.int64).reshape(-1)
+    cache = model.new_cache(prompt.size + max_tokens)
+    rng = np.random.default_rng(sampling.seed)
+    start = time.perf_counter()
+    logits = prefill(model, prompt, cache)
+    stats.prompt_tokens = prompt.size
+    for step in range(max_tokens):
+        if step:
+            start = time.perf_counter()
+            logits = forward(model, np.array([token]), cache)
+        token = sample(np.asarray(logits[0]), sampling, rng)
+        elapsed = time.perf_counter() - start
+        if step:
+            stats.decode_steps += 1
+            stats.decode_s += elapsed
+        else:
+            stats.prefill_s = elapsed
+        stats.generated += 1
+        yield token
+        if token in eos_ids:
+            return

@@ -1,0 +1,258 @@
+"""The MLX runtime against the PyTorch reference decoder (pipeline.models) running the same
+decoded weights: random-weight transformers models written to CMF in every dtype the writer
+produces, task masks and skills, the KV cache's snapshot/extend/trim, greedy generation,
+chat templates (against transformers' renderer) and the CLI."""
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from _hf_models import load_saved, save_hf_model
+from pipeline.backends import open_backend
+from pipeline.cli import main
+from pipeline.cmf import DTYPES, open_cmf, write_cmf
+from pipeline.cmf.skills import add_skill
+from pipeline.models import KVCache as TorchCache
+from pipeline.models.hf_config import arch_from_hf_config
+from pipeline.reference import load_reference
+from pipeline.tokenizer import load_tokenizer
+from mlx_runtime.backend import MlxBackend
+from mlx_runtime.chat import CHATML, ChatTemplateError, render_chat
+from mlx_runtime.generate import Sampling, Stats, generate, sample
+from mlx_runtime.models import forward, load_model
+
+CONFORMANCE = Path("/work/shared/cmf-conformance")
+FIXTURE_TOKENIZER = Path(__file__).resolve().parents[1] / "fixtures" / "tokenizer.json"
+WRITER_DTYPES = [dt.name for dt in DTYPES.values() if dt.encode is not None]
+IDS = np.random.default_rng(5).integers(0, 128, 40)
+TOLERANCE = 1e-3
+ROW_TILED = {"vbit", "vbit_ro", "q4tp", "q2tp"}
+
+
+def _write(tmp_path_factory, family: str, dtype: str, seed: int = 0, **overrides) -> Path:
+    """A random transformers model of `family` as CMF: matrices in `dtype` (q4_block where the
+    dtype needs in % 32 == 0 and the matrix does not have it), vectors in f32."""
+    directory = tmp_path_factory.mktemp(f"{family}-{dtype}")
+    save_hf_model(family, directory / "hf", seed=seed, **overrides)
+    config, weights = load_saved(directory / "hf")
+    arch, moe = arch_from_hf_config(config)
+    path = directory / "model.cmf"
+    def dtype_of(t):
+        if t.dim() != 2:
+            return "f32"
+        return "q4_block" if dtype in ROW_TILED and t.shape[1] % 32 else dtype
+
+    write_cmf(path, arch=arch, moe=moe, tensors=[(n, t.numpy(), dtype_of(t)) for n, t in weights.items()])
+    return path
+
+
+@torch.no_grad()
+def _reference_logits(path: Path, ids, **options) -> np.ndarray:
+    model, _, _ = load_reference(path, **options)
+    return model(torch.from_numpy(np.asarray(ids))).numpy()
+
+
+def _assert_logits(got: np.ndarray, want: np.ndarray) -> None:
+    assert np.abs(got - want).max() <= TOLERANCE
+    np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.fixture(scope="module", params=WRITER_DTYPES)
+def llama_in_dtype(request, tmp_path_factory):
+    return _write(tmp_path_factory, "llama", request.param, seed=1)
+
+
+def test_logits_match_reference_in_every_writer_dtype(llama_in_dtype):
+    want = _reference_logits(llama_in_dtype, IDS)
+    with open_cmf(llama_in_dtype) as cmf:
+        model = load_model(cmf)
+    assert not model.report.fallbacks
+    for gemm in (False, True):
+        _assert_logits(np.array(forward(model, IDS, model.new_cache(), gemm=gemm)), want)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("dtype", ["q8_row", "q4_block", "vbit_ro"])
+def test_families_match_reference(tmp_path_factory, family, dtype):
+    path = _write(tmp_path_factory, family, dtype, seed=2)
+    want = _reference_logits(path, IDS)
+    backend = MlxBackend(path)
+    _assert_logits(backend.logits(IDS), want)  # dense GEMM path
+    logits, snap = backend.prefill(IDS[:3])  # quantized-kernel path, then branches
+    _assert_logits(np.concatenate([logits, backend.extend(snap, IDS[3:6])]), want[:6])
+
+
+@pytest.fixture(scope="module")
+def qwen3_q4(tmp_path_factory):
+    return _write(tmp_path_factory, "qwen3", "q4_block", seed=3)
+
+
+def test_snapshots_are_immutable_and_branch(qwen3_q4):
+    backend = MlxBackend(qwen3_q4)
+    full = backend.logits(IDS)
+    head, snap = backend.prefill(IDS[:25])
+    first = backend.extend(snap, IDS[25:])
+    other = backend.extend(snap, IDS[25:30][::-1].copy())
+    again = backend.extend(snap, IDS[25:])
+    np.testing.assert_array_equal(first, again)
+    assert np.abs(np.concatenate([head, first]) - full).max() <= TOLERANCE
+    want_other = _reference_logits(qwen3_q4, np.concatenate([IDS[:25], IDS[25:30][::-1]]))[25:]
+    _assert_logits(other, want_other)
+
+
+def test_trim_rewinds_the_cache(qwen3_q4):
+    with open_cmf(qwen3_q4) as cmf:
+        model = load_model(cmf)
+    cache = model.new_cache()
+    forward(model, IDS[:30], cache, gemm=True)
+    cache.trim(10)
+    assert cache.position == 20
+    got = np.array(forward(model, IDS[20:30], cache))
+    _assert_logits(got, _reference_logits(qwen3_q4, IDS[:30])[20:])
+
+
+def test_backend_refuses_bad_ids(qwen3_q4):
+    from pipeline.backends import BackendError
+
+    backend = open_backend(qwen3_q4, "mlx")
+    with pytest.raises(BackendError, match="token id 128"):
+        backend.logits(np.array([1, 128]))
+    with pytest.raises(BackendError, match="1-D"):
+        backend.logits(np.zeros((2, 2), np.int64))
+
+
+@torch.no_grad()
+def _reference_greedy(path: Path, prompt: np.ndarray, count: int) -> list[int]:
+    model, args, _ = load_reference(path)
+    cache = TorchCache.empty(args, prompt.size + count)
+    logits = model.forward_cached(torch.from_numpy(prompt), cache)
+    out = []
+    for _ in range(count):
+        token = int(logits[-1].argmax())
+        out.append(token)
+        logits = model.forward_cached(torch.tensor([token]), cache)
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("dtype", ["q8_row", "q4_block"])
+def test_greedy_generation_matches_reference(tmp_path_factory, family, dtype):
+    path = _write(tmp_path_factory, family, dtype, seed=4)
+    prompt = IDS[:12]
+    with open_cmf(path) as cmf:
+        model = load_model(cmf)
+    stats = Stats()
+    got = list(generate(model, prompt, max_tokens=32, stats=stats))
+    assert got == _reference_greedy(path, prompt, 32)
+    assert (stats.prompt_tokens, stats.generated, stats.decode_steps) == (12, 32, 31)
+
+
+def test_generation_stops_at_eos_and_sampling_is_seeded(qwen3_q4):
+    with open_cmf(qwen3_q4) as cmf:
+        model = load_model(cmf)
+    greedy = list(generate(model, IDS[:8], max_tokens=10))
+    stop = greedy[4]
+    first = greedy.index(stop)
+    assert list(generate(model, IDS[:8], max_tokens=10, eos_ids=(stop,))) == greedy[: first + 1]
+    sampling = Sampling(temperature=0.9, top_p=0.8, seed=7)
+    a = list(generate(model, IDS[:8], max_tokens=10, sampling=sampling))
+    assert a == list(generate(model, IDS[:8], max_tokens=10, sampling=sampling))
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
+    rng = np.random.default_rng(0)
+    draws = {sample(logits, Sampling(temperature=1.0, top_p=0.7), rng) for _ in range(200)}
+    assert draws == {0, 1}  # 0.5 alone is below 0.7; 0.5 + 0.3 reaches it
+    assert sample(logits, Sampling(), rng) == 0
+
+
+def test_task_masks_match_reference():
+    path = CONFORMANCE / "model_masks_tok_a.cmf"
+    ids = np.random.default_rng(1).integers(0, 100, 24)
+    for task in ("general", "coding", "sparse-random"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # unmeasured tasks warn, on both runtimes
+            want = _reference_logits(path, ids, task=task)
+            got = MlxBackend(path, task=task).logits(ids)
+        _assert_logits(got, want)
+
+
+def test_unmeasured_task_warns():
+    with pytest.warns(UserWarning, match="no measured quality"):
+        MlxBackend(CONFORMANCE / "model_masks_tok_a.cmf", task="coding")
+
+
+def test_skills_match_reference(tmp_path_factory):
+    path = _write(tmp_path_factory, "qwen3", "q8_row", seed=5)
+    with open_cmf(path) as cmf:
+        names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.up_proj.weight"]
+        shapes = {n: cmf.info(n).shape for n in names}
+    rng = np.random.default_rng(3)
+    replaced = [(n, rng.standard_normal(s).astype(np.float32) * 0.1, "q4_block") for n, s in shapes.items()]
+    add_skill(path, {"id": "math", "name": "math"}, replaced)
+    for skill in (None, "math"):
+        _assert_logits(MlxBackend(path, skill=skill).logits(IDS), _reference_logits(path, IDS, skill=skill))
+
+
+def test_chat_templates_render_like_transformers():
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    template = (
+        "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tools') }}{% endif %}"
+        "{% if loop.index > 3 %}{% break %}{% endif %}\n  <{{ m['role'] }}>{{ m['content'] | tojson }}\n"
+        "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Grüße, \"cat\""},
+                {"role": "assistant", "content": "Nyan"}, {"role": "user", "content": "dropped"}]
+    for tmpl in (template, CHATML):
+        want, _ = render_jinja_template(conversations=[messages], chat_template=tmpl, add_generation_prompt=True,
+                                        bos_token="<s>")
+        assert render_chat(tmpl, messages, special_tokens={"bos_token": "<s>"}) == want[0]
+    with pytest.raises(ChatTemplateError, match="tokenizer_config: chat_template: no tools"):
+        render_chat(template, [{"role": "tool", "content": ""}])
+
+
+@pytest.fixture(scope="module")
+def with_tokenizer(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tok")
+    save_hf_model("qwen3", directory / "hf", seed=6, vocab_size=1024)
+    config, weights = load_saved(directory / "hf")
+    arch, moe = arch_from_hf_config(config)
+    path = directory / "model.cmf"
+    write_cmf(path, arch=arch, tensors=[(n, t.numpy(), "q4_block" if t.dim() == 2 else "f32") for n, t in weights.items()],
+              tokenizer_json=FIXTURE_TOKENIZER.read_bytes(), tokenizer_config={"eos_token_ids": [2], "bos_token_id": 1})
+    return path
+
+
+def test_cli_generate_streams_the_greedy_completion(with_tokenizer, capsys):
+    assert main(["mlx", "generate", str(with_tokenizer), "--prompt", "I am a cat.", "--max-tokens", "12"]) == 0
+    out, err = capsys.readouterr()
+    tokenizer = load_tokenizer(FIXTURE_TOKENIZER.read_bytes(), {"eos_token_ids": [2], "bos_token_id": 1})
+    with open_cmf(with_tokenizer) as cmf:
+        model = load_model(cmf)
+    prompt = tokenizer.encode("I am a cat.")
+    tokens = list(generate(model, prompt, max_tokens=12, eos_ids=(2,)))
+    assert out == tokenizer.decode(tokens) + "\n"
+    assert f"prefill: {prompt.size} tokens" in err and f"decode: {len(tokens)} tokens" in err
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    assert main(["mlx", "generate", str(tmp_path / "missing.cmf"), "--prompt", "x"]) == 1
+    assert capsys.readouterr().err.startswith("Bounds: missing.cmf")
+
+
+def test_cli_score_matches_the_torch_backend(with_tokenizer, tmp_path):
+    from pipeline.scoring import read_run, score
+
+    items = tmp_path / "items.jsonl"
+    items.write_text('{"id": "a", "context": "I am a cat.", "candidates": [" As yet", " I have", " no name"], "gold": 0}\n'
+                     '{"id": "b", "context": "Where I was born", "candidates": [" I have", " no idea"]}\n')
+    assert main(["mlx", "score", str(with_tokenizer), str(items), "-o", str(tmp_path / "mlx")]) == 0
+    score(with_tokenizer, items, tmp_path / "torch", backend="torch")
+    for got, want in zip(read_run(tmp_path / "mlx"), read_run(tmp_path / "torch")):
+        assert got.top1 == want.top1
+        np.testing.assert_allclose(got.scores, want.scores, atol=TOLERANCE)
