@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from coreml.mil.errors import MilError, UnsupportedOp
-from coreml.mil.loader import Arg, FeatureSpec, Function, Operation, Program, TensorSpec
+from coreml.mil.loader import FeatureSpec, Function, Operation, Program, TensorSpec
 from coreml.mil.ops import OPS
 
 _FOLDED = ("const",)  # plus every op whose type starts with constexpr_
@@ -58,8 +58,15 @@ class State(Mapping):
 class _Step:
     op: Operation
     fn: object
-    lists: frozenset[str]
     where: str
+    static: dict  # operands known when the executor is built (attributes, consts, immediates)
+    # (input key, operands, is_list); an operand is a variable name or a _Known value
+    dynamic: tuple[tuple[str, tuple, bool], ...]
+
+
+@dataclass(frozen=True)
+class _Known:
+    value: object
 
 
 def _op_label(op: Operation) -> str:
@@ -84,20 +91,15 @@ def _conform(value, spec: TensorSpec | None, where: str):
 
 
 class Executor:
-    """Executes `program.functions[function_name]`; constants are decompressed once here.
+    """Executes `program.functions[function_name]`; constants are decompressed once here."""
 
-    `fold_cache` may be shared between the executors of one package so that functions of a
-    multifunction package decompress shared weights once.
-    """
-
-    def __init__(self, program: Program, function_name: str | None = None, fold_cache: dict | None = None):
+    def __init__(self, program: Program, function_name: str | None = None):
         name = function_name or program.default_function
         if name not in program.functions:
             raise MilError(f"{program.path}: no function {name!r}; it has {sorted(program.functions)}")
         self.program = program
         self.function: Function = program.functions[name]
         self.where = f"{program.path}: function {name}"
-        self._fold_cache = {} if fold_cache is None else fold_cache
         self.constants: dict[str, object] = {}
         self._steps: list[_Step] = []
         self._plan()
@@ -114,36 +116,45 @@ class Executor:
                 continue
             if op.type not in OPS:
                 raise UnsupportedOp(f"{where}: MIL op type {op.type!r} is not implemented by the executor")
-            step = _Step(op, OPS[op.type].fn, OPS[op.type].lists, where)
+            step = self._compile(op, where)
             if op.type.startswith("constexpr_"):
                 self._fold(step)
             else:
                 self._steps.append(step)
 
+    def _compile(self, op: Operation, where: str) -> _Step:
+        """Split the op's operands into those known now and the names bound at run time."""
+        lists = OPS[op.type].lists
+        static = {k: v for k, v in op.attributes.items() if k != "name"}
+        dynamic = []
+        for key, args in op.inputs.items():
+            operands = tuple(
+                _Known(a.value) if a.name is None else _Known(self.constants[a.name]) if a.name in self.constants else a.name
+                for a in args
+            )
+            if all(isinstance(o, _Known) for o in operands):
+                values = tuple(o.value for o in operands)
+                static[key] = values if key in lists else values[0]
+            else:
+                dynamic.append((key, operands, key in lists))
+        return _Step(op, OPS[op.type].fn, where, static, tuple(dynamic))
+
     def _fold(self, step: _Step) -> None:
-        kwargs = self._bind(step, self.constants)
-        key = (step.op.type, tuple(sorted((k, id(v)) for k, v in kwargs.items())))
-        if key not in self._fold_cache:
-            # The cache keeps the operands alive, so their ids stay unique while it lives.
-            self._fold_cache[key] = (self._call(step, kwargs), kwargs)
-        self._store(step, self._fold_cache[key][0], self.constants)
+        if step.dynamic:
+            raise MilError(f"{step.where}: a constexpr op with non-constant operands {[d[0] for d in step.dynamic]}")
+        self._store(step, self._call(step, step.static), self.constants)
 
     # -- running ----------------------------------------------------------------------------
-    def _bind(self, step: _Step, env: Mapping[str, object]) -> dict[str, object]:
-        kwargs = {k: v for k, v in step.op.attributes.items() if k != "name"}
-        for key, args in step.op.inputs.items():
-            values = tuple(self._resolve(a, env, step.where) for a in args)
-            kwargs[key] = values if key in step.lists else values[0]
-        return kwargs
-
     @staticmethod
-    def _resolve(arg: Arg, env: Mapping[str, object], where: str):
-        if arg.name is None:
-            return arg.value
-        try:
-            return env[arg.name]
-        except KeyError:
-            raise MilError(f"{where}: operand {arg.name!r} is not defined before its use") from None
+    def _bind(step: _Step, env: Mapping[str, object]) -> dict[str, object]:
+        kwargs = dict(step.static)
+        for key, operands, is_list in step.dynamic:
+            try:
+                values = tuple(o.value if isinstance(o, _Known) else env[o] for o in operands)
+            except KeyError as exc:
+                raise MilError(f"{step.where}: operand {exc.args[0]!r} is not defined before its use") from None
+            kwargs[key] = values if is_list else values[0]
+        return kwargs
 
     @staticmethod
     def _call(step: _Step, kwargs: dict[str, object]):
