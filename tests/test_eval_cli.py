@@ -147,3 +147,11 @@ def test_dispatch_refuses_mismatched_backends(artifact, tmp_path):
         open_backend(path, "tpu")
     with pytest.raises(BackendError, match="no such file"):
         open_backend(tmp_path / "missing.cmf")
+
+
+def test_mlx_dispatch_reaches_the_mlx_runtime(artifact):
+    path, _ = artifact
+    mlx = open_backend(path, "mlx")
+    ids = np.random.default_rng(3).integers(0, 1024, 16)
+    assert mlx.name == "mlx"
+    assert np.abs(mlx.logits(ids) - open_backend(path).logits(ids)).max() <= 1e-4

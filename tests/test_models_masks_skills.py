@@ -128,6 +128,14 @@ def test_expert_bits_restrict_and_renormalise_routing(moe, keep):
     _assert_close(masked, _logits(*_defragged(header, weights, keep)))
 
 
+def test_router_ties_go_to_the_lower_expert_index(moe):
+    """A zero router gives every expert the same weight: the first top_k experts must win."""
+    header, weights = moe
+    args = ModelArgs.from_header(header)
+    flat = {n: (np.zeros_like(w) if n.endswith("mlp.gate.weight") else w) for n, w in weights.items()}
+    _assert_close(_logits(header, flat), _logits(*_defragged(header, flat, list(range(args.moe.top_k)))))
+
+
 def test_ffn_bits_on_a_router_layer_are_refused(moe):
     header, weights = moe
     args = ModelArgs.from_header(header)

@@ -340,6 +340,7 @@ class CachedStep(nn.Module):
     def __init__(self, model: Decoder):
         super().__init__()
         self.model = model
+        self.eval()
 
     def forward(self, ids, position, key_cache, value_cache):
         return self.model.forward_with_cache_tensors(ids, position, key_cache, value_cache)

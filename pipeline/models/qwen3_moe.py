@@ -38,6 +38,7 @@ class SparseMoeBlock(nn.Module):
             raise ModelConfigError(f"{prefix}: the task mask allows none of the {count} experts")
         self.allowed = None if allowed.all() else torch.tensor(allowed)
         self.top_k = min(args.moe.top_k, int(allowed.sum()))
+        self.register_buffer("lower_index", torch.ones(count, count, dtype=torch.bool).tril(-1), persistent=False)
         self.norm_topk_prob = args.moe.norm_topk_prob
         self.shared_expert = None
         if weights.has(f"{prefix}.shared_expert.gate_proj.weight"):
@@ -49,12 +50,15 @@ class SparseMoeBlock(nn.Module):
         if self.allowed is not None:
             logits = logits.masked_fill(~self.allowed, float("-inf"))
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        # A stable descending sort keeps equal weights in index order: ties go to the lower index.
-        top, chosen = torch.sort(probs, dim=-1, descending=True, stable=True)
-        top, chosen = top[..., : self.top_k], chosen[..., : self.top_k]
+        # Expert e is chosen iff fewer than k experts are ahead of it, where j is ahead of e
+        # when p_j > p_e, or p_j == p_e and j < e (ties go to the lower index). Comparisons
+        # and a sum, rather than sort or topk, so the tie rule holds in any converted graph.
+        p_e, p_j = probs[..., :, None], probs[..., None, :]
+        ahead = torch.logical_or(p_j > p_e, torch.logical_and(p_j == p_e, self.lower_index))
+        chosen = ahead.sum(dim=-1) < self.top_k
+        route = torch.where(chosen, probs, torch.zeros_like(probs))  # [1, T, experts], zero off the top-k
         if self.norm_topk_prob:
-            top = top / top.sum(dim=-1, keepdim=True)
-        route = torch.zeros_like(probs).scatter(-1, chosen, top)  # [1, T, experts], zero off the top-k
+            route = route / route.sum(dim=-1, keepdim=True)
         # Every expert runs on every token and unchosen ones are weighted by exactly 0: no
         # data-dependent control flow, which a traced graph could not follow.
         out = route[..., 0:1] * self.experts[0](x)
