@@ -5,11 +5,14 @@ BOS is added only when the caller asks (`add_bos=True`), never by the tokenizer.
 own post-processor, so no stage depends on how a checkpoint configured it.
 """
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from tokenizers import Tokenizer as HfTokenizer
 
+from pipeline.cmf import open_cmf
 from pipeline.errors import CmfdeployError
 
 
@@ -78,3 +81,25 @@ def load_tokenizer(tokenizer_json_bytes: bytes, tokenizer_config: dict | None, s
         chat_template=template,
         source=source,
     )
+
+
+def tokenizer_from_artifact(path: str | Path) -> Tokenizer:
+    """The tokenizer of a CMF file (vocab section + header block) or of an artifact folder
+    holding `tokenizer.json` and optionally `tokenizer_config.json` (a bundle, for one)."""
+    path = Path(path)
+    if path.is_dir():
+        vocab_path = path / "tokenizer.json"
+        if not vocab_path.is_file():
+            raise TokenizerError(f"{path}: no tokenizer.json in this folder")
+        config_path = path / "tokenizer_config.json"
+        config = None
+        if config_path.is_file():
+            try:
+                config = json.loads(config_path.read_bytes())
+            except (UnicodeDecodeError, json.JSONDecodeError) as error:
+                raise TokenizerError(f"{config_path}: not valid JSON ({error})") from None
+        return load_tokenizer(vocab_path.read_bytes(), config, source=str(vocab_path))
+    cmf = open_cmf(path)
+    if cmf.vocab is None:
+        raise TokenizerError(f"{path}: the CMF has no vocab section (tokenizer.json)")
+    return load_tokenizer(cmf.vocab, cmf.tokenizer_config, source=str(path))
