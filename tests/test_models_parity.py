@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from _hf_models import load_saved, save_hf_model
+from pipeline.errors import UnsupportedModel
 from pipeline.models import KVCache, ModelArgs, build_model
 from pipeline.models.hf_config import arch_from_hf_config
 
@@ -64,3 +65,37 @@ def test_cached_forward_matches_transformers(pair):
     delta = (got - expected).abs().max().item()
     print(f"{name}: cached max|dlogit| = {delta:.3g}")
     assert delta <= TOLERANCE
+
+
+LEGACY_LLAMA = {  # transformers 4 layout: rope_theta on top, scaling under rope_scaling with "type"
+    "model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "hidden_size": 64, "intermediate_size": 96, "vocab_size": 128, "hidden_act": "silu", "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False, "max_position_embeddings": 512, "rope_theta": 500000.0,
+    "rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 64},
+}
+
+
+def test_legacy_hf_configs_map_to_the_same_arch(tmp_path):
+    save_hf_model("llama", tmp_path)
+    config, _ = load_saved(tmp_path)
+    assert "rope_theta" not in config  # transformers 5 keeps it in rope_parameters only
+    new, _ = arch_from_hf_config(config)
+    old, moe = arch_from_hf_config(LEGACY_LLAMA)
+    assert moe is None
+    assert ModelArgs.from_header(old) == ModelArgs.from_header(new)
+    gemma, _ = arch_from_hf_config({**LEGACY_LLAMA, "model_type": "gemma", "hidden_act": "gelu",
+                                    "rope_scaling": None})
+    assert gemma["hidden_act"] == "gelu_pytorch_tanh" and gemma["norm_style"] == "gemma"
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"arch_name": "mamba"}, "arch.arch_name 'mamba' is not a supported family"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 is not supported"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn' is not one of"),
+    ({"hidden_act": "relu"}, "hidden_act 'relu' is not one of"),
+])
+def test_architectures_the_model_cannot_run_are_refused_by_name(change, message):
+    arch, _ = arch_from_hf_config(LEGACY_LLAMA)
+    with pytest.raises(UnsupportedModel, match=message):
+        ModelArgs.from_header({"arch": {**arch, **change}}, source="m.cmf")
