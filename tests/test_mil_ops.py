@@ -221,6 +221,19 @@ def test_unary_math_against_torch():
     np.testing.assert_allclose(run("rsqrt", x=x), 1 / np.sqrt(x + 1e-12), rtol=1e-6)  # default epsilon
 
 
+@pytest.mark.parametrize("exclusive", [False, True])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_cumsum_matches_torch(exclusive, reverse):
+    t = torch.from_numpy(X)
+    ref = t.flip(2).cumsum(2).flip(2) if reverse else t.cumsum(2)
+    if exclusive:
+        ref = ref - t
+    out = run("cumsum", x=X, axis=2, exclusive=exclusive, reverse=reverse)
+    np.testing.assert_allclose(out, ref.numpy(), rtol=1e-5, atol=1e-6)
+    ints = np.array([[1, 0, 1, 1]], np.int32)
+    assert run("cumsum", x=ints, axis=-1, exclusive=exclusive).tolist() == [[0, 1, 1, 2] if exclusive else [1, 1, 2, 3]]
+
+
 def test_reductions_and_matmul_against_torch():
     t = torch.from_numpy(X)
     np.testing.assert_allclose(run("reduce_mean", x=X, axes=np.array([-1]), keep_dims=True), t.mean(-1, keepdim=True).numpy(), rtol=1e-6)

@@ -160,6 +160,18 @@ def reduce_argmin(x, axis=-1, keep_dims=False):
     return np.expand_dims(out, int(axis)) if keep_dims else out
 
 
+@op("cumsum")
+def cumsum(x, axis=0, exclusive=False, reverse=False):
+    axis = int(axis)
+    if reverse:
+        x = np.flip(x, axis)
+    out = np.cumsum(x, axis=axis)
+    if exclusive:  # shift by one (not `out - x`, which is inexact for floats)
+        zero = np.zeros_like(np.take(out, [0], axis=axis))
+        out = np.concatenate([zero, np.take(out, np.arange(x.shape[axis] - 1), axis=axis)], axis=axis)
+    return np.flip(out, axis) if reverse else out
+
+
 @op("softmax")
 def softmax(x, axis=-1):
     e = np.exp(x - np.max(x, axis=int(axis), keepdims=True))
