@@ -56,6 +56,10 @@ class CmfTensors(Mapping):
             total += np.float32(weight) * self.cmf.decode(source)
         return total
 
+    def __contains__(self, name: object) -> bool:
+        # Mapping's default would decode the tensor to find out.
+        return name in self.members[0][0]
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.names)
 
