@@ -4,7 +4,6 @@ The artifact is a CMF written from a random-weight HF Qwen3 with the fixture tok
 expected logits and NLLs come from the HF model itself and the `tokenizers` library.
 """
 
-import json
 import re
 from pathlib import Path
 
