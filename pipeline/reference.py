@@ -13,15 +13,17 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
+from safetensors.numpy import load_file
 
+from pipeline.bundle import WEIGHTS_NAME, verify_bundle
 from pipeline.cmf import open_cmf
 from pipeline.cmf.reader import CmfFile
 from pipeline.cmf.skills import skill_tensor_source
+from pipeline.errors import UnsupportedModel
 from pipeline.models import Decoder, ModelArgs, build_model
 from pipeline.models.errors import ModelConfigError
 
 BUNDLE_CONFIG = "config.json"
-BUNDLE_WEIGHTS = "weights.safetensors"
 BUNDLE_TOKENIZER = "tokenizer.json"
 
 
@@ -106,6 +108,9 @@ def load_reference(artifact: str | Path, task: str | int | None = None, skill: s
             raise ModelConfigError(f"{path}: a bundle is one fixed model; task, skill and blend apply to CMF files")
         return _load_bundle(path)
     with open_cmf(path) as cmf:
+        if cmf.is_skill_file:
+            raise UnsupportedModel(f"{cmf.path.name}: a skill file (feature bit 6) never runs on its own; "
+                                   "apply it to its base (pipeline.cmf.skills.apply_skill_file) and load that")
         args = ModelArgs.from_header(cmf.header, source=cmf.path.name)
         mask = None if task is None else task_mask(cmf, task)
         model = build_model(args, cmf_tensors(cmf, skill, blend, temperature), mask, source=cmf.path.name)
@@ -113,13 +118,9 @@ def load_reference(artifact: str | Path, task: str | int | None = None, skill: s
 
 
 def _load_bundle(path: Path) -> tuple[Decoder, ModelArgs, bytes | None]:
-    from safetensors.numpy import load_file
-
-    from pipeline.bundle import verify_bundle
-
     verify_bundle(path)
     config = json.loads((path / BUNDLE_CONFIG).read_text())
     args = ModelArgs.from_header(config, source=str(path / BUNDLE_CONFIG))
-    model = build_model(args, load_file(path / BUNDLE_WEIGHTS), source=str(path / BUNDLE_WEIGHTS))
+    model = build_model(args, load_file(path / WEIGHTS_NAME), source=str(path / WEIGHTS_NAME))
     tokenizer = path / BUNDLE_TOKENIZER
     return model, args, tokenizer.read_bytes() if tokenizer.exists() else None

@@ -16,7 +16,7 @@ import torch
 from _hf_models import load_saved, save_hf_model
 from pipeline.cmf import write_cmf
 from pipeline.cmf.masks import TaskMask
-from pipeline.cmf.skills import add_skill
+from pipeline.cmf.skills import add_skill, export_skill_file
 from pipeline.errors import UnsupportedModel
 from pipeline.models import ModelArgs, MoeArgs, build_model
 from pipeline.models.errors import ModelConfigError
@@ -227,6 +227,13 @@ def test_a_soft_blend_mixes_skills_by_softmax_of_negative_energy(skilled):
     model, _, _ = load_reference(path, blend=energies, temperature=temperature)
     with torch.no_grad():
         _assert_close(model(IDS), _logits(header, blended))
+
+
+def test_a_skill_file_is_never_run_on_its_own(skilled, tmp_path):
+    path = skilled[0]
+    skill_file = export_skill_file(path, "math", tmp_path / "math.cmf")
+    with pytest.raises(UnsupportedModel, match="skill file .* never runs on its own"):
+        load_reference(skill_file)
 
 
 # -- refusals

@@ -99,7 +99,7 @@ class ModelArgs:
             raise ModelConfigError(
                 f"{source}: arch.layer_types has {len(layer_types)} entries for num_layers {num_layers}"
             )
-        moe = header.get("moe", arch.get("moe"))
+        moe = header.get("moe") or arch.get("moe")  # top-level per spec §2.2; some writers nest it
         return cls(
             arch_name=arch_name,
             hidden_size=field.get("hidden_size", int),
