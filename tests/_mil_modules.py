@@ -129,7 +129,7 @@ class TinyDecoderStateful(TinyDecoder):
 # Imported lazily by the functions below: coremltools is slow to import and noisy.
 
 
-def _convert(module, example, inputs, outputs, states=None):
+def _convert(module, example, inputs, outputs, states=None, precision="FLOAT32"):
     import coremltools as ct
 
     traced = torch.jit.trace(module, example)
@@ -137,7 +137,7 @@ def _convert(module, example, inputs, outputs, states=None):
         traced,
         convert_to="mlprogram",
         minimum_deployment_target=ct.target.iOS18,
-        compute_precision=ct.precision.FLOAT32,
+        compute_precision=getattr(ct.precision, precision),
         inputs=inputs,
         outputs=outputs,
         states=states,
@@ -150,11 +150,11 @@ def _ids_type(max_len: int):
     return ct.TensorType("ids", shape=(1, ct.RangeDim(1, max_len)), dtype=np.int32)
 
 
-def convert_stateless(module: TinyDecoder):
+def convert_stateless(module: TinyDecoder, precision: str = "FLOAT32"):
     import coremltools as ct
 
     ids = torch.zeros(1, 5, dtype=torch.int32)
-    return _convert(module, ids, [_ids_type(MAX_LEN)], [ct.TensorType("logits")])
+    return _convert(module, ids, [_ids_type(MAX_LEN)], [ct.TensorType("logits")], precision=precision)
 
 
 def cache_shape() -> tuple[int, ...]:
@@ -282,6 +282,7 @@ def build_packages(root) -> dict:
         ("stateless", stateless),
         ("kv", convert_kv(TinyDecoderKV().eval())),
         ("stateful", convert_stateful(TinyDecoderStateful().eval())),
+        ("fp16", convert_stateless(TinyDecoder().eval(), precision="FLOAT16")),
     ):
         paths[name] = root / f"{name}.mlpackage"
         mlmodel.save(str(paths[name]))
