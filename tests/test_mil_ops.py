@@ -275,9 +275,10 @@ def test_subbyte_unpack_inverts_coremltools_packing(nbits, signed):
     from coremltools.optimize._utils import pack_elements_into_bits
 
     lo, hi = (-(2 ** (nbits - 1)), 2 ** (nbits - 1)) if signed else (0, 2**nbits)
-    values = rng.integers(lo, hi, size=37).astype(np.int8 if signed else np.uint8)
-    packed = pack_elements_into_bits(values, nbits)
-    np.testing.assert_array_equal(unpack_subbyte(packed, nbits, values.size, signed), values)
+    for count in (1, 5, 37, 1003):  # partial bytes and partial 3-byte words at the end
+        values = rng.integers(lo, hi, size=count).astype(np.int8 if signed else np.uint8)
+        packed = pack_elements_into_bits(values, nbits)
+        np.testing.assert_array_equal(unpack_subbyte(packed, nbits, count, signed), values)
 
 
 def test_blockwise_shift_scale_matches_an_explicit_loop():

@@ -18,9 +18,6 @@ from coreml.mil.errors import MilError, UnsupportedOp
 from coreml.mil.loader import FeatureSpec, Function, Operation, Program, TensorSpec
 from coreml.mil.ops import OPS
 
-_FOLDED = ("const",)  # plus every op whose type starts with constexpr_
-
-
 class StateCell:
     """One state buffer; writes keep its declared dtype and shape (Core ML states are fixed)."""
 
@@ -203,6 +200,8 @@ class Executor:
         for name, feature in declared.items():
             if name not in inputs:
                 raise MilError(f"{self.where}: input {name!r} is missing")
+            if feature.dtype is None:
+                raise MilError(f"{self.where}: input {name!r} has an array dtype the executor does not know")
             value = np.asarray(inputs[name])
             _check_shape(feature, value.shape, f"{self.where}: input {name!r}")
             if not np.can_cast(value.dtype, feature.dtype.numpy, casting="same_kind"):

@@ -127,10 +127,19 @@ class Program:
 
 def unpack_subbyte(packed: np.ndarray, nbits: int, count: int, signed: bool) -> np.ndarray:
     """Unpack `count` nbits-wide integers stored LSB first (coremltools pack_elements_into_bits)."""
-    bits = np.unpackbits(packed.view(np.uint8), bitorder="little", count=count * nbits)
-    weights = (1 << np.arange(nbits, dtype=np.uint8)).astype(np.uint8)
-    values = bits.reshape(count, nbits) @ weights if count else np.zeros(0, np.uint8)
-    values = values.astype(np.uint8)
+    packed = packed.view(np.uint8)
+    if 8 % nbits == 0:  # whole values per byte: shift in place, one byte per value of memory
+        shifts = np.arange(0, 8, nbits, dtype=np.uint8)
+        values = ((packed[:, None] >> shifts) & np.uint8((1 << nbits) - 1)).reshape(-1)[:count]
+    else:  # 3 and 6 bits straddle bytes, but every 3 bytes (24 bits) hold whole values
+        per_word = 24 // nbits
+        words = np.zeros((-(-count // per_word), 3), np.uint8)
+        flat = words.reshape(-1)
+        flat[: min(flat.size, packed.size)] = packed[: flat.size]
+        w = words.astype(np.uint32)
+        w = w[:, 0] | (w[:, 1] << 8) | (w[:, 2] << 16)
+        shifts = np.arange(0, 24, nbits, dtype=np.uint32)
+        values = ((w[:, None] >> shifts) & np.uint32((1 << nbits) - 1)).astype(np.uint8).reshape(-1)[:count]
     if signed:
         return (values.astype(np.int8) << (8 - nbits)) >> (8 - nbits)  # sign-extend
     return values
@@ -139,6 +148,8 @@ def unpack_subbyte(packed: np.ndarray, nbits: int, count: int, signed: bool) -> 
 def _from_bytes(raw: bytes | memoryview | np.ndarray, dtype: MilDType, shape: tuple[int, ...], where: str):
     count = int(np.prod(shape, dtype=np.int64))
     buf = np.frombuffer(raw, dtype=np.uint8)
+    if dtype.numpy == np.object_:
+        raise MilError(f"{where}: {dtype.name} tensors cannot be stored as raw bytes")
     if dtype.nbits < 8:
         need = (count * dtype.nbits + 7) // 8
         if buf.size < need:
