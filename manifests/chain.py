@@ -21,6 +21,10 @@ from pipeline.errors import IdentityError
 
 VERIFIERS = {
     "cmfdeploy.bundle/1": "pipeline.bundle:verify_bundle",
+    "cmfdeploy.coreml/1": "coreml.manifest:verify_package",
+    "cmfdeploy.alignment/1": "pipeline.align:verify_alignment",
+    "cmfdeploy.compressed/1": "coreml.manifest:verify_package",
+    "cmfdeploy.release/1": "pipeline.release:verify_release",
 }
 
 

