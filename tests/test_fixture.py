@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from _one_thread import one_thread  # noqa: F401 (autouse fixture)
 
 from fixtures.corpus import BOTCHAN, corpus_lines, split_lines
 from fixtures.make_reference import OUT as REFERENCE
