@@ -7,6 +7,7 @@ small interface, so gates, scoring and benchmarks never care where they run:
     pkg = open_package(path)                       # backend "auto": Core ML on macOS
     out = pkg.predict({"input_ids": ids})          # dict name -> np.ndarray
     state = pkg.make_state(); pkg.predict(inputs, state=state)   # stateful packages
+    state.read_state("key_cache"); state.write_state("key_cache", a)  # snapshots, either engine
 """
 
 from __future__ import annotations

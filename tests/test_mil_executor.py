@@ -85,15 +85,29 @@ def test_stateful_variant_matches_torch_and_keeps_fp16_states(paths):
     pkg = open_package(paths["stateful"])
     module = mm.TinyDecoderStateful().eval()
     state = pkg.make_state()
-    assert {name: state[name].dtype for name in state} == {"k_cache": np.float16, "v_cache": np.float16}
+    assert {name: state.read_state(name).dtype for name in ("k_cache", "v_cache")} == {"k_cache": np.float16, "v_cache": np.float16}
     for step, (pos, T) in enumerate(CHUNKS):
         ids, position = _ids(T, step), np.array([pos], np.int32)
         out = pkg.predict({"ids": ids, "position": position}, state=state)["logits"]
         ref = _torch(module, torch.from_numpy(ids), torch.from_numpy(position))
         assert np.abs(out - ref).max() <= STATEFUL_TOL
-    assert state["k_cache"].dtype == np.float16
-    np.testing.assert_array_equal(state["k_cache"], module.k_cache.numpy())
-    np.testing.assert_array_equal(state["v_cache"], module.v_cache.numpy())
+    np.testing.assert_array_equal(state.read_state("k_cache"), module.k_cache.numpy())
+    np.testing.assert_array_equal(state.read_state("v_cache"), module.v_cache.numpy())
+
+
+def test_state_snapshot_by_read_and_write_branches_exactly(paths):
+    pkg = open_package(paths["stateful"])
+    state = pkg.make_state()
+    pkg.predict({"ids": _ids(6, 0), "position": np.array([0], np.int32)}, state=state)
+    branch = pkg.make_state()
+    for name in ("k_cache", "v_cache"):
+        branch.write_state(name, state.read_state(name))
+    feed = {"ids": _ids(2, 1), "position": np.array([6], np.int32)}
+    a = pkg.predict(feed, state=state)["logits"]
+    b = pkg.predict(feed, state=branch)["logits"]
+    np.testing.assert_array_equal(a, b)
+    with pytest.raises(MilError, match="write of shape"):
+        branch.write_state("k_cache", np.zeros(3))
 
 
 def test_stateful_package_needs_a_state(paths):

@@ -63,6 +63,8 @@ def test_stateful_agrees(paths):
         a = mac.predict(feed, state=mac_state)["logits"]
         b = ref.predict(feed, state=ref_state)["logits"]
         assert np.abs(a - b).max() <= TOL
+    for name in ("k_cache", "v_cache"):
+        assert np.abs(mac_state.read_state(name).astype(np.float32) - ref_state.read_state(name)).max() <= TOL
 
 
 def test_multifunction_agrees(paths):

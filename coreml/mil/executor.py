@@ -32,23 +32,23 @@ class StateCell:
         self.value = data.astype(self.value.dtype)
 
 
-class State(Mapping):
-    """The states of one function, updated in place by `predict(..., state=)`."""
+class State:
+    """The states of one function, updated in place by `run(..., state=)`. Same reading and
+    writing interface as coremltools' MLState, so callers snapshot either engine alike."""
 
     def __init__(self, arrays: Mapping[str, np.ndarray]):
         self.cells = {name: StateCell(name, np.array(a)) for name, a in arrays.items()}
 
-    def __getitem__(self, name: str) -> np.ndarray:
-        return self.cells[name].value
+    def _cell(self, name: str) -> StateCell:
+        if name not in self.cells:
+            raise MilError(f"no state {name!r}; the states are {sorted(self.cells)}")
+        return self.cells[name]
 
-    def __iter__(self):
-        return iter(self.cells)
+    def read_state(self, name: str) -> np.ndarray:
+        return self._cell(name).value.copy()
 
-    def __len__(self) -> int:
-        return len(self.cells)
-
-    def copy(self) -> "State":
-        return State({name: cell.value for name, cell in self.cells.items()})
+    def write_state(self, name: str, value: np.ndarray) -> None:
+        self._cell(name).write(value)
 
 
 @dataclass(frozen=True)
@@ -177,8 +177,8 @@ class Executor:
         env: dict[str, object] = dict(self.constants)
         env.update(self._check_inputs(inputs))
         if self.function.spec_states:
-            if state is None:
-                raise MilError(f"{self.where}: this function has states; pass state=make_state()")
+            if not isinstance(state, State):
+                raise MilError(f"{self.where}: this function has states; pass state=make_state(), not {state!r}")
             missing = {s.name for s in self.function.spec_states} - set(state.cells)
             if missing:
                 raise MilError(f"{self.where}: state object lacks {sorted(missing)}")
