@@ -52,15 +52,15 @@ def _verify_artifact(args) -> int:
 def _import_hf(args) -> int:
     from pipeline.importers.hf import import_hf
 
-    path = import_hf(args.folder, args.output, policy=policy_from_args(args), force=args.force)
-    print(f"{path}: written")
+    paths = import_hf(args.folder, args.output, policy=policy_from_args(args), force=args.force)
+    print("written: " + ", ".join(map(str, paths)))
     return 0
 
 
 def _import_gguf(args) -> int:
     from pipeline.importers.gguf import import_gguf
 
-    path = import_gguf(args.file, args.output, policy=policy_from_args(args), force=args.force)
-    print(f"{path}: written")
+    paths = import_gguf(args.file, args.output, policy=policy_from_args(args), force=args.force)
+    print("written: " + ", ".join(map(str, paths)))
     return 0
 
