@@ -1,16 +1,35 @@
-# cmfdeploy: `make all` runs the main job on the default fixture, `make test` the test suite.
-# Both set up everything themselves: the venv, pinned installs and fixture builds.
+# cmfdeploy. `make all` runs the main job on the default fixture (bundle, coreml, compress,
+# align, score); `make test` runs the test suite. Both set everything up themselves: the
+# venv, pinned installs and fixture builds.
+#
+#   make bundle coreml compress align      MODEL=path/to/model.cmf  RECIPES="int8-b32 int4-b32"
+#   make release                            -> dist/<model>-<recipe>/
+#
+# Every stage target is a real file under build/<model>/, rebuilt only when its inputs
+# change. A gate that fails keeps its report but not its stamp, so make stops there and
+# retries it next time.
 
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
+CLI := HF_HUB_OFFLINE=1 $(PY) -m pipeline.cli
 
-.PHONY: all test venv clean
+DEFAULT_MODEL := fixtures/botchan-llama-1m.cmf
+MODEL ?= $(DEFAULT_MODEL)
+NAME := $(basename $(notdir $(MODEL)))
+OUT := build/$(NAME)
+RECIPES ?= int8-b32 int4-b32 palette6-gc32 palette4-gc32 int8-b32-embfp16 palette4-int8lut mixed
+ITEMS ?= fixtures/scoring/cloze.jsonl
+# Tokens the packages take (and the gates' long case covers); 128 is the fixture's context.
+CONTEXT ?= 128
+# The default fixture ships frozen reference logits; any other model gets them computed
+# once from its own CMF by the PyTorch reference.
+REFERENCE := $(if $(filter $(DEFAULT_MODEL),$(MODEL)),fixtures/reference,$(OUT)/reference)
 
-all: $(INSTALLED)
-	$(PY) -m pipeline.cli inspect $(MODEL)
-	$(PY) -m pipeline.cli verify $(MODEL)
+.PHONY: all test venv bundle coreml compress align score release clean
+
+all: bundle coreml compress align score
 
 venv: $(INSTALLED)
 
@@ -24,6 +43,40 @@ $(INSTALLED): pyproject.toml
 
 test: $(INSTALLED)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider
+
+bundle: $(OUT)/bundle/manifest.json
+coreml: $(OUT)/coreml/stateless/manifest.json
+align: $(OUT)/align/stateless.passed $(OUT)/align/chunk_kv.passed
+compress: $(OUT)/survey/survey.json
+score: $(OUT)/scores/fp32-chunk_kv/manifest.json
+release: $(OUT)/release.done
+
+$(OUT)/bundle/manifest.json: $(MODEL) | $(INSTALLED)
+	$(CLI) bundle $(MODEL) -o $(OUT)/bundle --force
+
+$(OUT)/coreml/stateless/manifest.json: $(OUT)/bundle/manifest.json
+	$(CLI) coreml $(OUT)/bundle -o $(OUT)/coreml --kinds stateless chunk_kv stateful --context $(CONTEXT) --force
+
+$(OUT)/reference/index.json: $(OUT)/bundle/manifest.json
+	$(CLI) reference-fixtures $(MODEL) -o $(OUT)/reference --text fixtures/botchan.txt --context $(CONTEXT) --force
+
+$(OUT)/align/%.passed: $(OUT)/coreml/stateless/manifest.json $(REFERENCE)/index.json
+	rm -f $@
+	$(CLI) align $(OUT)/coreml/$* --fixtures $(REFERENCE) -o $(OUT)/align/$* --force
+	touch $@
+
+$(OUT)/survey/survey.json: $(OUT)/align/chunk_kv.passed $(ITEMS)
+	$(CLI) survey $(OUT)/coreml/chunk_kv --fp32-gate $(OUT)/align/chunk_kv --fixtures $(REFERENCE) \
+	  --items $(ITEMS) -o $(OUT)/survey --recipes $(RECIPES) --force
+
+$(OUT)/scores/fp32-chunk_kv/manifest.json: $(OUT)/align/chunk_kv.passed $(ITEMS)
+	$(CLI) score $(OUT)/coreml/chunk_kv $(ITEMS) -o $(OUT)/scores/fp32-chunk_kv --force
+
+$(OUT)/release.done: $(OUT)/survey/survey.json $(OUT)/align/stateless.passed
+	$(CLI) release $(OUT)/survey -o dist --name $(NAME) \
+	  --package $(OUT)/coreml/stateless $(OUT)/align/stateless --force
+	$(CLI) verify-artifact dist/$(NAME)-$$($(PY) -c "import json;print(json.load(open('$(OUT)/survey/survey.json'))['deployed']['recipe'])")
+	touch $@
 
 clean:
 	rm -rf build dist

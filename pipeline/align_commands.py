@@ -1,4 +1,6 @@
-"""CLI: `cmfdeploy align PACKAGE --fixtures DIR -o OUT` (exit 1 when the gate fails)."""
+"""CLI: `cmfdeploy align` (exit 1 when the gate fails) and `cmfdeploy reference-fixtures`."""
+
+from pathlib import Path
 
 from pipeline.align import TOLERANCES, align_package
 
@@ -13,6 +15,15 @@ def _align(args) -> int:
     return 0
 
 
+def _reference_fixtures(args) -> int:
+    from pipeline.reference_fixtures import make_reference_fixtures
+
+    lines = Path(args.text).read_text(encoding="utf-8").splitlines()
+    out = make_reference_fixtures(args.cmf, args.out, lines, context=args.context, force=args.force)
+    print(f"wrote {out}")
+    return 0
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser("align", help="gate a Core ML package against the PyTorch FP32 fixtures")
     p.add_argument("package", help="package directory (model.mlpackage + manifest.json)")
@@ -22,3 +33,11 @@ def register(subparsers) -> None:
     p.add_argument("--backend", default="auto", help="auto, coreml-executor or coreml-macos")
     p.add_argument("--force", action="store_true", help="replace an existing report directory")
     p.set_defaults(func=_align)
+
+    p = subparsers.add_parser("reference-fixtures", help="compute a model's PyTorch FP32 gate fixtures")
+    p.add_argument("cmf", help="the CMF the packages were made from")
+    p.add_argument("-o", "--out", required=True, help="fixtures directory to create")
+    p.add_argument("--text", required=True, help="plain text; cases start at lines 0, 100 and 200")
+    p.add_argument("--context", type=int, default=128, help="tokens of the long case (the packages' context)")
+    p.add_argument("--force", action="store_true", help="replace an existing directory")
+    p.set_defaults(func=_reference_fixtures)
