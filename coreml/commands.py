@@ -1,0 +1,46 @@
+"""CLI: `cmfdeploy coreml BUNDLE -o OUT` and `cmfdeploy compress PACKAGE RECIPE -o OUT`."""
+
+import argparse
+
+from tqdm import tqdm
+
+from coreml.convert import KINDS, export_coreml, export_steps
+from coreml.recipes import RECIPES, compress_package
+
+
+def register(subparsers) -> None:
+    convert = subparsers.add_parser("coreml", help="convert an FP32 bundle into Core ML packages")
+    convert.add_argument("bundle", help="bundle directory (from `cmfdeploy bundle`)")
+    convert.add_argument("-o", "--out", required=True, help="output directory; one subfolder per package kind")
+    convert.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
+    convert.add_argument("--context", type=int, help="KV/flexible-length context (default: max_position_embeddings)")
+    convert.add_argument("--force", action="store_true", help="replace an existing output")
+    convert.set_defaults(func=_coreml)
+
+    compress = subparsers.add_parser("compress", help="apply a compression recipe to a Core ML package")
+    compress.add_argument("package", help="package directory (out/<kind>/ from `cmfdeploy coreml`)")
+    compress.add_argument("recipe", choices=sorted(RECIPES))
+    compress.add_argument("-o", "--out", required=True, help="output package directory")
+    compress.add_argument("--force", action="store_true", help="replace an existing output")
+    compress.set_defaults(func=_compress)
+
+
+def _coreml(args: argparse.Namespace) -> int:
+    with tqdm(total=export_steps(args.kinds), unit="stage") as bar:
+
+        def progress(stage: str) -> None:
+            bar.set_description(stage)
+            bar.update(1)
+
+        manifests = export_coreml(args.bundle, args.out, args.kinds, force=args.force, context=args.context,
+                                  progress=progress)
+    for kind, manifest in manifests.items():
+        print(f"{kind}: {manifest.path} ({manifest['package_bytes']} bytes)")
+    return 0
+
+
+def _compress(args: argparse.Namespace) -> int:
+    manifest = compress_package(args.package, args.recipe, args.out, force=args.force)
+    print(f"{args.recipe}: {manifest.path} ({manifest['size_bytes']} bytes, "
+          f"{manifest['base_size_bytes']} before)")
+    return 0

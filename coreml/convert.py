@@ -1,0 +1,511 @@
+"""Convert a bundle's reference model into Core ML packages.
+
+Three kinds, all traced from the same reference model (`pipeline.models`), never from a
+second implementation:
+
+- `stateless`: `input_ids [1,T]` -> `logits [1,T,vocab]`, one full forward.
+- `chunk_kv`: the KV cache passed in and out as float32 tensors with an absolute
+  `position`, so a host can prefill and decode in chunks of any size.
+- `stateful`: the KV cache kept as Core ML state (fp16, as Core ML requires), with a
+  `prefill` (flexible T) and a `decode` (T=1) function in one multifunction package.
+
+The chunk-KV graph is checked against the reference on fixed chunk schedules before
+anything is converted; a graph that fails is refused, never shipped.
+"""
+
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import coremltools as ct
+import numpy as np
+import torch
+from torch import nn
+
+from coreml import manifest as package_manifest
+from coreml.mil.loader import load_program
+from coreml.package import open_package
+from manifests.identity import Manifest, load_manifest, sha256_bytes
+from pipeline.errors import CmfdeployError, UnsupportedModel
+from pipeline.models import KVCache, ModelArgs, build_model
+from pipeline.reference import load_reference
+
+KINDS = ("stateless", "chunk_kv", "stateful")
+# Chunk schedules (token counts per call) that together exercise a first call longer than
+# one token, single-token decode between long chunks, and a chunk ending at the last slot.
+CHECK_SCHEDULES = ((1, 3, 124), (128,), (3, 1, 124), (124, 3, 1), (127, 1))
+# float32 graph vs float32 reference: only summation order differs.
+SCHEDULE_TOLERANCE = 3e-4
+# Lengths at which the stateless trace is replayed against the reference.
+STATELESS_CHECK_LENGTHS = (1, 7, 128)
+TRACE_LENGTH = 5
+AUTHOR = "cmfdeploy"
+
+
+class ScheduleMismatch(CmfdeployError):
+    """A traced graph disagrees with the reference model on a chunk schedule or a length."""
+
+
+class UnknownKind(CmfdeployError):
+    """A requested package kind is not one this converter builds."""
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The bundle's reference model and what a package must record about it."""
+
+    bundle_dir: Path
+    args: ModelArgs
+    model: nn.Module
+    context: int
+    bundle_manifest: dict
+    source: dict  # the manifest's `source` record: the bundle, by manifest sha256
+
+    @property
+    def cache_shape(self) -> tuple[int, ...]:
+        a = self.args
+        return (a.num_layers, 1, a.num_kv_heads, self.context, a.head_dim)
+
+
+def reference_for_export(bundle_dir: Path, context: int | None = None) -> Reference:
+    """Verify the bundle (hashes included) and build its reference model.
+
+    Core ML packages here are dense full-attention decoders: anything else is refused by
+    name before tracing.
+    """
+    bundle_dir = Path(bundle_dir)
+    model, args, _ = load_reference(bundle_dir)  # verifies the bundle first
+    where = bundle_dir / "config.json"
+    if args.moe is not None or set(args.layer_types) != {"FullAttention"}:
+        raise UnsupportedModel(
+            f"{where}: Core ML conversion supports dense full-attention decoders; "
+            f"got layer_types {sorted(set(args.layer_types))}, moe {args.moe is not None}"
+        )
+    context = args.max_position_embeddings if context is None else context
+    if not 1 <= context <= args.max_position_embeddings:
+        raise UnsupportedModel(
+            f"{where}: context {context} is outside 1..arch.max_position_embeddings {args.max_position_embeddings}"
+        )
+    return Reference(
+        bundle_dir, args, model.eval(), context, load_manifest(bundle_dir), package_manifest.artifact_source(bundle_dir)
+    )
+
+
+# --- traced graphs ---------------------------------------------------------------------
+
+
+class StatelessGraph(nn.Module):
+    """`input_ids [1,T]` -> `logits [1,T,vocab]` through the reference model's plain forward."""
+
+    def __init__(self, model: nn.Module, vocab: int):
+        super().__init__()
+        self.model, self.vocab = model, vocab
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids).reshape(1, -1, self.vocab)
+
+
+class ChunkKVGraph(nn.Module):
+    """Cache tensors in, updated cache tensors out; `position` is the first slot written."""
+
+    def __init__(self, model: nn.Module, vocab: int):
+        super().__init__()
+        self.model, self.vocab = model, vocab
+
+    def forward(self, input_ids, position, key_cache, value_cache):
+        logits, new_k, new_v = self.model.forward_with_cache_tensors(input_ids, position, key_cache, value_cache)
+        return logits.reshape(1, -1, self.vocab), new_k, new_v
+
+
+class StatefulGraph(nn.Module):
+    """The chunk-KV graph over fp16 buffers that the converter turns into Core ML states.
+
+    The whole cache is written back each call: the reference contract returns full caches,
+    and a full `[:]` write is the in-place form coremltools maps to `coreml_update_state`.
+    """
+
+    def __init__(self, model: nn.Module, vocab: int, cache_shape: tuple[int, ...]):
+        super().__init__()
+        self.model, self.vocab = model, vocab
+        self.register_buffer("key_cache", torch.zeros(cache_shape, dtype=torch.float16))
+        self.register_buffer("value_cache", torch.zeros(cache_shape, dtype=torch.float16))
+
+    def forward(self, input_ids, position):
+        logits, new_k, new_v = self.model.forward_with_cache_tensors(
+            input_ids, position, self.key_cache.float(), self.value_cache.float()
+        )
+        self.key_cache[:] = new_k.half()
+        self.value_cache[:] = new_v.half()
+        return logits.reshape(1, -1, self.vocab)
+
+
+def _example_ids(vocab: int, length: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (1, length), generator=generator, dtype=torch.int32)
+
+
+def _position(value: int) -> torch.Tensor:
+    return torch.tensor([value], dtype=torch.int32)
+
+
+def _trace(module: nn.Module, example: tuple) -> torch.jit.ScriptModule:
+    with torch.no_grad():
+        return torch.jit.trace(module.eval(), example, check_trace=False)
+
+
+# --- checks against the reference ------------------------------------------------------
+
+
+def _clip_schedule(schedule: Iterable[int], context: int) -> tuple[int, ...]:
+    """The schedule's chunks cut to fit `context` slots (the full schedules need 128)."""
+    ends = np.minimum(np.cumsum(schedule), context)
+    sizes = np.diff(ends, prepend=0)
+    return tuple(int(s) for s in sizes if s > 0)
+
+
+def check_chunk_schedules(
+    graph: Callable,
+    ref: Reference,
+    schedules: Iterable[tuple[int, ...]] = CHECK_SCHEDULES,
+    tolerance: float = SCHEDULE_TOLERANCE,
+) -> dict[str, float]:
+    """Run `graph(ids, position, k, v)` chunk by chunk and compare with the reference.
+
+    The caches start as noise, so a graph that reads a slot at or after position+T (or
+    writes the wrong slots) shows up as a logit error. Each schedule is compared with the
+    plain forward over all tokens and with `forward_cached` fed the same chunks.
+    Returns max |Δ| per schedule; raises `ScheduleMismatch` naming the first that fails.
+    """
+    errors = {}
+    generator = torch.Generator().manual_seed(1)
+    for schedule in schedules:
+        schedule = _clip_schedule(schedule, ref.context)
+        ids = _example_ids(ref.args.vocab_size, sum(schedule), seed=len(errors) + 2)
+        key_cache = torch.randn(ref.cache_shape, generator=generator)
+        value_cache = torch.randn(ref.cache_shape, generator=generator)
+        cache = KVCache.empty(ref.args, ref.context)
+        graph_logits, cached_logits = [], []
+        position = 0
+        with torch.no_grad():
+            full = ref.model(ids).reshape(-1, ref.args.vocab_size)
+            for size in schedule:
+                chunk = ids[:, position : position + size]
+                logits, key_cache, value_cache = graph(chunk, _position(position), key_cache, value_cache)
+                graph_logits.append(logits.reshape(-1, ref.args.vocab_size))
+                cached_logits.append(ref.model.forward_cached(chunk, cache).reshape(-1, ref.args.vocab_size))
+                position += size
+        graph_logits = torch.cat(graph_logits)
+        delta = max(
+            float((graph_logits - full).abs().max()),
+            float((graph_logits - torch.cat(cached_logits)).abs().max()),
+        )
+        name = "[" + ",".join(map(str, schedule)) + "]"
+        errors[name] = delta
+        if not delta <= tolerance:  # also catches NaN
+            raise ScheduleMismatch(
+                f"{ref.bundle_dir}: chunk-KV graph on schedule {name} differs from the reference "
+                f"by max |Δ| {delta:.3g} > {tolerance:g}; refusing to export"
+            )
+    return errors
+
+
+def check_stateless(graph: Callable, ref: Reference, tolerance: float = SCHEDULE_TOLERANCE) -> dict[str, float]:
+    """Replay a traced stateless graph at several lengths: a baked-in T shows up here."""
+    errors = {}
+    for length in sorted({min(n, ref.context) for n in STATELESS_CHECK_LENGTHS}):
+        ids = _example_ids(ref.args.vocab_size, length, seed=100 + length)
+        with torch.no_grad():
+            delta = float((graph(ids).reshape(length, -1) - ref.model(ids).reshape(length, -1)).abs().max())
+        errors[f"T={length}"] = delta
+        if not delta <= tolerance:
+            raise ScheduleMismatch(
+                f"{ref.bundle_dir}: stateless graph at T={length} differs from the reference "
+                f"by max |Δ| {delta:.3g} > {tolerance:g}; refusing to export"
+            )
+    return errors
+
+
+def measure_stateful(mlpackage: Path, ref: Reference, schedules=CHECK_SCHEDULES) -> dict:
+    """Run the saved stateful package through the MIL executor on the check schedules.
+
+    Two numbers per schedule. The package against the same graph run eagerly in torch
+    with fp16 buffers (identical fp16 rounding of the cache) is a conversion check and
+    must stay within the float32 tolerance, else `ScheduleMismatch`. The package against
+    the float32 reference is the fp16-cache error, measured and recorded, not gated.
+    """
+    functions = {name: open_package(mlpackage, backend="executor", function_name=name)
+                 for name in ("prefill", "decode")}
+    conversion, fp16_cache = {}, {}
+    for index, schedule in enumerate(schedules):
+        schedule = _clip_schedule(schedule, ref.context)
+        ids = _example_ids(ref.args.vocab_size, sum(schedule), seed=200 + index)
+        eager = StatefulGraph(ref.model, ref.args.vocab_size, ref.cache_shape)
+        state = functions["prefill"].make_state()
+        got, simulated, position = [], [], 0
+        with torch.no_grad():
+            reference = ref.model(ids).numpy()
+            for size in schedule:
+                chunk = ids[:, position : position + size]
+                inputs = {"input_ids": chunk.numpy(), "position": np.array([position], dtype=np.int32)}
+                function = functions["decode" if size == 1 else "prefill"]
+                got.append(function.predict(inputs, state)["logits"][0])
+                simulated.append(eager(chunk, _position(position))[0].numpy())
+                position += size
+        got = np.concatenate(got)
+        name = "[" + ",".join(map(str, schedule)) + "]"
+        conversion[name] = float(np.abs(got - np.concatenate(simulated)).max())
+        fp16_cache[name] = float(np.abs(got - reference).max())
+        if not conversion[name] <= SCHEDULE_TOLERANCE:
+            raise ScheduleMismatch(
+                f"{mlpackage}: stateful package on schedule {name} differs from the fp16-cache torch graph "
+                f"by max |Δ| {conversion[name]:.3g} > {SCHEDULE_TOLERANCE:g}; refusing to export"
+            )
+    return {
+        "executor_vs_fp16_cache_graph_max_abs": conversion,
+        "tolerance": SCHEDULE_TOLERANCE,
+        "fp16_cache_error_vs_float32_reference_max_abs": fp16_cache,
+        "fp16_cache_error_bound": max(fp16_cache.values()),
+        "measured_with": "coreml.mil executor (numpy), prefill for chunks > 1 token, decode for 1",
+    }
+
+
+# --- interfaces -------------------------------------------------------------------------
+
+
+def _feature(name: str, dtype: str, shape: list, meaning: str) -> dict:
+    return {"name": name, "dtype": dtype, "shape": shape, "meaning": meaning}
+
+
+def package_interface(kind: str, ref: Reference) -> dict:
+    """The manifest's `package` block: features by name, dtype, shape and meaning.
+
+    `"T"` in a shape is the flexible token count, with its range under `dims` (and per
+    function for the stateful package, whose `decode` fixes T = 1).
+    """
+    cache = list(ref.cache_shape)
+    cache_meaning = "(layer, batch, kv_head, slot, head_dim); slot s holds the token at absolute position s"
+    ids = _feature("input_ids", "int32", [1, "T"], "token ids")
+    logits = _feature("logits", "float32", [1, "T", ref.args.vocab_size], "next-token logits at each input position")
+    position = _feature(
+        "position", "int32", [1],
+        "absolute position of input_ids[0, 0]; cache slots position..position+T-1 are written, later slots are ignored",
+    )
+    block = {
+        "name": package_manifest.MODEL_NAME,
+        "kind": kind,
+        "context": ref.context,
+        "chunk": None,
+        "compute_precision": "float32",
+        "minimum_deployment_target": "iOS18",
+        "dims": {"T": [1, ref.context]},
+        "inputs": [ids],
+        "outputs": [logits],
+    }
+    if kind == "chunk_kv":
+        block["inputs"] += [position, _feature("key_cache", "float32", cache, f"keys {cache_meaning}"),
+                            _feature("value_cache", "float32", cache, f"values {cache_meaning}")]
+        block["outputs"] += [
+            _feature("new_key_cache", "float32", cache, "key_cache with slots position..position+T-1 written"),
+            _feature("new_value_cache", "float32", cache, "value_cache with slots position..position+T-1 written"),
+        ]
+    if kind == "stateful":
+        block["inputs"] += [position]
+        block["states"] = [_feature("key_cache", "float16", cache, f"keys {cache_meaning}"),
+                           _feature("value_cache", "float16", cache, f"values {cache_meaning}")]
+        block["functions"] = {"prefill": {"dims": {"T": [1, ref.context]}}, "decode": {"dims": {"T": [1, 1]}}}
+        block["default_function"] = "decode"
+    return block
+
+
+def _ct_inputs(block: dict, dims: dict) -> list:
+    def dim(d):
+        if isinstance(d, int):
+            return d
+        low, high = dims[d]
+        return low if low == high else ct.RangeDim(lower_bound=low, upper_bound=high, default=low)
+
+    return [ct.TensorType(name=f["name"], shape=tuple(dim(d) for d in f["shape"]), dtype=np.dtype(f["dtype"]).type)
+            for f in block["inputs"]]
+
+
+def _convert(traced, block: dict, dims: dict):
+    states = [ct.StateType(wrapped_type=ct.TensorType(shape=tuple(f["shape"]), dtype=np.float16), name=f["name"])
+              for f in block.get("states", [])]
+    return ct.convert(
+        traced,
+        inputs=_ct_inputs(block, dims),
+        outputs=[ct.TensorType(name=f["name"]) for f in block["outputs"]],
+        states=states or None,
+        convert_to="mlprogram",
+        minimum_deployment_target=ct.target.iOS18,
+        compute_precision=ct.precision.FLOAT32,
+    )
+
+
+def _describe(mlmodel, block: dict, ref: Reference, description: str, features: bool = True) -> None:
+    """Model-level metadata, and per-feature descriptions (single-function models only:
+    coremltools cannot address a multifunction model's features by name)."""
+    package_manifest.set_model_metadata(
+        mlmodel,
+        description=description,
+        license_=ref.bundle_manifest.get("license") or "unspecified; see the source CMF's provenance",
+        version=f"{package_manifest.COREML_FORMAT} {block['kind']}",
+        user={package_manifest.BUNDLE_SHA_KEY: ref.source["manifest_sha256"], "cmfdeploy.kind": block["kind"]},
+    )
+    if features:
+        for f in block["inputs"]:
+            mlmodel.input_description[f["name"]] = f["meaning"]
+        for f in block["outputs"]:
+            mlmodel.output_description[f["name"]] = f["meaning"]
+
+
+def _source_files() -> list[Path]:
+    models_dir = Path(build_model.__code__.co_filename).parent
+    return [Path(__file__), Path(package_manifest.__file__), *sorted(models_dir.glob("*.py"))]
+
+
+def weight_names(mlpackage: Path, model: nn.Module) -> dict[str, list[str]]:
+    """Program constant name -> the HF tensor names whose float32 bytes it holds exactly.
+
+    Compression recipes select by these names, and reports and tests map decompressed
+    constants back onto the reference model through them.
+    """
+    by_bytes: dict[str, list[str]] = {}
+    for name, tensor in model.state_dict().items():
+        by_bytes.setdefault(sha256_bytes(tensor.numpy().astype(np.float32).tobytes()), []).append(name)
+    names = {}
+    for function in load_program(mlpackage).functions.values():
+        for op in function.block.operations:
+            value = op.attributes.get("val") if op.type == "const" else None
+            if isinstance(value, np.ndarray) and value.dtype == np.float32 and value.ndim:
+                if found := by_bytes.get(sha256_bytes(np.ascontiguousarray(value).tobytes())):
+                    names[op.outputs[0][0]] = sorted(found)
+    return dict(sorted(names.items()))
+
+
+def _finish(package_dir: Path, ref: Reference, block: dict, checks: dict, seconds: float) -> Manifest:
+    mlpackage = package_dir / package_manifest.MODEL_NAME
+    block = {**block, "weights": weight_names(mlpackage, ref.model)}
+    return package_manifest.write_package_manifest(
+        package_dir,
+        {
+            "format": package_manifest.COREML_FORMAT,
+            "source": ref.source,
+            "architecture": ref.bundle_manifest["architecture"],
+            "special_tokens": ref.bundle_manifest["special_tokens"],
+            "package": block,
+            "checks": checks,
+            "package_bytes": package_manifest.package_bytes(mlpackage),
+            "conversion": {"seconds": round(seconds, 2), "code": package_manifest.source_digest(_source_files())},
+        },
+    )
+
+
+# --- the three package kinds -------------------------------------------------------------
+
+DESCRIPTIONS = {
+    "stateless": "Stateless decoder: input_ids -> logits over the whole sequence",
+    "chunk_kv": "Chunk-KV decoder: tokens at an absolute position, KV cache passed in and out as float32",
+    "stateful": "Stateful decoder: fp16 KV cache as Core ML state; prefill (1..context tokens) and decode (1 token)",
+}
+
+
+def _export_stateless(ref: Reference, package_dir: Path, step: Callable[[str], None]) -> Manifest:
+    start = time.perf_counter()
+    step("stateless: trace and check")
+    graph = StatelessGraph(ref.model, ref.args.vocab_size)
+    traced = _trace(graph, (_example_ids(ref.args.vocab_size, TRACE_LENGTH, 0),))
+    checks = {"traced_vs_reference_max_abs": check_stateless(traced, ref), "tolerance": SCHEDULE_TOLERANCE}
+    return _save_single(ref, package_dir, step, traced, "stateless", checks, start)
+
+
+def _export_chunk_kv(ref: Reference, package_dir: Path, step: Callable[[str], None]) -> Manifest:
+    start = time.perf_counter()
+    step("chunk_kv: trace and check schedules")
+    zeros = torch.zeros(ref.cache_shape)
+    example = (_example_ids(ref.args.vocab_size, TRACE_LENGTH, 0), _position(3), zeros, zeros)
+    traced = _trace(ChunkKVGraph(ref.model, ref.args.vocab_size), example)
+    checks = {"schedules_vs_reference_max_abs": check_chunk_schedules(traced, ref), "tolerance": SCHEDULE_TOLERANCE}
+    return _save_single(ref, package_dir, step, traced, "chunk_kv", checks, start)
+
+
+def _save_single(ref, package_dir, step, traced, kind, checks, start) -> Manifest:
+    step(f"{kind}: convert")
+    block = package_interface(kind, ref)
+    mlmodel = _convert(traced, block, block["dims"])
+    _describe(mlmodel, block, ref, DESCRIPTIONS[kind])
+    step(f"{kind}: save")
+    package_dir.mkdir(parents=True)
+    mlmodel.save(str(package_dir / package_manifest.MODEL_NAME))
+    return _finish(package_dir, ref, block, checks, time.perf_counter() - start)
+
+
+def _export_stateful(ref: Reference, package_dir: Path, step: Callable[[str], None]) -> Manifest:
+    start = time.perf_counter()
+    block = package_interface("stateful", ref)
+    package_dir.mkdir(parents=True)
+    with tempfile.TemporaryDirectory(dir=package_dir.parent) as scratch:
+        descriptor = ct.utils.MultiFunctionDescriptor()
+        for name, function in block["functions"].items():
+            step(f"stateful: trace and convert {name}")
+            length = min(TRACE_LENGTH, function["dims"]["T"][1])
+            graph = StatefulGraph(ref.model, ref.args.vocab_size, ref.cache_shape)
+            traced = _trace(graph, (_example_ids(ref.args.vocab_size, length, 0), _position(3)))
+            mlmodel = _convert(traced, block, function["dims"])
+            _describe(mlmodel, block, ref, DESCRIPTIONS["stateful"])
+            path = Path(scratch) / f"{name}.mlpackage"
+            mlmodel.save(str(path))
+            descriptor.add_function(str(path), src_function_name="main", target_function_name=name)
+        step("stateful: save multifunction")
+        descriptor.default_function_name = block["default_function"]
+        merged = Path(scratch) / "merged.mlpackage"
+        ct.utils.save_multifunction(descriptor, str(merged))
+        # save_multifunction drops model-level metadata: set it again on the merged package.
+        mlmodel = ct.models.MLModel(str(merged), skip_model_load=True)
+        _describe(mlmodel, block, ref, DESCRIPTIONS["stateful"], features=False)
+        mlmodel.save(str(package_dir / package_manifest.MODEL_NAME))
+    step("stateful: measure the fp16-cache error")
+    checks = measure_stateful(package_dir / package_manifest.MODEL_NAME, ref)
+    return _finish(package_dir, ref, block, checks, time.perf_counter() - start)
+
+
+EXPORTERS = {"stateless": _export_stateless, "chunk_kv": _export_chunk_kv, "stateful": _export_stateful}
+STEPS_PER_KIND = {"stateless": 3, "chunk_kv": 3, "stateful": 4}
+
+
+def export_steps(kinds: Iterable[str]) -> int:
+    """How many times `export_coreml` calls `progress` for these kinds (for a progress bar)."""
+    return 1 + sum(STEPS_PER_KIND[k] for k in kinds)
+
+
+def export_coreml(
+    bundle_dir: str | Path,
+    out_dir: str | Path,
+    kinds: Iterable[str] = KINDS,
+    force: bool = False,
+    context: int | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Manifest]:
+    """Convert the bundle at `bundle_dir` into `out_dir/<kind>/` packages; manifests by kind.
+
+    The bundle is verified (hashes included) before anything is built from it; the whole
+    output appears at once (temp sibling + rename) or not at all. `context` caps the
+    package context below the model's max_position_embeddings.
+    """
+    kinds, out_dir = tuple(kinds), Path(out_dir)
+    unknown = [k for k in kinds if k not in EXPORTERS]
+    if unknown or not kinds:
+        raise UnknownKind(f"{out_dir}: package kinds {unknown or '(none)'} are not among {KINDS}")
+    step = progress or (lambda stage: None)
+    package_manifest.refuse_existing(out_dir, force)
+    step("verify the bundle and build the reference model")
+    ref = reference_for_export(Path(bundle_dir), context)
+    manifests = {}
+    with package_manifest.staged_output(out_dir, force) as staging:
+        for kind in kinds:
+            manifests[kind] = EXPORTERS[kind](ref, staging / kind, step)
+    # The manifests were written in the staging folder; point them at the final one.
+    return {kind: Manifest(out_dir / kind, m.data) for kind, m in manifests.items()}
+

@@ -1,0 +1,155 @@
+"""Manifests of Core ML package directories, and the atomic output they are written into.
+
+A package directory `out/<kind>/` holds `model.mlpackage` and `manifest.json`. The
+manifest binds the package to what produced it: its source artifact (the bundle, or for
+a compressed package the source package) by manifest sha256, the code (sha256 of its
+files), the environment, and the saved program itself (interface, op histogram, bytes,
+file inventory). Formats and required fields are fixed by
+`manifests/schemas/{coreml,compressed}.schema.json`. `"status": "complete"` is written
+last, so a manifest without it names a package that was never finished.
+"""
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import coremltools as ct
+
+from manifests.identity import (
+    MANIFEST_NAME,
+    Manifest,
+    canonical_json,
+    check_files,
+    environment,
+    inventory,
+    load_manifest,
+    sha256_bytes,
+    sha256_file,
+    write_json,
+)
+from pipeline.errors import IdentityError, OutputExists
+
+COREML_FORMAT = "cmfdeploy.coreml/1"
+COMPRESSED_FORMAT = "cmfdeploy.compressed/1"
+MODEL_NAME = "model.mlpackage"
+ROOT = Path(__file__).resolve().parent.parent
+# Distributions whose versions decide what a conversion or compression produces.
+ENVIRONMENT_PACKAGES = ("cmfdeploy", "coremltools", "torch", "numpy", "safetensors", "protobuf")
+BUNDLE_SHA_KEY = "cmfdeploy.bundle_manifest_sha256"
+
+
+def artifact_source(artifact_dir: Path) -> dict:
+    """The `source` record of a manifest built from the artifact at `artifact_dir`."""
+    manifest_path = Path(artifact_dir) / MANIFEST_NAME
+    return {
+        "kind": "artifact",
+        "format": load_manifest(artifact_dir)["format"],
+        "path": str(Path(artifact_dir).resolve()),
+        "manifest_sha256": sha256_file(manifest_path),
+    }
+
+
+def source_digest(paths: Iterable[Path]) -> dict:
+    """sha256 per source file (relative to the repository) and one sha256 over them all."""
+    files = {Path(p).resolve().relative_to(ROOT).as_posix(): sha256_file(p) for p in paths}
+    return {"files": dict(sorted(files.items())), "sha256": sha256_bytes(canonical_json(files))}
+
+
+def op_histogram(mlpackage: Path) -> dict[str, dict[str, int]]:
+    """Per function of the saved program: op type -> count, nested blocks included."""
+    spec = ct.utils.load_spec(str(mlpackage))
+
+    def ops(block):
+        for op in block.operations:
+            yield op.type
+            for inner in op.blocks:
+                yield from ops(inner)
+
+    histogram = {}
+    for name, function in spec.mlProgram.functions.items():
+        counts = Counter()
+        for block in function.block_specializations.values():
+            counts.update(ops(block))
+        histogram[name] = dict(sorted(counts.items()))
+    return histogram
+
+
+def package_bytes(mlpackage: Path) -> int:
+    return sum(p.stat().st_size for p in Path(mlpackage).rglob("*") if p.is_file())
+
+
+def set_model_metadata(mlmodel, *, description: str, license_: str, version: str, user: dict[str, str]) -> None:
+    mlmodel.short_description = description
+    mlmodel.author = "cmfdeploy"
+    mlmodel.license = license_
+    mlmodel.version = version
+    mlmodel.user_defined_metadata.update(user)
+
+
+def write_package_manifest(package_dir: Path, fields: dict) -> Manifest:
+    """Complete `fields` with what the saved program says about itself; status goes last.
+
+    The manifest is first written as "incomplete" so a crash leaves an unfinished mark,
+    then rewritten (atomically) as "complete" once every file is in place.
+    """
+    package_dir = Path(package_dir)
+    mlpackage = package_dir / MODEL_NAME
+    manifest = {
+        **fields,
+        "op_histogram": op_histogram(mlpackage),
+        "environment": environment(ENVIRONMENT_PACKAGES),
+        "status": "incomplete",
+    }
+    write_json(package_dir / MANIFEST_NAME, manifest)
+    manifest.update(files=inventory(package_dir), status="complete")
+    write_json(package_dir / MANIFEST_NAME, manifest)
+    return Manifest(package_dir, manifest)
+
+
+def verify_package(path: str | Path, hashes: bool = True) -> Manifest:
+    """A Core ML or compressed package directory whose manifest is complete, valid against
+    its schema, and whose files are exactly the recorded ones; else IdentityError."""
+    path = Path(path)
+    manifest = load_manifest(path)
+    if manifest["format"] not in (COREML_FORMAT, COMPRESSED_FORMAT):
+        raise IdentityError(
+            f"{path / MANIFEST_NAME}: field 'format' is {manifest['format']!r}, "
+            f"expected {COREML_FORMAT!r} or {COMPRESSED_FORMAT!r}"
+        )
+    check_files(path, manifest["files"], hashes=hashes)
+    return Manifest(path, manifest)
+
+
+def refuse_existing(out_dir: Path, force: bool) -> None:
+    if (out_dir.exists() or out_dir.is_symlink()) and not force:
+        raise OutputExists(f"{out_dir}: output exists; pass force=True (--force) to replace it")
+
+
+@contextlib.contextmanager
+def staged_output(out_dir: Path, force: bool) -> Iterator[Path]:
+    """Yield a temporary sibling of `out_dir`; on success rename it into place.
+
+    With force an existing output is moved aside first and removed only after the new one
+    is in place, so a failure never leaves neither.
+    """
+    out_dir = Path(out_dir)
+    refuse_existing(out_dir, force)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
+    try:
+        yield staging
+        refuse_existing(out_dir, force)
+        old = None
+        if out_dir.exists() or out_dir.is_symlink():
+            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".old", dir=out_dir.parent))
+            os.replace(out_dir, old / "previous")
+        os.replace(staging, out_dir)
+        if old is not None:
+            shutil.rmtree(old)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise

@@ -1,0 +1,231 @@
+"""Core ML conversion of the reference model: packages run through the numpy MIL executor
+and match the torch reference; the schedule check refuses broken graphs; manifests, atomic
+output, --force and tampered bundles.
+
+One random-weight bundle (4 layers, GQA, tied head, context 128) is converted once for the
+module; each test reads the packages it needs.
+"""
+
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import coremltools as ct
+import numpy as np
+import pytest
+import torch
+
+from _coreml_models import CONTEXT, VOCAB, make_bundle
+from coreml.convert import (
+    CHECK_SCHEDULES,
+    ChunkKVGraph,
+    ScheduleMismatch,
+    UnknownKind,
+    check_chunk_schedules,
+    export_coreml,
+    reference_for_export,
+)
+from coreml.manifest import BUNDLE_SHA_KEY, verify_package
+from coreml.mil.loader import load_program
+from coreml.package import open_package
+from manifests.identity import sha256_file
+from pipeline.cli import main
+from pipeline.errors import IdentityError, OutputExists
+from pipeline.models import KVCache
+
+TOLERANCE = 1e-4  # float32 package vs float32 reference: summation order only
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """The bundle, the packages folder, and the stateless and chunk-KV manifests."""
+    root = tmp_path_factory.mktemp("coreml")
+    bundle = make_bundle(root)
+    manifests = export_coreml(bundle, root / "packages", kinds=("stateless", "chunk_kv"))
+    return bundle, root / "packages", manifests
+
+
+@pytest.fixture(scope="module")
+def stateful(built, tmp_path_factory):
+    out = tmp_path_factory.mktemp("stateful") / "packages"
+    return export_coreml(built[0], out, kinds=("stateful",))["stateful"]
+
+
+@pytest.fixture(scope="module")
+def reference(built):
+    return reference_for_export(built[0])
+
+
+def _ids(length: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, VOCAB, length).astype(np.int32)
+
+
+def _expected(reference, ids: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return reference.model(torch.tensor(ids, dtype=torch.long)).numpy()
+
+
+@pytest.mark.parametrize("length", [1, 17, CONTEXT])
+def test_stateless_package_matches_the_reference(built, reference, length):
+    package = open_package(built[1] / "stateless", backend="executor")
+    ids = _ids(length, seed=length)
+    logits = package.predict({"input_ids": ids[None]})["logits"]
+    assert logits.shape == (1, length, VOCAB)
+    assert np.abs(logits[0] - _expected(reference, ids)).max() <= TOLERANCE
+
+
+@pytest.mark.parametrize("schedule", [(1, 3, 124), (124, 3, 1), (127, 1)], ids=str)
+def test_chunk_kv_package_matches_the_reference_on_any_schedule(built, reference, schedule):
+    package = open_package(built[1] / "chunk_kv", backend="executor")
+    ids = _ids(sum(schedule), seed=sum(schedule) + len(schedule))
+    shape = reference.cache_shape
+    # Noise in every slot: slots at or after position + T must never reach the output.
+    rng = np.random.default_rng(5)
+    keys, values = rng.normal(size=shape).astype(np.float32), rng.normal(size=shape).astype(np.float32)
+    logits, position = [], 0
+    for size in schedule:
+        out = package.predict({"input_ids": ids[None, position : position + size],
+                               "position": np.array([position], dtype=np.int32),
+                               "key_cache": keys, "value_cache": values})
+        logits.append(out["logits"][0])
+        keys, values = out["new_key_cache"], out["new_value_cache"]
+        position += size
+    assert np.abs(np.concatenate(logits) - _expected(reference, ids)).max() <= TOLERANCE
+
+
+def _fp16_cache_reference(reference, ids: np.ndarray, schedule) -> np.ndarray:
+    """The reference model's own cached forward with the cache rounded to fp16 between chunks,
+    which is what a Core ML fp16 state does to it."""
+    cache = KVCache.empty(reference.args, CONTEXT)
+    logits, start = [], 0
+    with torch.no_grad():
+        for size in schedule:
+            logits.append(reference.model.forward_cached(torch.tensor(ids[start : start + size]), cache).numpy())
+            cache.keys, cache.values = cache.keys.half().float(), cache.values.half().float()
+            start += size
+    return np.concatenate(logits)
+
+
+def test_stateful_package_prefill_then_decode_matches_an_fp16_cache_reference(stateful, reference):
+    checks = stateful["checks"]
+    prefill = open_package(stateful.path, backend="executor", function_name="prefill")
+    decode = open_package(stateful.path, backend="executor", function_name="decode")
+    ids = _ids(40, seed=9)
+    state = prefill.make_state()
+    logits = [prefill.predict({"input_ids": ids[None, :37], "position": np.array([0], np.int32)}, state)["logits"][0]]
+    for position in range(37, 40):
+        inputs = {"input_ids": ids[None, position : position + 1], "position": np.array([position], np.int32)}
+        logits.append(decode.predict(inputs, state)["logits"][0])
+    logits = np.concatenate(logits)
+    spec = ct.utils.load_spec(str(stateful.path / "model.mlpackage"))
+    states = [s for function in spec.description.functions for s in function.state]
+    float16 = ct.proto.FeatureTypes_pb2.ArrayFeatureType.FLOAT16
+    assert len(states) == 4 and all(s.type.stateType.arrayType.dataType == float16 for s in states)
+    # Not 1e-4: a 1e-6 float32 difference in a key can round to the neighbouring fp16 value,
+    # a one-ulp (2^-11 relative) change that reaches the logits; the package records this tolerance.
+    assert np.abs(logits - _fp16_cache_reference(reference, ids, [37, 1, 1, 1])).max() <= checks["tolerance"]
+    # Against the float32 reference the difference is the fp16 cache's, and the manifest's
+    # recorded bound (measured on the longer check schedules) covers it.
+    assert 0 < np.abs(logits - _expected(reference, ids)).max() <= checks["fp16_cache_error_bound"]
+    assert max(checks["executor_vs_fp16_cache_graph_max_abs"].values()) <= checks["tolerance"]
+
+
+def test_manifests_bind_the_package_to_its_bundle_code_and_program(built, stateful):
+    bundle, out, manifests = built
+    bundle_sha = sha256_file(bundle / "manifest.json")
+    assert manifests["chunk_kv"].path == out / "chunk_kv"
+    for manifest in [*manifests.values(), stateful]:
+        package_dir = manifest.path
+        assert verify_package(package_dir).data == manifest.data
+        assert manifest["format"] == "cmfdeploy.coreml/1" and manifest["status"] == "complete"
+        assert manifest["source"] == {"kind": "artifact", "format": "cmfdeploy.bundle/1",
+                                      "path": str(bundle.resolve()), "manifest_sha256": bundle_sha}
+        spec = ct.utils.load_spec(str(package_dir / "model.mlpackage"))
+        assert spec.description.metadata.userDefined[BUNDLE_SHA_KEY] == bundle_sha
+        assert spec.description.metadata.author and spec.description.metadata.license
+        assert spec.description.metadata.shortDescription and spec.description.metadata.versionString
+        # The histogram is the saved program's, recounted here by the executor's own loader.
+        program = load_program(package_dir / "model.mlpackage")
+        recount = {name: dict(Counter(op.type for op in f.block.operations)) for name, f in program.functions.items()}
+        assert manifest["op_histogram"] == recount
+        on_disk = sum(p.stat().st_size for p in (package_dir / "model.mlpackage").rglob("*") if p.is_file())
+        assert manifest["package_bytes"] == on_disk
+        code = manifest["conversion"]["code"]["files"]
+        assert code["coreml/convert.py"] == sha256_file(Path(__file__).parents[1] / "coreml/convert.py")
+        assert "pipeline/models/base.py" in code
+        assert manifest["environment"]["packages"]["coremltools"] == ct.__version__
+        weights = manifest["package"]["weights"]
+        assert weights["model_model_embed_tokens_weight"] == ["model.embed_tokens.weight"]
+        assert len(weights) == 1 + 4 * 9 + 1  # embedding, 7 projections + 2 norms per layer, final norm
+    chunk = manifests["chunk_kv"]["package"]
+    assert [f["name"] for f in chunk["inputs"]] == ["input_ids", "position", "key_cache", "value_cache"]
+    assert chunk["inputs"][2]["shape"] == [4, 1, 2, CONTEXT, 16]
+    assert set(manifests["chunk_kv"]["checks"]["schedules_vs_reference_max_abs"]) == {
+        "[" + ",".join(map(str, s)) + "]" for s in CHECK_SCHEDULES}
+    assert stateful["package"]["functions"] == {"prefill": {"dims": {"T": [1, CONTEXT]}},
+                                                "decode": {"dims": {"T": [1, 1]}}}
+    assert sorted(stateful["op_histogram"]) == ["decode", "prefill"]
+
+
+def test_schedule_check_refuses_a_graph_that_ignores_position(reference):
+    graph = ChunkKVGraph(reference.model, VOCAB)
+
+    def forgets_position(ids, position, keys, values):
+        return graph(ids, torch.zeros_like(position), keys, values)
+
+    with pytest.raises(ScheduleMismatch, match=r"schedule \[1,3,124\] .* max \|Δ\| "):
+        check_chunk_schedules(forgets_position, reference)
+
+
+def test_schedule_check_refuses_a_graph_that_reads_slots_after_the_chunk(reference):
+    graph = ChunkKVGraph(reference.model, VOCAB)
+
+    def leaks_future_slots(ids, position, keys, values):
+        logits, new_keys, new_values = graph(ids, position, keys, values)
+        return logits + 1e-3 * new_values[..., -1, :].sum(), new_keys, new_values
+
+    with pytest.raises(ScheduleMismatch, match=r"schedule \[1,3,124\]"):
+        check_chunk_schedules(leaks_future_slots, reference)
+
+
+def test_export_refuses_a_broken_chunk_graph_and_leaves_no_output(built, tmp_path, monkeypatch):
+    class Broken(ChunkKVGraph):
+        def forward(self, input_ids, position, key_cache, value_cache):
+            return super().forward(input_ids, position * 0, key_cache, value_cache)
+
+    monkeypatch.setattr("coreml.convert.ChunkKVGraph", Broken)
+    with pytest.raises(ScheduleMismatch):
+        export_coreml(built[0], tmp_path / "out", kinds=("chunk_kv",))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_tampered_bundle_is_refused_before_anything_is_built(built, tmp_path):
+    bundle = tmp_path / "bundle"
+    shutil.copytree(built[0], bundle)
+    weights = bytearray((bundle / "weights.safetensors").read_bytes())
+    weights[-5] ^= 0x01
+    (bundle / "weights.safetensors").write_bytes(bytes(weights))
+    with pytest.raises(IdentityError, match="weights.safetensors"):
+        export_coreml(bundle, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_unknown_kind_is_refused(built, tmp_path):
+    with pytest.raises(UnknownKind, match="stateles"):
+        export_coreml(built[0], tmp_path / "out", kinds=("stateles",))
+
+
+def test_cli_refuses_existing_output_without_force_and_replaces_it_with(built, tmp_path, capsys):
+    out = tmp_path / "out"
+    shutil.copytree(built[1], out)
+    before = (out / "stateless" / "manifest.json").read_bytes()
+    assert main(["coreml", str(built[0]), "-o", str(out), "--kinds", "stateless"]) == 1
+    assert capsys.readouterr().err.splitlines()[-1].startswith("OutputExists: ")
+    assert (out / "stateless" / "manifest.json").read_bytes() == before
+    with pytest.raises(OutputExists):
+        export_coreml(built[0], out, kinds=("stateless",))
+
+    assert main(["coreml", str(built[0]), "-o", str(out), "--kinds", "stateless", "--force"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["stateless"]  # chunk_kv went with the old output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no staging or old folders left
+    assert verify_package(out / "stateless")["source"] == built[2]["stateless"]["source"]
