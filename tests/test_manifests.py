@@ -279,6 +279,6 @@ def test_chain_walks_through_an_upstream_artifact(bundle, tmp_path, monkeypatch)
 
 
 def test_verify_artifact_refuses_a_format_without_verifier(tmp_path):
-    write_json(tmp_path / MANIFEST_NAME, {"format": "cmfdeploy.release/1"})
-    with pytest.raises(IdentityError, match="no verifier for manifest format 'cmfdeploy.release/1'"):
+    write_json(tmp_path / MANIFEST_NAME, {"format": "cmfdeploy.unregistered/1"})
+    with pytest.raises(IdentityError, match="no verifier for manifest format 'cmfdeploy.unregistered/1'"):
         verify_artifact(tmp_path)
