@@ -176,7 +176,7 @@ def test_unknown_op_fails_by_name(paths, tmp_path):
     silu = next(op for op in model.mlProgram.functions["main"].block_specializations["CoreML8"].operations if op.type == "silu")
     silu.type = "frobnicate"
     spec_file.write_bytes(model.SerializeToString())
-    with pytest.raises(UnsupportedOp, match=rf"function main, op frobnicate -> {silu.outputs[0].name}"):
+    with pytest.raises(UnsupportedOp, match=rf"function main, op frobnicate -> {silu.outputs[0].name}: MIL op types \['frobnicate'\]"):
         open_package(bad)
 
 

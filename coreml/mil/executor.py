@@ -103,6 +103,7 @@ class Executor:
 
     # -- building ---------------------------------------------------------------------------
     def _plan(self) -> None:
+        unknown: dict[str, str] = {}  # op type -> where it first occurs
         for op in self.function.block.operations:
             where = f"{self.where}, op {op.type} -> {_op_label(op)}"
             if op.blocks:
@@ -110,14 +111,22 @@ class Executor:
             if op.type == "const":
                 (name, spec), = op.outputs
                 self.constants[name] = _conform(op.attributes["val"], spec, where)
-                continue
-            if op.type not in OPS:
-                raise UnsupportedOp(f"{where}: MIL op type {op.type!r} is not implemented by the executor")
-            step = self._compile(op, where)
-            if op.type.startswith("constexpr_"):
-                self._fold(step)
+            elif op.type not in OPS:
+                unknown.setdefault(op.type, where)
             else:
-                self._steps.append(step)
+                step = self._compile(op, where)
+                if op.type.startswith("constexpr_"):
+                    self._fold(step)
+                else:
+                    self._steps.append(step)
+        if unknown:
+            first = next(iter(unknown.values()))
+            raise UnsupportedOp(f"{first}: MIL op types {sorted(unknown)} are not implemented by the executor")
+        if len(self.function.spec_outputs) != len(self.function.block.outputs):
+            raise MilError(
+                f"{self.where}: the spec describes {len(self.function.spec_outputs)} outputs, "
+                f"the program returns {len(self.function.block.outputs)}"
+            )
 
     def _compile(self, op: Operation, where: str) -> _Step:
         """Split the op's operands into those known now and the names bound at run time."""
