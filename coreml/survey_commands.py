@@ -1,0 +1,57 @@
+"""CLI: `cmfdeploy survey PACKAGE ...` (every recipe, gated and scored) and `cmfdeploy release SURVEY`."""
+
+import argparse
+
+from coreml.recipes import RECIPES
+
+
+def register(subparsers) -> None:
+    survey = subparsers.add_parser("survey", help="compress a gated FP32 package by every recipe; gate and score each")
+    survey.add_argument("package", help="the FP32 package directory (chunk_kv or stateless)")
+    survey.add_argument("--fp32-gate", required=True, help="the package's passed FP32 alignment folder")
+    survey.add_argument("--fixtures", required=True, help="reference fixtures folder (index.json + logits.npz)")
+    survey.add_argument("--items", required=True, help="scoring set (JSON lines)")
+    survey.add_argument("-o", "--out", required=True, help="survey folder to create")
+    survey.add_argument("--recipes", nargs="+", choices=list(RECIPES), default=list(RECIPES))
+    survey.add_argument("--backend", default="auto", help="package backend for gates and scoring")
+    survey.add_argument("--mixed-budget-bytes", type=float,
+                        help="byte budget of the mixed recipe (default: halfway between all-int4 and all-int8)")
+    survey.add_argument("--force", action="store_true", help="replace an existing output")
+    survey.set_defaults(func=_survey)
+
+    release = subparsers.add_parser("release", help="pack the deployed recipe, FP32 packages and reports into dist/")
+    release.add_argument("survey", help="survey folder (from `cmfdeploy survey`)")
+    release.add_argument("-o", "--out", default="dist", help="folder the release folder <model>-<recipe>/ goes in")
+    release.add_argument("--recipe", help="release this recipe instead of the survey's deployed one")
+    release.add_argument("--package", nargs=2, action="append", default=[], metavar=("PACKAGE", "GATE"),
+                         help="a further FP32 package and its passed alignment folder (repeatable)")
+    release.add_argument("--name", help="model name (default: the source CMF's file stem)")
+    release.add_argument("--force", action="store_true", help="replace an existing output")
+    release.set_defaults(func=_release)
+
+
+def _survey(args: argparse.Namespace) -> int:
+    from coreml.survey import run_survey
+
+    survey = run_survey(args.package, args.fp32_gate, args.fixtures, args.items, args.out, recipes=args.recipes,
+                        force=args.force, backend=args.backend,
+                        mixed_budget_bytes=args.mixed_budget_bytes)
+    for record in survey["recipes"]:
+        if record["status"] == "measured":
+            verdict = "passed" if record["gate"]["passed"] else "FAILED"
+            print(f"{record['name']}: {record['package']['size_bytes']} bytes "
+                  f"({record['package']['bytes_vs_fp32']:.3f} x FP32), gate {verdict}, "
+                  f"max |d logit| {record['gate']['max_abs']:.3g}")
+        else:
+            print(f"{record['name']}: not measured: {record['precondition']['reason']}")
+    print(f"deployed: {survey['deployed']['recipe']}; report {args.out}/survey.md")
+    return 0
+
+
+def _release(args: argparse.Namespace) -> int:
+    from pipeline.release import make_release
+
+    manifest = make_release(args.survey, args.out, recipe=args.recipe, packages=[tuple(p) for p in args.package],
+                            name=args.name, force=args.force)
+    print(f"{manifest.path}: {len(manifest['files'])} files, {manifest['inventory']['total_bytes']} bytes")
+    return 0

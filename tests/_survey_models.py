@@ -1,0 +1,56 @@
+"""The default fixture's compression survey, built once per test session and shared read-only.
+
+test_survey and test_release both need it and a survey costs a compression, a gate and a
+scoring run per recipe, so it is built on first use under pytest's session temp folder:
+the FP32 chunk-KV package's gate, a 16-item slice of the cloze set, and a survey of
+int8-b32, int4-b32, palette4-gc32 and `mixed` with a byte budget below its smallest choice
+(its precondition fails, which the survey must report).
+"""
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+from conftest import FIXTURE_REFERENCE
+
+from coreml.survey import run_survey
+from fixtures.make_scoring_set import OUT as CLOZE
+from pipeline.align import GateFailed, align_package
+
+SURVEY_RECIPES = ("int8-b32", "int4-b32", "palette4-gc32", "mixed")
+SCORING_ITEMS = 16
+# Below what the smallest mixed choice (int4 everywhere) needs for the fixture's weights.
+IMPOSSIBLE_MIXED_BUDGET = 1000.0
+
+
+@dataclass(frozen=True)
+class Survey:
+    package: Path  # the FP32 chunk-KV package (shared, do not modify)
+    fp32_gate: Path
+    items: Path
+    path: Path  # the survey folder
+    record: dict  # what run_survey returned
+
+
+@functools.cache
+def built_survey(packages_dir: Path, root: Path) -> Survey:
+    root = root / "survey-session"
+    root.mkdir()
+    package = packages_dir / "chunk_kv"
+    align_package(package, FIXTURE_REFERENCE, root / "gate-fp32")
+    items = root / "items.jsonl"
+    items.write_text("".join(CLOZE.read_text().splitlines(keepends=True)[:SCORING_ITEMS]))
+    record = run_survey(package, root / "gate-fp32", FIXTURE_REFERENCE, items, root / "survey",
+                        recipes=SURVEY_RECIPES, mixed_budget_bytes=IMPOSSIBLE_MIXED_BUDGET, progress=False)
+    return Survey(package, root / "gate-fp32", items, root / "survey", record)
+
+
+@functools.cache
+def failed_gate(survey_dir: Path) -> Path:
+    """A real failed gate: the survey's int4 package held to the FP32 policy (3e-4), which it cannot meet."""
+    out = survey_dir.parent / "gate-int4-under-fp32-policy"
+    try:
+        align_package(survey_dir / "packages" / "int4-b32", FIXTURE_REFERENCE, out, recipe="fp32")
+    except GateFailed:
+        return out
+    raise AssertionError("int4-b32 passed the FP32 gate policy: its weights were not compressed")

@@ -1,0 +1,205 @@
+"""The compression survey on the default fixture: every record complete and true to the files it
+names, the deployed recipe the smallest passing one, unmet preconditions reported, and tampered or
+ungated input refused before anything is built."""
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _survey_models import IMPOSSIBLE_MIXED_BUDGET, SCORING_ITEMS, SURVEY_RECIPES, built_survey, failed_gate
+from conftest import FIXTURE_REFERENCE
+
+from coreml.package import open_package
+from coreml.survey import SurveyError, load_survey, run_survey
+from manifests.identity import read_json, sha256_file
+from pipeline.align import GateFailed, ReferenceFixtures
+from pipeline.backends import open_backend
+from pipeline.cli import main
+from pipeline.errors import IdentityError, OutputExists
+from pipeline.scoring import load_items, read_run, score_items
+from pipeline.tokenizer import tokenizer_from_artifact
+
+MEASURED = ("int8-b32", "int4-b32", "palette4-gc32")
+
+
+@pytest.fixture(scope="module")
+def survey(fixture_packages, tmp_path_factory):
+    return built_survey(fixture_packages, tmp_path_factory.getbasetemp())
+
+
+def _records(survey) -> dict:
+    return {r["name"]: r for r in survey.record["recipes"]}
+
+
+def _bytes_on_disk(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def test_every_recipe_has_a_complete_record_true_to_its_files(survey):
+    assert load_survey(survey.path) == json.loads(json.dumps(survey.record))  # schema + every file's sha256
+    records = _records(survey)
+    assert tuple(records) == SURVEY_RECIPES
+    fp32_bytes = _bytes_on_disk(survey.package / "model.mlpackage")
+    assert survey.record["fp32"]["package"]["size_bytes"] == fp32_bytes
+    for name in MEASURED:
+        record = records[name]
+        assert record["status"] == "measured"
+        package = survey.path / record["package"]["path"]
+        assert record["package"]["size_bytes"] == _bytes_on_disk(package / "model.mlpackage")
+        assert record["package"]["bytes_vs_fp32"] == pytest.approx(record["package"]["size_bytes"] / fp32_bytes)
+        assert record["package"]["manifest_sha256"] == sha256_file(package / "manifest.json")
+        report_path = survey.path / record["gate"]["report"]["path"]
+        assert record["gate"]["report"]["sha256"] == sha256_file(report_path)
+        report = read_json(report_path)
+        assert report["recipe"] == name and report["passed"] == record["gate"]["passed"]
+        for key in ("max_abs", "p99_abs_max", "mean_abs", "outside", "top1_agreement_min", "kl_mean_max"):
+            assert record["gate"][key] == report["summary"][key], (name, key)
+        assert record["gate"]["max_abs"] == max(r["max_abs"] for r in report["records"] if "max_abs" in r)
+        run = read_json(survey.path / record["scoring"]["run"] / "manifest.json")
+        assert record["scoring"]["scores_sha256"] == run["scores_sha256"]
+        assert run["scoring_set"]["n_items"] == SCORING_ITEMS
+
+
+def test_compression_shrinks_the_package_by_its_bit_width(survey):
+    size = {name: r["package"]["size_bytes"] for name, r in _records(survey).items() if name in MEASURED}
+    fp32 = survey.record["fp32"]["package"]["size_bytes"]
+    # 8-bit payloads are a quarter of float32, 4-bit ones an eighth, plus scales / palettes.
+    assert 0.25 < size["int8-b32"] / fp32 < 0.4
+    assert 0.125 < size["int4-b32"] / fp32 < size["int8-b32"] / fp32
+    assert 0.125 < size["palette4-gc32"] / fp32 < size["int8-b32"] / fp32
+
+
+def test_unmet_precondition_is_reported_not_skipped(survey):
+    mixed = _records(survey)["mixed"]
+    assert mixed["status"] == "precondition_unmet" and mixed["precondition"]["stage"] == "compress"
+    assert f"over the budget of {IMPOSSIBLE_MIXED_BUDGET:.0f}" in mixed["precondition"]["reason"]
+    text = (survey.path / "survey.md").read_text()
+    assert "`mixed` (compress)" in text and not (survey.path / "packages" / "mixed").exists()
+
+
+def test_deployed_recipe_is_the_smallest_that_passed_its_gate(survey):
+    records = [r for r in survey.record["recipes"] if r["status"] == "measured"]
+    passed = [r for r in records if r["gate"]["passed"]]
+    deployed = survey.record["deployed"]["recipe"]
+    if not passed:
+        assert deployed is None
+        return
+    chosen = next(r for r in records if r["name"] == deployed)
+    assert chosen["gate"]["passed"]
+    assert all(chosen["package"]["size_bytes"] <= r["package"]["size_bytes"] for r in passed)
+    smaller = [r for r in records if r["package"]["size_bytes"] < chosen["package"]["size_bytes"]]
+    assert not any(r["gate"]["passed"] for r in smaller)
+    assert f"| {deployed} |" in (survey.path / "survey.md").read_text()
+
+
+def test_gate_error_is_the_packages_real_error_against_the_fixture_logits(survey):
+    """Recompute one comparison independently: executor logits of the int4 package vs the npz."""
+    fixtures = ReferenceFixtures(FIXTURE_REFERENCE)
+    case = fixtures.cases["long"]
+    package = open_package(survey.path / "packages" / "int4-b32")
+    shapes = {f["name"]: f["shape"] for f in package.manifest["package"]["inputs"]}
+    cache = np.zeros(shapes["key_cache"], dtype=np.float32)
+    got = package.predict({"input_ids": case.input_ids.astype(np.int32)[None], "position": np.array([0], np.int32),
+                           "key_cache": cache, "value_cache": cache})["logits"][0]
+    delta = np.abs(got - case.logits)
+    record = _records(survey)["int4-b32"]["gate"]
+    assert 3e-4 < delta.max() <= record["max_abs"]  # compressed for real, and the gate saw at least this
+    top1 = np.mean(got.argmax(-1) == case.logits.argmax(-1))
+    assert record["top1_agreement_min"] <= top1
+
+
+def test_scoring_effects_match_an_independent_recount(survey):
+    baseline = read_run(survey.path / "scores" / "fp32")
+    # The FP32 package ranks as the torch reference does (independent runtime, same bundle).
+    bundle = Path(read_json(survey.package / "manifest.json")["source"]["path"])
+    reference = score_items(open_backend(bundle), tokenizer_from_artifact(bundle), load_items(survey.items))
+    assert max(np.abs(a.scores - b.scores).max() for a, b in zip(baseline, reference)) < 1e-3
+    for name in MEASURED:
+        scoring = _records(survey)[name]["scoring"]
+        run = read_run(survey.path / scoring["run"])
+        gold = np.array([r.gold for r in run])
+        top1 = np.array([np.argmax(r.scores) for r in run])
+        assert scoring["top1_accuracy"] == pytest.approx(np.mean(top1 == gold))
+        changed = [r.id for r, b in zip(run, baseline) if np.argmax(r.scores) != np.argmax(b.scores)]
+        assert scoring["top1_changed_ids"] == changed and scoring["top1_changed"] == len(changed)
+        assert scoring["max_abs_delta_score"] == pytest.approx(
+            max(np.abs(r.scores - b.scores).max() for r, b in zip(run, baseline)))
+        assert scoring["max_abs_delta_score"] > 0  # the compressed weights move the scores
+
+
+def test_compressed_manifests_bind_the_fp32_package_and_its_gate(survey):
+    for name in MEASURED:
+        manifest = read_json(survey.path / "packages" / name / "manifest.json")
+        assert manifest["source"]["manifest_sha256"] == sha256_file(survey.package / "manifest.json")
+        assert manifest["fp32_alignment"]["report_sha256"] == sha256_file(survey.fp32_gate / "alignment.json")
+        assert manifest["fp32_alignment"]["manifest_sha256"] == sha256_file(survey.fp32_gate / "manifest.json")
+        assert manifest["recipe"]["name"] == name
+
+
+def test_survey_page_and_plot(survey):
+    text = (survey.path / "survey.md").read_text()
+    assert text.startswith("# Compression survey")
+    for name in MEASURED:
+        assert f"| {name} |" in text
+    assert "![package size against gate error](size_vs_error.png)" in text
+    assert (survey.path / "size_vs_error.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# --- refusals: all happen before anything is compressed -----------------------------------------
+
+
+def _copy_package(survey, tmp_path) -> Path:
+    copy = tmp_path / "chunk_kv"
+    shutil.copytree(survey.package, copy)
+    return copy
+
+
+def _survey_into(survey, package, gate, out):
+    return run_survey(package, gate, FIXTURE_REFERENCE, survey.items, out, recipes=("int8-b32",), progress=False)
+
+
+def test_a_flipped_weight_byte_is_refused_naming_the_file(survey, tmp_path):
+    package = _copy_package(survey, tmp_path)
+    weights = next(package.rglob("weight.bin"))
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    weights.write_bytes(bytes(data))
+    with pytest.raises(IdentityError, match=r"weight\.bin.*sha256"):
+        _survey_into(survey, package, survey.fp32_gate, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_edited_package_manifest_no_longer_matches_its_gate(survey, tmp_path):
+    package = _copy_package(survey, tmp_path)
+    manifest = read_json(package / "manifest.json")
+    manifest["conversion"]["seconds"] += 1.0  # still valid and complete, but not the gated package
+    (package / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(SurveyError, match=r"source\.manifest_sha256.*another package"):
+        _survey_into(survey, package, survey.fp32_gate, tmp_path / "out")
+
+
+def test_an_edited_gate_report_is_refused(survey, tmp_path):
+    gate = tmp_path / "gate"
+    shutil.copytree(survey.fp32_gate, gate)
+    report = (gate / "alignment.json").read_text().replace('"passed": true', '"passed": false', 1)
+    (gate / "alignment.json").write_text(report)
+    with pytest.raises(IdentityError, match=r"file 'alignment\.json' has"):
+        _survey_into(survey, survey.package, gate, tmp_path / "out")
+
+
+def test_a_package_whose_fp32_gate_failed_is_not_surveyed(survey, tmp_path):
+    gate = failed_gate(survey.path)
+    with pytest.raises(GateFailed, match=f"{gate}.*did not pass"):
+        _survey_into(survey, survey.package, gate, tmp_path / "out")
+
+
+def test_existing_output_and_unknown_recipes_are_refused(survey, tmp_path, capsys):
+    with pytest.raises(OutputExists):
+        _survey_into(survey, survey.package, survey.fp32_gate, survey.path)
+    code = main(["survey", str(survey.package), "--fp32-gate", str(survey.fp32_gate), "--fixtures",
+                 str(FIXTURE_REFERENCE), "--items", str(survey.items), "-o", str(survey.path)])
+    assert code == 1 and capsys.readouterr().err.startswith(f"OutputExists: {survey.path}")
+    with pytest.raises(SurveyError, match="not among"):
+        run_survey(survey.package, survey.fp32_gate, FIXTURE_REFERENCE, survey.items, tmp_path / "o", recipes=("int3",))
