@@ -75,15 +75,17 @@ def _op_label(op: Operation) -> str:
 
 def _conform(value, spec: TensorSpec | None, where: str):
     """Cast an op result to its declared dtype and check the declared fixed dimensions."""
-    if spec is None or spec.is_state or isinstance(value, StateCell):
+    if spec is None or spec.is_state:
         return value
     value = np.asarray(value)
     if value.dtype != spec.dtype.numpy:
         value = value.astype(spec.dtype.numpy)
-    if spec.shape and (
-        value.ndim != len(spec.shape) or any(d is not None and d != n for d, n in zip(spec.shape, value.shape))
-    ):
-        raise MilError(f"{where}: result shape {value.shape} does not match the declared {spec.shape}")
+    if spec.shape:  # scalars (no dims) are left unchecked
+        if value.ndim != len(spec.shape):
+            raise MilError(f"{where}: result shape {value.shape} does not match the declared {spec.shape}")
+        for declared, actual in zip(spec.shape, value.shape):  # a loop: this runs for every op
+            if declared is not None and declared != actual:
+                raise MilError(f"{where}: result shape {value.shape} does not match the declared {spec.shape}")
     return value
 
 
