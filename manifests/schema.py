@@ -21,6 +21,7 @@ SCHEMA_FILES = {
     "cmfdeploy.alignment/1": "alignment.schema.json",
     "cmfdeploy.survey/1": "survey.schema.json",
     "cmfdeploy.scores/1": "scores.schema.json",
+    "cmfdeploy.release/1": "release.schema.json",
 }
 COMMON_FILE = "common.schema.json"
 

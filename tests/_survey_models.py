@@ -2,7 +2,7 @@
 
 test_survey and test_release both need it and a survey costs a compression, a gate and a
 scoring run per recipe, so it is built on first use under pytest's session temp folder:
-the FP32 chunk-KV package's gate, a 16-item slice of the cloze set, and a survey of
+the FP32 chunk-KV package's gate, an 8-item slice of the cloze set, and a survey of
 int8-b32, int4-b32, palette4-gc32 and `mixed` with a byte budget below its smallest choice
 (its precondition fails, which the survey must report).
 """
@@ -18,7 +18,7 @@ from fixtures.make_scoring_set import OUT as CLOZE
 from pipeline.align import GateFailed, align_package
 
 SURVEY_RECIPES = ("int8-b32", "int4-b32", "palette4-gc32", "mixed")
-SCORING_ITEMS = 16
+SCORING_ITEMS = 8
 # Below what the smallest mixed choice (int4 everywhere) needs for the fixture's weights.
 IMPOSSIBLE_MIXED_BUDGET = 1000.0
 

@@ -1,0 +1,313 @@
+"""Release: the deployed compressed package, the FP32 packages, their gates and the survey, packed to ship.
+
+    manifest = make_release("out/survey", "dist")        # -> dist/<model>-<recipe>/
+
+    dist/<model>-<recipe>/
+      manifest.json            cmfdeploy.release/1: inventory, packages, identity chain
+      RELEASE.md               interface, tolerances, gate backend, sizes, identity chain
+      packages/<recipe>/       the compressed package (model.mlpackage + its manifest)
+      packages/fp32-<kind>/    the FP32 package(s) it was made from / shipped beside it
+      gates/<same names>/      each package's alignment folder (report, markdown, plot, manifest)
+      survey/                  survey.json, survey.md, size_vs_error.png
+
+Every included package must have passed its gate, and each gate must be of exactly that
+package (by manifest sha256); anything else is refused before a byte is copied.
+`verify_release` (registered for `cmfdeploy verify-artifact`) re-checks all of it offline:
+every file's sha256, every package against its own manifest, and every binding of the
+chain FP32 package -> compressed package -> its gate, plus the compressed package's
+binding to the FP32 gate and the survey's record of both.
+"""
+
+import shutil
+from pathlib import Path
+
+from coreml import manifest as package_manifest
+from coreml.survey import REPORT_NAME as SURVEY_NAME
+from coreml.survey import load_survey
+from manifests.identity import (
+    MANIFEST_NAME,
+    Manifest,
+    check_files,
+    environment,
+    inventory,
+    load_manifest,
+    read_json,
+    sha256_file,
+    write_json,
+)
+from pipeline import align
+from pipeline.errors import CmfdeployError, IdentityError
+
+FORMAT = "cmfdeploy.release/1"
+SURVEY_FILES = (SURVEY_NAME, "survey.md", "size_vs_error.png")
+
+
+class ReleaseError(CmfdeployError):
+    """What was asked for cannot be released (no passing recipe, an ungated package, a mismatch)."""
+
+
+def _gated(package_dir: Path, gate_dir: Path) -> tuple[Manifest, Manifest]:
+    """The verified package and its passed gate manifest; refuses a gate of another package."""
+    package = package_manifest.verify_package(package_dir)
+    gate = align.require_passed(gate_dir)
+    package_sha = sha256_file(package_dir / MANIFEST_NAME)
+    if gate["source"]["manifest_sha256"] != package_sha:
+        raise ReleaseError(
+            f"{gate_dir / MANIFEST_NAME}: field 'source.manifest_sha256' is {gate['source']['manifest_sha256']}, "
+            f"but {package_dir / MANIFEST_NAME} has sha256 {package_sha}: this gate is of another package"
+        )
+    return package, Manifest(Path(gate_dir), gate)
+
+
+def _entry(role: str, name: str, package: Manifest, gate: Manifest) -> dict:
+    return {
+        "role": role,
+        "name": name,
+        "path": f"packages/{name}",
+        "format": package.format,
+        "kind": package["package"]["kind"],
+        "manifest_sha256": sha256_file(package.path / MANIFEST_NAME),
+        "source_manifest_sha256": package["source"]["manifest_sha256"],
+        "size_bytes": package_manifest.package_bytes(package.path / package["package"]["name"]),
+        "gate": {
+            "path": f"gates/{name}",
+            "manifest_sha256": sha256_file(gate.path / MANIFEST_NAME),
+            "report_sha256": sha256_file(gate.path / align.REPORT_NAME),
+            "passed": True,
+            "recipe": gate["recipe"],
+            "backend": gate["candidate_backend"],
+            "tolerance": read_json(gate.path / align.REPORT_NAME)["tolerance"],
+            "summary": gate["summary"],
+        },
+    }
+
+
+def model_name(fp32_package: Manifest) -> str:
+    """The source CMF's file stem, read from the FP32 package's bundle."""
+    bundle = Path(fp32_package["source"]["path"])
+    try:
+        return Path(read_json(bundle / MANIFEST_NAME)["source"]["file"]).stem
+    except IdentityError as error:
+        raise ReleaseError(
+            f"{fp32_package.path}: cannot name the model from its bundle ({error}); pass name="
+        ) from None
+
+
+def make_release(
+    survey_dir: str | Path,
+    out_root: str | Path = "dist",
+    *,
+    recipe: str | None = None,
+    packages: list[tuple[str | Path, str | Path]] = (),
+    name: str | None = None,
+    force: bool = False,
+) -> Manifest:
+    """Pack the survey's deployed recipe (or `recipe`) into `out_root/<model>-<recipe>/`.
+
+    `packages` adds further FP32 packages (e.g. the stateless one), each with its passed
+    alignment folder. Returns the release manifest.
+    """
+    survey_dir = Path(survey_dir)
+    survey = load_survey(survey_dir)
+    recipe = recipe or survey["deployed"]["recipe"]
+    if recipe is None:
+        raise ReleaseError(f"{survey_dir / SURVEY_NAME}: field 'deployed.recipe' is null: no recipe passed its gate")
+    records = {r["name"]: r for r in survey["recipes"]}
+    record = records.get(recipe)
+    if record is None or record["status"] != "measured":
+        raise ReleaseError(f"{survey_dir / SURVEY_NAME}: recipe {recipe!r} was not measured by this survey "
+                           f"(measured: {sorted(n for n, r in records.items() if r['status'] == 'measured')})")
+
+    fp32 = survey["fp32"]
+    included = [("fp32", f"fp32-{fp32['package']['kind']}", Path(fp32["package"]["path"]), Path(fp32["gate"]["path"])),
+                ("deployed" if recipe == survey["deployed"]["recipe"] else "compressed", recipe,
+                 survey_dir / record["package"]["path"], survey_dir / "gates" / recipe)]
+    for package_dir, gate_dir in packages:
+        extra = load_manifest(package_dir)
+        included.append(("fp32", f"fp32-{extra['package']['kind']}", Path(package_dir), Path(gate_dir)))
+    checked = [(role, label, *_gated(package_dir, gate_dir)) for role, label, package_dir, gate_dir in included]
+    labels = [label for _, label, _, _ in checked]
+    if len(set(labels)) != len(labels):
+        raise ReleaseError(f"{survey_dir}: two included packages would share the folder name {labels}")
+    _check_survey_bindings(survey_dir, survey, record, checked)
+
+    fp32_package = checked[0][2]
+    name = name or model_name(fp32_package)
+    out_dir = Path(out_root) / f"{name}-{recipe}"
+    entries = [_entry(role, label, package, gate) for role, label, package, gate in checked]
+    with package_manifest.staged_output(out_dir, force) as staging:
+        for (_, label, package, gate), entry in zip(checked, entries):
+            shutil.copytree(package.path, staging / entry["path"])
+            shutil.copytree(gate.path, staging / entry["gate"]["path"])
+        (staging / "survey").mkdir()
+        for file_name in SURVEY_FILES:
+            shutil.copy2(survey_dir / file_name, staging / "survey" / file_name)
+        manifest = {
+            "format": FORMAT,
+            "status": "incomplete",
+            "source": package_manifest.artifact_source(survey_dir / record["package"]["path"]),
+            "model": name,
+            "recipe": recipe,
+            "deployed": recipe == survey["deployed"]["recipe"],
+            "interface": checked[1][2]["package"],
+            "special_tokens": checked[1][2]["special_tokens"],
+            "architecture": checked[1][2]["architecture"],
+            "packages": entries,
+            "survey": {"path": f"survey/{SURVEY_NAME}", "sha256": sha256_file(survey_dir / SURVEY_NAME),
+                       "deployed_rule": survey["deployed"]["rule"]},
+            "chain": identity_chain(survey, entries),
+        }
+        write_json(staging / MANIFEST_NAME, manifest)
+        (staging / "RELEASE.md").write_text(release_markdown(manifest, survey))
+        files = inventory(staging)
+        manifest.update(files=files, environment=environment(package_manifest.ENVIRONMENT_PACKAGES),
+                        inventory={"count": len(files), "total_bytes": sum(f["bytes"] for f in files.values())},
+                        status="complete")
+        write_json(staging / MANIFEST_NAME, manifest)
+        verify_release(staging)  # the copies are what the sources were
+    return Manifest(out_dir, manifest)
+
+
+def _check_survey_bindings(survey_dir: Path, survey: dict, record: dict, checked: list) -> None:
+    """The survey's record names exactly the packages and gates being released."""
+    where = survey_dir / SURVEY_NAME
+    (_, _, fp32_package, fp32_gate), (_, _, compressed, gate) = checked[:2]
+    expected = [
+        ("fp32.package.manifest_sha256", survey["fp32"]["package"]["manifest_sha256"],
+         fp32_package.path / MANIFEST_NAME),
+        ("fp32.gate.manifest_sha256", survey["fp32"]["gate"]["manifest_sha256"], fp32_gate.path / MANIFEST_NAME),
+        (f"recipes[{record['name']}].package.manifest_sha256", record["package"]["manifest_sha256"],
+         compressed.path / MANIFEST_NAME),
+        (f"recipes[{record['name']}].gate.report.sha256", record["gate"]["report"]["sha256"],
+         gate.path / align.REPORT_NAME),
+    ]
+    for field, recorded, path in expected:
+        digest = sha256_file(path)
+        if digest != recorded:
+            raise ReleaseError(f"{where}: field {field!r} is {recorded}, but {path} has sha256 {digest}")
+
+
+def identity_chain(survey: dict, entries: list[dict]) -> list[dict]:
+    """From the source CMF to the released package, each link by the sha256 that binds it."""
+    fp32, compressed = entries[0], entries[1]
+    return [
+        {"link": "source CMF", "sha256": survey["fixtures"]["checkpoint_sha256"],
+         "bound_by": "the reference fixtures every gate compared against were made from it"},
+        {"link": "FP32 bundle manifest", "sha256": fp32["source_manifest_sha256"],
+         "bound_by": f"{fp32['path']}/manifest.json source.manifest_sha256"},
+        {"link": "FP32 package manifest", "sha256": fp32["manifest_sha256"],
+         "bound_by": f"{compressed['path']}/manifest.json source.manifest_sha256"},
+        {"link": "FP32 gate report", "sha256": fp32["gate"]["report_sha256"],
+         "bound_by": f"{compressed['path']}/manifest.json fp32_alignment.report_sha256"},
+        {"link": "compressed package manifest", "sha256": compressed["manifest_sha256"],
+         "bound_by": f"{compressed['gate']['path']}/manifest.json source.manifest_sha256"},
+        {"link": "compressed gate report", "sha256": compressed["gate"]["report_sha256"],
+         "bound_by": f"survey/{SURVEY_NAME} recipes[{compressed['name']}].gate.report.sha256"},
+    ]
+
+
+# --- verification -----------------------------------------------------------------------------
+
+
+def _expect(where: Path, field: str, recorded: str, path: Path) -> None:
+    digest = sha256_file(path)
+    if digest != recorded:
+        raise IdentityError(f"{where}: field {field!r} is {recorded}, but {path} has sha256 {digest}")
+
+
+def verify_release(path: str | Path, hashes: bool = True) -> Manifest:
+    """Offline check of a release folder; IdentityError names the first file or field that differs."""
+    path = Path(path)
+    manifest = load_manifest(path, FORMAT)
+    check_files(path, manifest["files"], hashes=hashes)
+    where = path / MANIFEST_NAME
+    for index, entry in enumerate(manifest["packages"]):
+        package_dir, gate_dir = path / entry["path"], path / entry["gate"]["path"]
+        package = package_manifest.verify_package(package_dir, hashes=hashes)
+        gate = align.verify_alignment(gate_dir, hashes=hashes)
+        field = f"packages/{index}"
+        _expect(where, f"{field}/manifest_sha256", entry["manifest_sha256"], package_dir / MANIFEST_NAME)
+        _expect(where, f"{field}/gate/manifest_sha256", entry["gate"]["manifest_sha256"], gate_dir / MANIFEST_NAME)
+        _expect(where, f"{field}/gate/report_sha256", entry["gate"]["report_sha256"], gate_dir / align.REPORT_NAME)
+        _expect(gate_dir / MANIFEST_NAME, "source.manifest_sha256", gate["source"]["manifest_sha256"],
+                package_dir / MANIFEST_NAME)
+        if not gate["passed"]:
+            raise IdentityError(
+                f"{gate_dir / MANIFEST_NAME}: field 'passed' is false; a release holds passed gates only")
+        if package["source"]["manifest_sha256"] != entry["source_manifest_sha256"]:
+            raise IdentityError(f"{where}: field '{field}/source_manifest_sha256' differs from "
+                                f"{package_dir / MANIFEST_NAME} source.manifest_sha256")
+    fp32, compressed = manifest["packages"][0], manifest["packages"][1]
+    compressed_manifest = read_json(path / compressed["path"] / MANIFEST_NAME)
+    _expect(path / compressed["path"] / MANIFEST_NAME, "source.manifest_sha256",
+            compressed_manifest["source"]["manifest_sha256"], path / fp32["path"] / MANIFEST_NAME)
+    _expect(path / compressed["path"] / MANIFEST_NAME, "fp32_alignment.report_sha256",
+            compressed_manifest["fp32_alignment"]["report_sha256"], path / fp32["gate"]["path"] / align.REPORT_NAME)
+    survey = read_json(path / manifest["survey"]["path"])
+    record = next((r for r in survey["recipes"] if r["name"] == manifest["recipe"]), None)
+    if record is None or record["status"] != "measured":
+        raise IdentityError(f"{path / manifest['survey']['path']}: no measured record of recipe {manifest['recipe']!r}")
+    _expect(path / manifest["survey"]["path"], f"recipes[{manifest['recipe']}].package.manifest_sha256",
+            record["package"]["manifest_sha256"], path / compressed["path"] / MANIFEST_NAME)
+    _expect(path / manifest["survey"]["path"], f"recipes[{manifest['recipe']}].gate.report.sha256",
+            record["gate"]["report"]["sha256"], path / compressed["gate"]["path"] / align.REPORT_NAME)
+    return Manifest(path, manifest)
+
+
+# --- RELEASE.md ------------------------------------------------------------------------------------
+
+
+def release_markdown(manifest: dict, survey: dict) -> str:
+    from pipeline.report import md_table
+
+    interface = manifest["interface"]
+    features = [[direction, f["name"], f["dtype"], "[" + ", ".join(map(str, f["shape"])) + "]", f.get("meaning", "")]
+                for direction, key in (("input", "inputs"), ("output", "outputs"), ("state", "states"))
+                for f in interface.get(key, [])]
+    packages = [[e["name"], e["role"], e["kind"], e["size_bytes"], e["gate"]["recipe"], e["gate"]["backend"],
+                 e["gate"]["summary"]["max_abs"], e["gate"]["summary"]["top1_agreement_min"],
+                 e["gate"]["summary"]["kl_mean_max"], e["gate"]["passed"]] for e in manifest["packages"]]
+    tolerances = {e["gate"]["recipe"]: e["gate"]["tolerance"] for e in manifest["packages"]}
+    record = next(r for r in survey["recipes"] if r["name"] == manifest["recipe"])
+    chosen = (f"the survey's deployed recipe: {manifest['survey']['deployed_rule']}" if manifest["deployed"]
+              else "chosen by hand, not the survey's deployed recipe")
+    lines = [
+        f"# {manifest['model']} — {manifest['recipe']}",
+        "",
+        f"Core ML package `packages/{manifest['recipe']}/model.mlpackage` ({interface['kind']}, "
+        f"context {interface['context']}, minimum deployment target {interface['minimum_deployment_target']}, "
+        f"compute precision {interface['compute_precision']}), compressed with recipe `{manifest['recipe']}` "
+        f"({chosen}).",
+        "",
+        "## Interface",
+        "",
+        md_table(["", "name", "dtype", "shape", "meaning"], features),
+        f"`T` is the flexible token count, {interface['dims']['T'][0]}..{interface['dims']['T'][1]}. "
+        f"Special tokens: {manifest['special_tokens']}.",
+        "",
+        "## Packages and their gates",
+        "",
+        "Every package passed its alignment gate against the frozen PyTorch FP32 reference logits.",
+        "",
+        md_table(["package", "role", "kind", "bytes", "gate policy", "gate backend", "max |Δ logit|",
+                  "top-1 agreement", "KL mean max", "passed"], packages),
+        "## Tolerances",
+        "",
+        md_table(["policy", "atol", "rtol", "min top-1", "max KL", "why"],
+                 [[k, t["atol"], t["rtol"], t["min_top1"], t["max_kl"], t["why"]] for k, t in tolerances.items()]),
+        "## Effect on the scoring set",
+        "",
+        f"`{survey['scoring_set']['name']}` ({survey['scoring_set']['n_items']} items): top-1 accuracy "
+        f"{record['scoring']['top1_accuracy']:.3f} (FP32 {survey['fp32']['scoring']['top1_accuracy']:.3f}), MRR "
+        f"{record['scoring']['mrr']:.3f} (FP32 {survey['fp32']['scoring']['mrr']:.3f}); "
+        f"{record['scoring']['top1_changed']} items change their top candidate, max |Δ score| "
+        f"{record['scoring']['max_abs_delta_score']:.3g}. The full survey is in `survey/survey.md`.",
+        "",
+        "## Identity chain",
+        "",
+        md_table(["link", "sha256", "bound by"],
+                 [[c["link"], f"`{c['sha256']}`", c["bound_by"]] for c in manifest["chain"]]),
+        "Check everything offline with `cmfdeploy verify-artifact <this folder>`.",
+        "",
+    ]
+    return "\n".join(lines)
