@@ -27,11 +27,14 @@ whose visits differ (the visits share weights), and masks on layers whose residu
 writers are not recognised.
 """
 
+import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -89,13 +92,16 @@ def export_bundle(
     with open_cmf(cmf_path) as cmf:
         if cmf.is_skill_file:
             raise UnsupportedModel(f"{cmf_path}: is a standalone skill file (feature bit 6); it never runs on its own")
-        report = verify_cmf(cmf)
+        # The sha256 of the source runs beside the hash64 verification: both release the GIL.
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            source_future = pool.submit(_source_identity, cmf)
+            report = verify_cmf(cmf)
+            source = source_future.result()
         if not report.ok:
             raise IdentityError(
                 f"{cmf_path}: refusing to bundle a file that fails verification: "
                 + "; ".join(str(f) for f in report.failures)
             )
-        source = _source_identity(cmf)
         plan = _plan(cmf, skill)
         task_mask, applied_task = _task(cmf, task)
 
@@ -110,7 +116,7 @@ def export_bundle(
             }
             # Written first so a killed run leaves a folder that says what it is and that it is unfinished.
             write_json(tmp / MANIFEST_NAME, manifest)
-            parameters = _write_weights(cmf, plan, task_mask, tmp / WEIGHTS_NAME)
+            parameters, weights_identity = _write_weights(cmf, plan, task_mask, tmp / WEIGHTS_NAME)
             (tmp / "config.json").write_bytes(canonical_json({k: cmf.header[k] for k in CONFIG_KEYS if cmf.header.get(k)}))
             tokenizer = _write_tokenizer(cmf, tmp)
             manifest.update(
@@ -120,7 +126,7 @@ def export_bundle(
                     "special_tokens": _special_tokens(cmf.tokenizer_config),
                     "tokenizer": tokenizer,
                     "applied": {"task": applied_task, "skill": plan.applied_skill},
-                    "files": inventory(tmp),
+                    "files": {**inventory(tmp, exclude=(MANIFEST_NAME, WEIGHTS_NAME)), WEIGHTS_NAME: weights_identity},
                     "environment": environment(),
                     "policy": POLICY,
                     "status": "complete",
@@ -286,29 +292,40 @@ def _decoded(cmf: CmfFile, plan: _Plan, keep: dict[str, np.ndarray] | None) -> I
         yield name, np.ascontiguousarray(array, dtype=np.float32)
 
 
-def _write_weights(cmf: CmfFile, plan: _Plan, keep: dict[str, np.ndarray] | None, path: Path) -> int:
-    """Stream a safetensors file tensor by tensor; returns the parameter count.
+def _write_weights(cmf: CmfFile, plan: _Plan, keep: dict[str, np.ndarray] | None, path: Path) -> tuple[int, dict]:
+    """Stream a safetensors file tensor by tensor; returns the parameter count and the
+    file's `{"bytes", "sha256"}`.
 
     The shapes are all known from the directory, so the header is written first and each
     tensor is decoded, written and dropped in turn (`safetensors.numpy.save_file` would
-    need every array in memory at once).
+    need every array in memory at once). A writer thread writes and hashes tensor i while
+    the caller decodes tensor i + 1, so at most two decoded tensors are alive, and the
+    file is never read back to hash it.
     """
     header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, entry in plan.entries:
-        nbytes = 4 * int(np.prod(cmf.tensors[entry].shape))
+        nbytes = 4 * math.prod(cmf.tensors[entry].shape)
         header[name] = {"dtype": "F32", "shape": list(cmf.tensors[entry].shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data section starts 8-aligned, as safetensors writes it
-    with open(path, "wb") as f:
-        f.write(len(blob).to_bytes(8, "little"))
-        f.write(blob)
-        for name, array in _decoded(cmf, plan, keep):
-            f.write(memoryview(array).cast("B"))
+    digest = hashlib.sha256()
+    with open(path, "wb") as f, ThreadPoolExecutor(max_workers=1) as writer:
+
+        def put(data) -> None:
+            f.write(data)
+            digest.update(data)
+
+        pending = writer.submit(put, len(blob).to_bytes(8, "little") + blob)
+        for _, array in _decoded(cmf, plan, keep):
+            view = memoryview(array).cast("B")
+            pending.result()
+            pending = writer.submit(put, view)
+        pending.result()
         f.flush()
         os.fsync(f.fileno())
-    return offset // 4
+    return offset // 4, {"bytes": 8 + len(blob) + offset, "sha256": digest.hexdigest()}
 
 
 def _write_tokenizer(cmf: CmfFile, folder: Path) -> dict | None:

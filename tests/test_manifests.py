@@ -118,57 +118,24 @@ def bundle(tmp_path_factory):
     return export_bundle(CONFORMANCE / "model_masks_tok_a.cmf", tmp_path_factory.mktemp("b") / "bundle")
 
 
-def _common(bundle) -> dict:
-    return {key: bundle[key] for key in ("status", "files", "environment")}
-
-
-def _artifact_source(bundle) -> dict:
-    return {"kind": "artifact", "format": "cmfdeploy.bundle/1", "path": str(bundle.path),
-            "manifest_sha256": sha256_file(bundle.path / MANIFEST_NAME)}
-
-
-METRIC = {"name": "ppl_ratio", "value": 1.01, "threshold": 1.05, "comparison": "<=", "passed": True}
-DATASET = {"name": "botchan-heldout", "sha256": "0" * 64, "n_tokens": 512}
-
-
-def _examples(bundle) -> dict[str, dict]:
-    """One minimal valid manifest per format, built on a real bundle's common fields."""
-    common, source = _common(bundle), _artifact_source(bundle)
-    feature = {"name": "input_ids", "shape": [1, "T"], "dtype": "int32"}
-    return {
-        "cmfdeploy.bundle/1": bundle.data,
-        "cmfdeploy.coreml/1": {**common, "format": "cmfdeploy.coreml/1", "source": source,
-                               "architecture": bundle["architecture"], "special_tokens": bundle["special_tokens"],
-                               "package": {"name": "model.mlpackage", "kind": "stateful", "context": 256,
-                                           "compute_precision": "float32", "minimum_deployment_target": "iOS18",
-                                           "inputs": [feature], "outputs": [feature]}},
-        "cmfdeploy.compressed/1": {**common, "format": "cmfdeploy.compressed/1", "source": source,
-                                   "recipe": {"name": "palettize-4", "params": {"nbits": 4}},
-                                   "package": {"name": "model.mlpackage"}, "size_bytes": 10, "base_size_bytes": 40},
-        "cmfdeploy.alignment/1": {**common, "format": "cmfdeploy.alignment/1", "source": source,
-                                  "candidate_backend": "coreml-executor",
-                                  "reference": {"backend": "torch-fp32", "source": bundle["source"]},
-                                  "dataset": DATASET, "metrics": [METRIC], "passed": True},
-        "cmfdeploy.survey/1": {**common, "format": "cmfdeploy.survey/1", "source": source, "dataset": DATASET,
-                               "baseline": {"size_bytes": 40, "metrics": [METRIC]},
-                               "candidates": [{"recipe": {"name": "q4", "params": {}}, "size_bytes": 10,
-                                               "metrics": [METRIC], "pareto": True}]},
-        "cmfdeploy.scores/1": {**common, "format": "cmfdeploy.scores/1", "source": bundle["source"],
-                               "backend": "torch-fp32", "scoring_set": DATASET, "summary": [METRIC]},
-    }
+IDENTITY_FIELDS = {"format", "status", "source", "files", "environment"}
 
 
 @pytest.mark.parametrize("format_name", sorted(SCHEMA_FILES))
-def test_each_format_accepts_a_valid_manifest_and_names_a_missing_field(bundle, format_name):
-    manifest = _examples(bundle)[format_name]
-    validate(manifest)
+def test_every_stage_schema_pins_its_format_and_requires_the_identity_fields(format_name):
     schema = load_schema(SCHEMA_FILES[format_name])
+    assert schema["properties"]["format"] == {"const": format_name}
     required = set(schema["required"])
-    if "allOf" in schema:  # the stage schemas inherit the common required fields
+    if {"$ref": "cmfdeploy:common#/$defs/stage_common"} in schema.get("allOf", []):
         required |= set(load_schema(COMMON_FILE)["$defs"]["stage_common"]["required"])
-    for field in sorted(required - {"format"}):  # a missing format is test_validate_refuses_unknown_formats
-        broken = {k: v for k, v in manifest.items() if k != field}
-        with pytest.raises(IdentityError, match=f"'{field}' is a required property"):
+    assert IDENTITY_FIELDS <= required
+
+
+def test_a_bundle_manifest_validates_and_each_missing_field_is_named(bundle):
+    validate(bundle.data)
+    for field in sorted(set(load_schema(SCHEMA_FILES["cmfdeploy.bundle/1"])["required"]) - {"format"}):
+        broken = {k: v for k, v in bundle.data.items() if k != field}
+        with pytest.raises(IdentityError, match=f"m.json: field '\\(top level\\)': '{field}' is a required property"):
             validate(broken, where="m.json")
 
 
@@ -251,31 +218,33 @@ def test_chain_of_a_bundle_ends_at_its_verified_cmf(tmp_path):
     assert verify_chain(tmp_path / "bundle")[-1].result.startswith("not available")
 
 
-def _verify_scores(path, hashes=True) -> Manifest:
-    manifest = identity.load_manifest(path, "cmfdeploy.scores/1")
+def _verify_stage(path, hashes=True) -> Manifest:
+    """A later stage's verifier, as a stage registers one (its schema is the stage's business)."""
+    manifest = read_json(Path(path) / MANIFEST_NAME)
     check_files(path, manifest["files"], hashes)
     return Manifest(Path(path), manifest)
 
 
 def test_chain_walks_through_an_upstream_artifact(bundle, tmp_path, monkeypatch):
-    """A later stage's output (here a scores folder) points at the bundle; the walk verifies
-    the bundle's manifest bytes against the recorded sha256, then the bundle, then the CMF."""
-    monkeypatch.setitem(VERIFIERS, "cmfdeploy.scores/1", f"{__name__}:_verify_scores")
-    scores = tmp_path / "scores"
-    scores.mkdir()
-    (scores / "scores.jsonl").write_text('{"item": 0}\n')
-    manifest = {**_examples(bundle)["cmfdeploy.scores/1"], "source": _artifact_source(bundle),
-                "files": inventory(scores)}
-    write_json(scores / MANIFEST_NAME, manifest)
-    assert [link.format for link in verify_chain(scores)] == ["cmfdeploy.scores/1", "cmfdeploy.bundle/1", "cmf"]
+    """A later stage's output points at the bundle; the walk verifies the bundle's manifest
+    bytes against the recorded sha256, then the bundle, then the CMF."""
+    monkeypatch.setitem(VERIFIERS, "cmfdeploy.stage/1", f"{__name__}:_verify_stage")
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    (stage / "result.jsonl").write_text('{"item": 0}\n')
+    source = {"kind": "artifact", "format": "cmfdeploy.bundle/1", "path": str(bundle.path),
+              "manifest_sha256": sha256_file(bundle.path / MANIFEST_NAME)}
+    manifest = {"format": "cmfdeploy.stage/1", "status": "complete", "source": source, "files": inventory(stage)}
+    write_json(stage / MANIFEST_NAME, manifest)
+    assert [link.format for link in verify_chain(stage)] == ["cmfdeploy.stage/1", "cmfdeploy.bundle/1", "cmf"]
 
-    write_json(scores / MANIFEST_NAME, {**manifest, "source": {**manifest["source"], "manifest_sha256": "1" * 64}})
+    write_json(stage / MANIFEST_NAME, {**manifest, "source": {**source, "manifest_sha256": "1" * 64}})
     with pytest.raises(IdentityError, match="source.manifest_sha256"):
-        verify_chain(scores)
+        verify_chain(stage)
 
-    write_json(scores / MANIFEST_NAME, {**manifest, "source": {**manifest["source"], "path": str(tmp_path / "gone")}})
-    assert verify_chain(scores)[-1] == Link(str(tmp_path / "gone"), "cmfdeploy.bundle/1",
-                                            "not available: no manifest at the recorded path")
+    write_json(stage / MANIFEST_NAME, {**manifest, "source": {**source, "path": str(tmp_path / "gone")}})
+    assert verify_chain(stage)[-1] == Link(str(tmp_path / "gone"), "cmfdeploy.bundle/1",
+                                           "not available: no manifest at the recorded path")
 
 
 def test_verify_artifact_refuses_a_format_without_verifier(tmp_path):
