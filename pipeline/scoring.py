@@ -31,7 +31,7 @@ from manifests.identity import (
     sha256_file,
     write_json,
 )
-from pipeline.backends import open_backend
+from pipeline.backends import Backend, open_backend
 from pipeline.bundle import _move_into_place, _refuse_existing, _source_identity
 from pipeline.cmf import open_cmf
 from pipeline.errors import CmfdeployError
@@ -157,8 +157,8 @@ def encode_item(tokenizer: Tokenizer, item: Item) -> tuple[np.ndarray, list[np.n
     sequences = [tokenizer.encode(item.context + candidate, add_bos=True) for candidate in item.candidates]
     shortest = min(map(len, sequences))
     heads = np.stack([s[:shortest] for s in sequences])
-    agree = np.all(heads == heads[0], axis=0)
-    shared = min(int(np.argmin(agree)) if not agree.all() else shortest, shortest - 1)
+    differ = np.flatnonzero(np.any(heads != heads[0], axis=0))
+    shared = min(int(differ[0]) if differ.size else shortest, shortest - 1)
     return sequences[0][:shared], [s[shared:] for s in sequences]
 
 
@@ -169,7 +169,7 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
-def score_item(backend, tokenizer: Tokenizer, item: Item) -> ItemScores:
+def score_item(backend: Backend, tokenizer: Tokenizer, item: Item) -> ItemScores:
     prefix, suffixes = encode_item(tokenizer, item)
     longest = len(prefix) + max(map(len, suffixes))
     if longest > backend.context:
@@ -187,7 +187,7 @@ def score_item(backend, tokenizer: Tokenizer, item: Item) -> ItemScores:
     return ItemScores(item.id, np.asarray(scores), tuple(map(len, suffixes)), item.gold)
 
 
-def score_items(backend, tokenizer: Tokenizer, items: list[Item]) -> list[ItemScores]:
+def score_items(backend: Backend, tokenizer: Tokenizer, items: list[Item]) -> list[ItemScores]:
     return [score_item(backend, tokenizer, item) for item in items]
 
 
