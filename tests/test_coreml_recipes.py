@@ -1,0 +1,165 @@
+"""Compression recipes: compressed packages run through the MIL executor and match the
+reference model rebuilt with the weights coremltools itself decompresses; selection records,
+preconditions, the mixed-precision chooser, manifests and refusals.
+"""
+
+import shutil
+
+import coremltools as ct
+from coremltools.models.utils import _apply_graph_pass
+from coremltools.optimize.coreml._quantization_passes import WeightDecompressor
+import numpy as np
+import pytest
+import torch
+
+from _coreml_models import VOCAB, make_bundle, random_weights
+from coreml.convert import export_coreml
+from coreml.manifest import verify_package
+from coreml.package import open_package
+from coreml.recipes import (
+    RECIPES,
+    RecipePrecondition,
+    UnknownRecipe,
+    Weight,
+    choose_mixed,
+    compress_package,
+    plan_selection,
+)
+from manifests.identity import sha256_file
+from pipeline.errors import IdentityError, OutputExists
+from pipeline.models import ModelArgs, build_model
+
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    root = tmp_path_factory.mktemp("recipes")
+    bundle = make_bundle(root, seed=1)
+    return export_coreml(bundle, root / "packages", kinds=("stateless",))["stateless"]
+
+
+@pytest.fixture(scope="module")
+def compressed(source, tmp_path_factory):
+    out = tmp_path_factory.mktemp("compressed")
+    return {recipe: compress_package(source.path, recipe, out / recipe)
+            for recipe in ("int4-b32", "palette4-gc32", "int8-b32-embfp16")}
+
+
+def _decompressed_weights(manifest) -> dict[str, np.ndarray]:
+    """HF name -> the weight as coremltools decompresses it from the saved package.
+
+    The pass `cto.decompress_weights` runs, stopped before it re-converts the whole program.
+    """
+    model = ct.models.MLModel(str(manifest.path / "model.mlpackage"), skip_model_load=True)
+    program = _apply_graph_pass(model, WeightDecompressor(op_selector=lambda op: True), return_pymil_prog=True)
+    values = {op.name: op.val.val for op in program.functions["main"].operations if op.op_type == "const"}
+    weights = {}
+    for entry in manifest["selection"]["weights"].values():
+        if entry["compressed"]:
+            for hf_name in entry["hf_names"]:
+                weights[hf_name] = np.asarray(values[entry["compressed_as"]], dtype=np.float32)
+    return weights
+
+
+@pytest.mark.parametrize("recipe", ["int4-b32", "palette4-gc32", "int8-b32-embfp16"])
+def test_compressed_package_matches_the_reference_with_decompressed_weights(source, compressed, recipe):
+    manifest = compressed[recipe]
+    original = random_weights(seed=1)
+    substituted = {**original, **_decompressed_weights(manifest)}
+    changed = [n for n in original if not np.array_equal(original[n], substituted[n])]
+    assert "model.embed_tokens.weight" in changed and "model.layers.3.mlp.down_proj.weight" in changed
+    model = build_model(ModelArgs.from_header({"arch": manifest["architecture"]}), substituted)
+    ids = np.random.default_rng(3).integers(0, VOCAB, 50).astype(np.int32)
+    logits = open_package(manifest.path, backend="executor").predict({"input_ids": ids[None]})["logits"][0]
+    with torch.no_grad():
+        expected = model(torch.tensor(ids, dtype=torch.long)).numpy()
+        original_logits = build_model(model.args, original)(torch.tensor(ids, dtype=torch.long)).numpy()
+    assert np.abs(logits - expected).max() <= TOLERANCE
+    assert np.abs(logits - original_logits).max() > 10 * TOLERANCE  # the compression is real
+
+
+def test_selection_records_every_constant_and_why(compressed):
+    selection = compressed["int4-b32"]["selection"]
+    weights = selection["weights"]
+    embedding = weights["model_model_embed_tokens_weight"]
+    assert embedding["compressed"] and embedding["op"] == "constexpr_blockwise_shift_scale"
+    assert embedding["hf_names"] == ["model.embed_tokens.weight"] and embedding["consumers"] == ["gather", "linear"]
+    # k/v projections are 32 x 64 = 2048 elements: at the threshold, so left as they are, and said so.
+    below = selection["below_threshold"]
+    assert "model_model_layers_0_self_attn_k_proj_weight" in below["non_scalar"]
+    assert "model_model_layers_0_input_layernorm_weight" in below["non_scalar"]
+    assert below["reason"].startswith("at most weight_threshold 2048")
+    assert sum(e["compressed"] for e in weights.values()) == 1 + 4 * 5  # embedding; q, o, gate, up, down
+    palette = compressed["palette4-gc32"]["selection"]["weights"]["model_model_layers_2_mlp_up_proj_weight"]
+    assert palette["op"] == "constexpr_lut_to_dense" and "nbits=4" in palette["how"]
+    cast = compressed["int8-b32-embfp16"]["selection"]["weights"]["model_model_embed_tokens_weight"]
+    assert cast["op"] == "constexpr_cast"
+
+
+def test_manifest_binds_source_package_and_recipe(source, compressed):
+    for recipe, manifest in compressed.items():
+        assert verify_package(manifest.path).data == manifest.data
+        assert manifest["format"] == "cmfdeploy.compressed/1" and manifest["status"] == "complete"
+        assert manifest["source"]["manifest_sha256"] == sha256_file(source.path / "manifest.json")
+        assert manifest["source"]["format"] == "cmfdeploy.coreml/1"
+        assert manifest["recipe"] == {"name": recipe, "params": RECIPES[recipe]}
+        assert manifest["base_size_bytes"] == source["package_bytes"]
+        on_disk = sum(p.stat().st_size for p in (manifest.path / "model.mlpackage").rglob("*") if p.is_file())
+        assert manifest["size_bytes"] == on_disk < source["package_bytes"]
+        assert manifest["package"] == source["package"]
+    sizes = {r: m["size_bytes"] for r, m in compressed.items()}
+    assert sizes["int4-b32"] < sizes["int8-b32-embfp16"]
+
+
+def _weight(name, shape, consumers=("linear",), hf=True):
+    return Weight(name, (f"model.layers.0.mlp.{name}.weight",) if hf else (), shape, consumers, ())
+
+
+def test_unmet_preconditions_are_raised_naming_the_weight():
+    with pytest.raises(RecipePrecondition, match=r"down_proj .*input axis 48 not divisible by block_size 32"):
+        plan_selection([_weight("down_proj", (64, 48))], "int4-b32")
+    with pytest.raises(RecipePrecondition, match=r"up_proj .*output axis 80 not divisible by group_size 32"):
+        plan_selection([_weight("up_proj", (80, 64))], "palette4-gc32")
+    with pytest.raises(RecipePrecondition, match=r"axes unknown for ops \['conv'\]"):
+        plan_selection([_weight("gate_proj", (64, 64), consumers=("conv",))], "int8-b32")
+
+
+def test_a_large_constant_that_is_no_bundle_weight_is_left_and_recorded():
+    plan = plan_selection([_weight("table", (128, 64), consumers=("gather",), hf=False)], "int4-b32")
+    assert plan["steps"] == {}
+    assert plan["record"]["weights"]["table"]["reason"].startswith("not a bundle weight")
+
+
+def test_mixed_spends_the_budget_on_the_most_sensitive_layers():
+    weights = [Weight(f"w{i}", (f"model.layers.{i}.mlp.up_proj.weight",), (64, 64), ("linear",), ()) for i in range(4)]
+    sensitivity = {"layers.0": 1.0, "layers.1": 8.0, "layers.2": 2.0, "layers.3": 4.0}
+
+    def measure(group, option):  # int8 error is a tenth of int4's
+        return sensitivity[group] * (0.1 if option == "int8-b32" else 1.0)
+
+    int4, int8 = 64 * 64 / 2 + 128 * 4, 64 * 64 + 128 * 4  # packed values + fp32 block scales
+    chosen = choose_mixed(weights, measure, budget_bytes=2 * int8 + 2 * int4)
+    assert chosen["choices"] == {"layers.0": "int4-b32", "layers.1": "int8-b32", "layers.2": "int4-b32",
+                                 "layers.3": "int8-b32"}
+    assert chosen["estimated_bytes"] == 2 * int8 + 2 * int4
+    with pytest.raises(RecipePrecondition, match="over the budget"):
+        choose_mixed(weights, measure, budget_bytes=4 * int4 - 1)
+
+
+def test_refusals(source, compressed, tmp_path):
+    with pytest.raises(OutputExists):
+        compress_package(source.path, "int4-b32", compressed["int4-b32"].path)
+    with pytest.raises(UnknownRecipe, match="int3"):
+        compress_package(source.path, "int3", tmp_path / "out")
+    with pytest.raises(RecipePrecondition, match="measure callback"):
+        compress_package(source.path, "mixed", tmp_path / "out")
+    tampered = tmp_path / "tampered"
+    shutil.copytree(source.path, tampered)
+    blob = next(tampered.rglob("weight.bin"))
+    data = bytearray(blob.read_bytes())
+    data[-3] ^= 1
+    blob.write_bytes(bytes(data))
+    with pytest.raises(IdentityError, match="weight.bin"):
+        compress_package(tampered, "int4-b32", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
