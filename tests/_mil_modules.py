@@ -129,14 +129,14 @@ class TinyDecoderStateful(TinyDecoder):
 # Imported lazily by the functions below: coremltools is slow to import and noisy.
 
 
-def _convert(module, example, inputs, outputs, states=None, precision="FLOAT32"):
+def _convert(module, example, inputs, outputs, states=None, precision="FLOAT32", target="iOS18"):
     import coremltools as ct
 
     traced = torch.jit.trace(module, example)
     return ct.convert(
         traced,
         convert_to="mlprogram",
-        minimum_deployment_target=ct.target.iOS18,
+        minimum_deployment_target=getattr(ct.target, target),
         compute_precision=getattr(ct.precision, precision),
         inputs=inputs,
         outputs=outputs,
@@ -150,11 +150,11 @@ def _ids_type(max_len: int):
     return ct.TensorType("ids", shape=(1, ct.RangeDim(1, max_len)), dtype=np.int32)
 
 
-def convert_stateless(module: TinyDecoder, precision: str = "FLOAT32"):
+def convert_stateless(module: TinyDecoder, precision: str = "FLOAT32", target: str = "iOS18"):
     import coremltools as ct
 
     ids = torch.zeros(1, 5, dtype=torch.int32)
-    return _convert(module, ids, [_ids_type(MAX_LEN)], [ct.TensorType("logits")], precision=precision)
+    return _convert(module, ids, [_ids_type(MAX_LEN)], [ct.TensorType("logits")], precision=precision, target=target)
 
 
 def cache_shape() -> tuple[int, ...]:
@@ -190,45 +190,56 @@ def convert_stateful(module: TinyDecoderStateful):
     return _convert(module, (ids, pos), inputs, [ct.TensorType("logits")], states)
 
 
-COMPRESSIONS = ("int8", "int4", "pal4", "pal6", "joint")
+COMPRESSIONS = ("int8", "int4", "pal4", "pal6", "joint", "sparse")
+# The same compressors on an iOS16 program emit the older op formats: constexpr_affine_dequantize,
+# constexpr_lut_to_dense with a flat LUT and packed uint8 indices, a flat sparse bitmask.
+IOS16_COMPRESSIONS = ("affine", "pal4_tensor", "sparse")
 
 
 def compress(mlmodel, kind: str):
     """Compress with coremltools.optimize.coreml. Palettization uses mode="uniform": kmeans needs
     scikit-learn, which is not a project dependency, and both modes emit the same
     constexpr_lut_to_dense. Constants holding -inf (the causal mask) are left alone: coremltools
-    would palettize them into NaNs."""
+    would palettize them into NaNs; per-channel affine quantization also skips constants with a
+    constant row (the RoPE tables), whose zero range it divides by."""
     import coremltools.optimize.coreml as cto
+
+    def skipped(value):
+        if not (isinstance(value, np.ndarray) and value.dtype.kind == "f"):
+            return False
+        flat_row = value.ndim == 2 and bool((value.max(axis=1) == value.min(axis=1)).any())
+        return not np.isfinite(value).all() or (kind == "affine" and flat_row)
 
     skip = {
         op.outputs[0].name: None
         for op in mlmodel._mil_program.functions["main"].operations
-        if op.op_type == "const"
-        and isinstance(op.outputs[0].val, np.ndarray)
-        and op.outputs[0].val.dtype.kind == "f"
-        and not np.isfinite(op.outputs[0].val).all()
+        if op.op_type == "const" and skipped(op.outputs[0].val)
     }
 
     def config(global_config):
         return cto.OptimizationConfig(global_config=global_config, op_name_configs=skip)
 
-    def linear(dtype, **granularity):
-        return config(cto.OpLinearQuantizerConfig(mode="linear_symmetric", dtype=dtype, weight_threshold=512, **granularity))
+    def linear(dtype, mode="linear_symmetric", **granularity):
+        return config(cto.OpLinearQuantizerConfig(mode=mode, dtype=dtype, weight_threshold=512, **granularity))
 
-    def palette(nbits):
-        return config(
-            cto.OpPalettizerConfig(
-                nbits=nbits, mode="uniform", granularity="per_grouped_channel", group_size=32, weight_threshold=512
-            )
-        )
+    def palette(nbits, **granularity):
+        return config(cto.OpPalettizerConfig(nbits=nbits, mode="uniform", weight_threshold=512, **granularity))
 
+    grouped = dict(granularity="per_grouped_channel", group_size=32)
     if kind in ("int8", "int4"):
         return cto.linear_quantize_weights(mlmodel, linear(kind, granularity="per_block", block_size=32))
+    if kind == "affine":
+        return cto.linear_quantize_weights(mlmodel, linear("uint8", mode="linear", granularity="per_channel"))
     if kind in ("pal4", "pal6"):
-        return cto.palettize_weights(mlmodel, palette(int(kind[3:])))
+        return cto.palettize_weights(mlmodel, palette(int(kind[3:]), **grouped))
+    if kind == "pal4_tensor":
+        return cto.palettize_weights(mlmodel, palette(4, granularity="per_tensor"))
     if kind == "joint":  # 4-bit palettes whose LUT entries are themselves int8-quantized
-        palettized = cto.palettize_weights(mlmodel, palette(4))
+        palettized = cto.palettize_weights(mlmodel, palette(4, **grouped))
         return cto.linear_quantize_weights(palettized, linear("int8", granularity="per_tensor"), joint_compression=True)
+    if kind == "sparse":
+        pruner = cto.OpMagnitudePrunerConfig(target_sparsity=0.5, weight_threshold=512)
+        return cto.prune_weights(mlmodel, config(pruner))
     raise ValueError(kind)
 
 
@@ -241,7 +252,7 @@ def decompressed_weights(mlmodel) -> dict[str, np.ndarray]:
             c.op_type.startswith("constexpr_") for c in op.outputs[0].child_ops
         ):
             name = op.outputs[0].name
-            for suffix in ("_palettized", "_quantized"):
+            for suffix in ("_palettized", "_quantized", "_sparsified"):
                 name = name.removesuffix(suffix)
             out[name] = np.asarray(_materialize(op.outputs[0]), dtype=np.float32)
     return out
@@ -253,8 +264,8 @@ def _materialize(var):
     if var.val is not None:
         return var.val
     op = var.op
-    args = [_materialize(op.inputs[k]) if k in op.inputs else None for k in op.input_spec.input_types]
-    return type(op).decompress(*args)
+    args = {k: _materialize(op.inputs[k]) if k in op.inputs else None for k in op.input_spec.input_types}
+    return type(op).decompress(**args)
 
 
 def with_weights(module: nn.Module, weights: dict[str, np.ndarray]) -> nn.Module:
@@ -268,6 +279,9 @@ def with_weights(module: nn.Module, weights: dict[str, np.ndarray]) -> nn.Module
     clone = type(module)()
     clone.load_state_dict(state)
     return clone.eval()
+
+
+COMPRESSED = (*COMPRESSIONS, *(f"ios16_{k}" for k in IOS16_COMPRESSIONS))  # package names
 
 
 def build_packages(root) -> dict:
@@ -286,11 +300,12 @@ def build_packages(root) -> dict:
     ):
         paths[name] = root / f"{name}.mlpackage"
         mlmodel.save(str(paths[name]))
-    for kind in COMPRESSIONS:
-        compressed = compress(stateless, kind)
-        paths[kind] = root / f"{kind}.mlpackage"
-        compressed.save(str(paths[kind]))
-        weights[kind] = decompressed_weights(compressed)
+    ios16 = convert_stateless(TinyDecoder().eval(), target="iOS16")
+    for name, base, kind in [*((k, stateless, k) for k in COMPRESSIONS), *((f"ios16_{k}", ios16, k) for k in IOS16_COMPRESSIONS)]:
+        compressed = compress(base, kind)
+        paths[name] = root / f"{name}.mlpackage"
+        compressed.save(str(paths[name]))
+        weights[name] = decompressed_weights(compressed)
     desc = ct.utils.MultiFunctionDescriptor()
     desc.add_function(str(paths["stateless"]), src_function_name="main", target_function_name="prefill")
     desc.add_function(str(paths["kv"]), src_function_name="main", target_function_name="decode")

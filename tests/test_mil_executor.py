@@ -133,7 +133,7 @@ def test_multifunction_package_runs_each_function(paths):
         open_package(paths["multi"], function_name="nope")
 
 
-@pytest.mark.parametrize("kind", mm.COMPRESSIONS)
+@pytest.mark.parametrize("kind", mm.COMPRESSED)
 def test_compressed_package_matches_torch_with_decompressed_weights(built, kind):
     weights = built["weights"][kind]
     original = mm.TinyDecoder().eval()
