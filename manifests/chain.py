@@ -16,7 +16,7 @@ import importlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from manifests.identity import MANIFEST_NAME, Manifest, read_json, sha256_file
+from manifests.identity import MANIFEST_NAME, Manifest, check_file, read_json, sha256_file
 from pipeline.errors import IdentityError
 
 VERIFIERS = {
@@ -92,11 +92,5 @@ def _check_cmf_source(source: dict, hashes: bool) -> Link:
         file = path.with_name(entry["file"])
         if not file.is_file():
             return Link(str(path), "cmf", f"not available: {file} is not there")
-        size = file.stat().st_size
-        if size != entry["bytes"]:
-            raise IdentityError(f"{file}: {size} bytes, the manifest's source records {entry['bytes']}")
-        if hashes:
-            digest = sha256_file(file)
-            if digest != entry["sha256"]:
-                raise IdentityError(f"{file}: sha256 {digest}, the manifest's source records {entry['sha256']}")
+        check_file(file, entry, hashes, where=f"source CMF {file}")
     return Link(str(path), "cmf", "verified" if hashes else "verified (sizes only)")

@@ -179,12 +179,15 @@ def check_files(root: str | Path, recorded: dict[str, dict], hashes: bool = True
         path = root / name
         if path.is_symlink():
             raise IdentityError(f"{root}: file {name!r} is a symlink; artifacts hold plain files only")
-        size = path.stat().st_size
-        if size != entry["bytes"]:
-            raise IdentityError(f"{root}: file {name!r} has {size} bytes, the manifest records {entry['bytes']}")
-        if hashes:
-            digest = sha256_file(path)
-            if digest != entry["sha256"]:
-                raise IdentityError(
-                    f"{root}: file {name!r} has sha256 {digest}, the manifest records {entry['sha256']}"
-                )
+        check_file(path, entry, hashes, where=f"{root}: file {name!r}")
+
+
+def check_file(path: Path, entry: dict, hashes: bool, where: str) -> None:
+    """`path` has the recorded `bytes` (and `sha256` when `hashes`); `where` opens the error."""
+    size = path.stat().st_size
+    if size != entry["bytes"]:
+        raise IdentityError(f"{where} has {size} bytes, the manifest records {entry['bytes']}")
+    if hashes:
+        digest = sha256_file(path)
+        if digest != entry["sha256"]:
+            raise IdentityError(f"{where} has sha256 {digest}, the manifest records {entry['sha256']}")

@@ -17,19 +17,16 @@ def register(subparsers) -> None:
     p.add_argument("--sizes-only", action="store_true", help="check sizes, skip sha256 (fast)")
     p.set_defaults(func=_verify_artifact)
 
-    p = subparsers.add_parser("import-hf", help="convert a Hugging Face checkpoint folder to CMF")
-    p.add_argument("folder")
-    p.add_argument("-o", "--output", required=True)
-    add_quant_arguments(p)
-    p.add_argument("--force", action="store_true", help="replace an existing output")
-    p.set_defaults(func=_import_hf)
-
-    p = subparsers.add_parser("import-gguf", help="convert a GGUF file (llama family) to CMF")
-    p.add_argument("file")
-    p.add_argument("-o", "--output", required=True)
-    add_quant_arguments(p)
-    p.add_argument("--force", action="store_true", help="replace an existing output")
-    p.set_defaults(func=_import_gguf)
+    for command, source, help_text, func in (
+        ("import-hf", "folder", "convert a Hugging Face checkpoint folder to CMF", _import_hf),
+        ("import-gguf", "file", "convert a GGUF file (llama family) to CMF", _import_gguf),
+    ):
+        p = subparsers.add_parser(command, help=help_text)
+        p.add_argument(source)
+        p.add_argument("-o", "--output", required=True)
+        add_quant_arguments(p)
+        p.add_argument("--force", action="store_true", help="replace an existing output")
+        p.set_defaults(func=func)
 
 
 def _bundle(args) -> int:
