@@ -30,10 +30,11 @@ from tqdm import tqdm
 from coreml import manifest as package_manifest
 from coreml.recipes import (
     RECIPES,
+    WEIGHT_THRESHOLD,
     RecipePrecondition,
+    compress_package,
     estimated_bytes,
     program_weights,
-    compress_package,
 )
 from manifests.identity import (
     MANIFEST_NAME,
@@ -66,19 +67,29 @@ MIXED_MEASURE_CASE = "long"
 
 
 class SurveyError(CmfdeployError):
-    """The survey's input is not a package it may survey (ungated, or a gate of another package)."""
+    """The survey's input is not a package it may survey, or a survey folder that does not check out."""
+
+
+class ForeignGate(CmfdeployError):
+    """A gate folder offered with a package is the gate of another package."""
+
+
+def passed_gate_of(package_dir: Path, gate_dir: Path) -> dict:
+    """The manifest of `gate_dir`: verified, passed, and of exactly the package at `package_dir`."""
+    manifest = align.require_passed(gate_dir)
+    package_sha = sha256_file(Path(package_dir) / MANIFEST_NAME)
+    if manifest["source"]["manifest_sha256"] != package_sha:
+        raise ForeignGate(
+            f"{Path(gate_dir) / MANIFEST_NAME}: field 'source.manifest_sha256' is "
+            f"{manifest['source']['manifest_sha256']}, but {Path(package_dir) / MANIFEST_NAME} has sha256 "
+            f"{package_sha}: this gate is of another package"
+        )
+    return manifest
 
 
 def fp32_gate(package_dir: Path, alignment_dir: Path) -> dict:
-    """The FP32 gate this survey stands on: verified, passed, and of exactly this package."""
-    manifest = align.require_passed(alignment_dir)
-    package_sha = sha256_file(package_dir / MANIFEST_NAME)
-    if manifest["source"]["manifest_sha256"] != package_sha:
-        raise SurveyError(
-            f"{alignment_dir / MANIFEST_NAME}: field 'source.manifest_sha256' is "
-            f"{manifest['source']['manifest_sha256']}, but {package_dir / MANIFEST_NAME} has sha256 {package_sha}: "
-            "this gate report is of another package"
-        )
+    """The FP32 gate this survey stands on, as the compressed manifests and survey.json record it."""
+    manifest = passed_gate_of(package_dir, alignment_dir)
     return {
         "path": str(Path(alignment_dir).resolve()),
         "manifest_sha256": sha256_file(Path(alignment_dir) / MANIFEST_NAME),
@@ -124,7 +135,7 @@ def mixed_inputs(package_dir: Path, fixtures: align.ReferenceFixtures, budget_by
     source = package_manifest.verify_package(package_dir, hashes=False)
     mlmodel = ct.models.MLModel(str(package_dir / source["package"]["name"]), skip_model_load=True)
     weights = [w for w in program_weights(mlmodel, source["package"].get("weights", {}))
-               if w.hf_names and w.size > RECIPES["int8-b32"]["quantize"]["weight_threshold"]]
+               if w.hf_names and w.size > WEIGHT_THRESHOLD]
     options = RECIPES["mixed"]["mixed"]["options"]
     if budget_bytes is None:
         totals = sorted(sum(estimated_bytes(w, o) for w in weights) for o in options)

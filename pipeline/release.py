@@ -23,7 +23,7 @@ from pathlib import Path
 
 from coreml import manifest as package_manifest
 from coreml.survey import REPORT_NAME as SURVEY_NAME
-from coreml.survey import load_survey
+from coreml.survey import load_survey, passed_gate_of
 from manifests.identity import (
     MANIFEST_NAME,
     Manifest,
@@ -47,16 +47,9 @@ class ReleaseError(CmfdeployError):
 
 
 def _gated(package_dir: Path, gate_dir: Path) -> tuple[Manifest, Manifest]:
-    """The verified package and its passed gate manifest; refuses a gate of another package."""
+    """The verified package and its passed gate; refuses a gate of another package."""
     package = package_manifest.verify_package(package_dir)
-    gate = align.require_passed(gate_dir)
-    package_sha = sha256_file(package_dir / MANIFEST_NAME)
-    if gate["source"]["manifest_sha256"] != package_sha:
-        raise ReleaseError(
-            f"{gate_dir / MANIFEST_NAME}: field 'source.manifest_sha256' is {gate['source']['manifest_sha256']}, "
-            f"but {package_dir / MANIFEST_NAME} has sha256 {package_sha}: this gate is of another package"
-        )
-    return package, Manifest(Path(gate_dir), gate)
+    return package, Manifest(Path(gate_dir), passed_gate_of(package_dir, gate_dir))
 
 
 def _entry(role: str, name: str, package: Manifest, gate: Manifest) -> dict:
@@ -182,9 +175,7 @@ def _check_survey_bindings(survey_dir: Path, survey: dict, record: dict, checked
          gate.path / align.REPORT_NAME),
     ]
     for field, recorded, path in expected:
-        digest = sha256_file(path)
-        if digest != recorded:
-            raise ReleaseError(f"{where}: field {field!r} is {recorded}, but {path} has sha256 {digest}")
+        _expect(where, field, recorded, path)
 
 
 def identity_chain(survey: dict, entries: list[dict]) -> list[dict]:

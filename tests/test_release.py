@@ -8,6 +8,7 @@ import pytest
 from _survey_models import built_survey, failed_gate
 from conftest import FIXTURE_REFERENCE
 
+from coreml.survey import ForeignGate
 from manifests.chain import verify_chain
 from manifests.identity import read_json, sha256_file
 from pipeline.align import GateFailed, align_package
@@ -127,7 +128,7 @@ def test_release_refuses_a_package_whose_gate_failed(survey, tmp_path):
 
 
 def test_release_refuses_a_gate_of_another_package(survey, fixture_packages, tmp_path):
-    with pytest.raises(ReleaseError, match="this gate is of another package"):
+    with pytest.raises(ForeignGate, match="this gate is of another package"):
         make_release(survey.path, tmp_path, packages=[(fixture_packages / "stateless", survey.fp32_gate)])
 
 

@@ -12,7 +12,7 @@ from _survey_models import IMPOSSIBLE_MIXED_BUDGET, SCORING_ITEMS, SURVEY_RECIPE
 from conftest import FIXTURE_REFERENCE
 
 from coreml.package import open_package
-from coreml.survey import SurveyError, load_survey, run_survey
+from coreml.survey import ForeignGate, SurveyError, load_survey, run_survey
 from manifests.identity import read_json, sha256_file
 from pipeline.align import GateFailed, ReferenceFixtures
 from pipeline.backends import open_backend
@@ -176,7 +176,7 @@ def test_an_edited_package_manifest_no_longer_matches_its_gate(survey, tmp_path)
     manifest = read_json(package / "manifest.json")
     manifest["conversion"]["seconds"] += 1.0  # still valid and complete, but not the gated package
     (package / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(SurveyError, match=r"source\.manifest_sha256.*another package"):
+    with pytest.raises(ForeignGate, match=r"source\.manifest_sha256.*another package"):
         _survey_into(survey, package, survey.fp32_gate, tmp_path / "out")
 
 
