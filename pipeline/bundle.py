@@ -85,7 +85,8 @@ def export_bundle(
     """Decode a verified CMF into an FP32 bundle at `out_dir` and return its manifest.
 
     The CMF is verified first (every hash; a failure names each failing item). Tensors are
-    decoded and written one at a time, so peak memory is about one FP32 tensor.
+    decoded and written one at a time, so peak memory is about two FP32 tensors (one being
+    written while the next decodes) besides the mapped CMF pages.
     """
     cmf_path, out_dir = Path(cmf_path), Path(out_dir)
     _refuse_existing(out_dir, force)

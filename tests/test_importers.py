@@ -139,18 +139,27 @@ def test_per_role_dtypes_encode_exactly_what_the_policy_says(tmp_path):
         assert cmf.header["quant_type"] == "Q8_ROW"
 
 
-def test_chat_bundle_from_tokenizer_files(tmp_path):
+TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+@pytest.mark.parametrize("where", ["chat_template.jinja", "chat_template.json", "tokenizer_config.json"])
+def test_chat_bundle_from_tokenizer_files(tmp_path, where):
     save_hf_model("qwen3", tmp_path / "hf", seed=5, eos_token_id=2, bos_token_id=1)
     (tmp_path / "hf" / "tokenizer.json").write_bytes(FIXTURE_TOKENIZER.read_bytes())
-    (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps(
-        {"eos_token": "</s>", "pad_token": {"content": "<pad>"}, "bos_token": "<s>"}))
-    (tmp_path / "hf" / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    tok_config = {"eos_token": "</s>", "pad_token": {"content": "<pad>"}, "bos_token": "<s>"}
+    if where == "tokenizer_config.json":
+        tok_config["chat_template"] = TEMPLATE
+    elif where == "chat_template.json":
+        (tmp_path / "hf" / where).write_text(json.dumps({"chat_template": TEMPLATE}))
+    else:
+        (tmp_path / "hf" / where).write_text(TEMPLATE)
+    (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps(tok_config))
     (tmp_path / "hf" / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 3]}))
     import_hf(tmp_path / "hf", tmp_path / "m.cmf")
     with open_cmf(tmp_path / "m.cmf") as cmf:
         assert cmf.vocab == FIXTURE_TOKENIZER.read_bytes()
-        assert cmf.tokenizer_config == {"chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}",
-                                        "eos_token_ids": [2, 3], "bos_token_id": 1, "pad_token_id": 3}
+        assert cmf.tokenizer_config == {"chat_template": TEMPLATE, "eos_token_ids": [2, 3], "bos_token_id": 1,
+                                        "pad_token_id": 3}
 
 
 def _edit_weights(folder: Path, edit) -> None:

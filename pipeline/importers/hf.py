@@ -3,7 +3,7 @@
 Reads config.json (through `arch_from_hf_config`, which knows both places transformers
 puts rope_theta and both Llama-3 rope_scaling forms), the safetensors weights (one file or a
 sharded `model.safetensors.index.json`), tokenizer.json and the chat bundle: the chat
-template (tokenizer_config.json or chat_template.jinja) and the eos/bos/pad ids
+template (chat_template.jinja, chat_template.json or tokenizer_config.json) and the eos/bos/pad ids
 (generation_config.json, config.json, and tokenizer_config.json's token strings resolved
 through tokenizer.json). Tensor names are kept 1:1. Pickled checkpoints are refused.
 """
@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors import safe_open
+from tokenizers import Tokenizer
 
 from manifests.identity import read_json, sha256_file
 from pipeline.errors import UnsupportedModel
@@ -99,21 +100,26 @@ def chat_bundle(folder: Path, config: dict, tokenizer_json: bytes | None) -> dic
     generation_path = folder / "generation_config.json"
     generation = read_json(generation_path) if generation_path.exists() else {}
 
-    template = tok_config.get("chat_template")
-    if template is None and (folder / "chat_template.jinja").exists():
+    # Where transformers has kept the template over the years, newest first.
+    template = None
+    if (folder / "chat_template.jinja").exists():
         template = (folder / "chat_template.jinja").read_text()
+    elif (folder / "chat_template.json").exists():
+        template = read_json(folder / "chat_template.json").get("chat_template")
+    if template is None:
+        template = tok_config.get("chat_template")
     if isinstance(template, list):  # the named-templates form: [{"name": "default", "template": ...}, ...]
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
 
+    vocab = None if tokenizer_json is None else Tokenizer.from_str(tokenizer_json.decode("utf-8"))
+
     def token_id(field: str) -> int | None:
         token = tok_config.get(field)
-        if isinstance(token, dict):
+        if isinstance(token, dict):  # a serialised AddedToken
             token = token.get("content")
-        if token is None or tokenizer_json is None:
+        if token is None or vocab is None:
             return None
-        from tokenizers import Tokenizer
-
-        found = Tokenizer.from_str(tokenizer_json.decode("utf-8")).token_to_id(token)
+        found = vocab.token_to_id(token)
         if found is None:
             raise UnsupportedModel(f"{tok_config_path}: field {field} is {token!r}, which tokenizer.json does not have")
         return found
