@@ -28,6 +28,7 @@ from coreml import manifest as package_manifest
 from coreml.mil.loader import load_program
 from coreml.package import open_package
 from manifests.identity import Manifest, load_manifest, sha256_bytes
+from pipeline.bundle import _refuse_existing
 from pipeline.errors import CmfdeployError, UnsupportedModel
 from pipeline.models import KVCache, ModelArgs, build_model
 from pipeline.reference import load_reference
@@ -499,7 +500,7 @@ def export_coreml(
     if unknown or not kinds:
         raise UnknownKind(f"{out_dir}: package kinds {unknown or '(none)'} are not among {KINDS}")
     step = progress or (lambda stage: None)
-    package_manifest.refuse_existing(out_dir, force)
+    _refuse_existing(out_dir, force)
     step("verify the bundle and build the reference model")
     ref = reference_for_export(Path(bundle_dir), context)
     manifests = {}

@@ -10,7 +10,6 @@ last, so a manifest without it names a package that was never finished.
 """
 
 import contextlib
-import os
 import shutil
 import tempfile
 from collections import Counter
@@ -31,7 +30,8 @@ from manifests.identity import (
     sha256_file,
     write_json,
 )
-from pipeline.errors import IdentityError, OutputExists
+from pipeline.bundle import _move_into_place, _refuse_existing
+from pipeline.errors import IdentityError
 
 COREML_FORMAT = "cmfdeploy.coreml/1"
 COMPRESSED_FORMAT = "cmfdeploy.compressed/1"
@@ -124,32 +124,17 @@ def verify_package(path: str | Path, hashes: bool = True) -> Manifest:
     return Manifest(path, manifest)
 
 
-def refuse_existing(out_dir: Path, force: bool) -> None:
-    if (out_dir.exists() or out_dir.is_symlink()) and not force:
-        raise OutputExists(f"{out_dir}: output exists; pass force=True (--force) to replace it")
-
-
 @contextlib.contextmanager
 def staged_output(out_dir: Path, force: bool) -> Iterator[Path]:
-    """Yield a temporary sibling of `out_dir`; on success rename it into place.
-
-    With force an existing output is moved aside first and removed only after the new one
-    is in place, so a failure never leaves neither.
-    """
+    """Yield a temporary sibling of `out_dir`; on success move it into place (the bundle
+    stage's move: an old output goes aside and is removed only once the new one is there)."""
     out_dir = Path(out_dir)
-    refuse_existing(out_dir, force)
+    _refuse_existing(out_dir, force)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
     try:
         yield staging
-        refuse_existing(out_dir, force)
-        old = None
-        if out_dir.exists() or out_dir.is_symlink():
-            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".old", dir=out_dir.parent))
-            os.replace(out_dir, old / "previous")
-        os.replace(staging, out_dir)
-        if old is not None:
-            shutil.rmtree(old)
+        _move_into_place(staging, out_dir, force)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

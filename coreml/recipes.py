@@ -31,6 +31,7 @@ from coremltools.models.utils import _apply_graph_pass
 
 from coreml import manifest as package_manifest
 from manifests.identity import Manifest
+from pipeline.bundle import _refuse_existing
 from pipeline.errors import CmfdeployError, UnsupportedModel
 
 WEIGHT_THRESHOLD = 2048
@@ -93,8 +94,9 @@ class Weight:
     @property
     def group(self) -> str:
         """The decoder layer (`layers.3`) this weight belongs to, or its own name."""
-        parts = (self.hf_names or (self.name,))[0].split(".")
-        return ".".join(parts[1:3]) if parts[:2] == ["model", "layers"] else self.hf_names[0] if self.hf_names else self.name
+        name = self.hf_names[0] if self.hf_names else self.name
+        parts = name.split(".")
+        return ".".join(parts[1:3]) if parts[:2] == ["model", "layers"] else name
 
 
 def program_weights(mlmodel, weight_names: Mapping[str, list[str]]) -> list[Weight]:
@@ -143,14 +145,16 @@ def plan_selection(weights: list[Weight], recipe: str, choices: Mapping[str, str
             steps.setdefault("fp16_cast", {})[weight.name] = {}
             entry.update(compressed=True, how="fp16 behind constexpr_cast (recipe keeps the embedding in fp16)")
             continue
-        step_params = {"quantize": RECIPES[choices[weight.group]]["quantize"]} if choices else {
-            k: v for k, v in params.items() if k in ("quantize", "palettize")}
+        if choices:  # mixed: the group's chosen linear recipe
+            step_params = {"quantize": RECIPES[choices[weight.group]]["quantize"]}
+        else:
+            step_params = {k: v for k, v in params.items() if k in ("quantize", "palettize")}
         for step, config in step_params.items():
             reason = _precondition(weight, step, config)
             if reason:
                 raise RecipePrecondition(
-                    f"recipe {recipe}: weight {weight.name} ({', '.join(weight.hf_names)}, shape {list(weight.shape)}) "
-                    f"cannot be compressed by step {step}: {reason}"
+                    f"recipe {recipe}: weight {weight.name} ({', '.join(weight.hf_names)}, "
+                    f"shape {list(weight.shape)}) cannot be compressed by step {step}: {reason}"
                 )
             steps.setdefault(step, {})[weight.name] = config
         how = " + ".join(f"{s} {_describe_params(c)}" for s, c in step_params.items())
@@ -158,8 +162,10 @@ def plan_selection(weights: list[Weight], recipe: str, choices: Mapping[str, str
             how += f" + LUT {_describe_params(params['quantize_lut'])}"
         entry.update(compressed=True, how=how)
     shown = [w.name for w in below if w.size > 1]
-    record_below = {"count": len(below), "elements": sum(w.size for w in below), "non_scalar": shown,
-                    "reason": f"at most weight_threshold {WEIGHT_THRESHOLD} elements (norm scales, structural constants)"}
+    record_below = {
+        "count": len(below), "elements": sum(w.size for w in below), "non_scalar": shown,
+        "reason": f"at most weight_threshold {WEIGHT_THRESHOLD} elements (norm scales, structural constants)",
+    }
     return {"steps": steps, "record": {"weights": record, "below_threshold": record_below}}
 
 
@@ -271,8 +277,9 @@ def apply_recipe(mlmodel, recipe: str, steps: dict[str, dict[str, dict]]):
 
 
 def _bind_compressed(mlpackage: Path, weights: list[Weight], selection: dict, recipe: str) -> None:
-    """Record under each selected weight the variable that now feeds its consumers, and
-    check that a decompression op produces it (coremltools skips with only a warning)."""
+    """Record under each selected weight the variable that now feeds its consumers, and check
+    that a decompression op produces it (coremltools skips a weight with only a warning) and
+    that every other constant is still a plain const (nothing compressed beyond the plan)."""
     spec = ct.utils.load_spec(str(mlpackage))
     producers, inputs = {}, {}
     for function in spec.mlProgram.functions.values():
@@ -283,9 +290,15 @@ def _bind_compressed(mlpackage: Path, weights: list[Weight], selection: dict, re
                 inputs[name] = {param: [a.name for a in arg.arguments] for param, arg in op.inputs.items()}
     for weight in weights:
         entry = selection["weights"].get(weight.name)
-        if not entry or not entry["compressed"]:
+        if entry is None:  # at or below the threshold: no compression step looks at it
             continue
-        fed = sorted({inputs[op][param][0] for op, param in weight.uses})
+        if not entry["compressed"]:
+            if producers.get(weight.name) != "const":
+                raise RecipePrecondition(
+                    f"{mlpackage}: recipe {recipe} changed {weight.name}, which it was not meant to compress"
+                )
+            continue
+        fed = sorted({inputs.get(op, {}).get(param, ["absent"])[0] for op, param in weight.uses})
         kinds = [producers.get(var, "absent") for var in fed]
         if len(fed) != 1 or not kinds[0].startswith("constexpr_"):
             raise RecipePrecondition(
@@ -310,7 +323,7 @@ def compress_package(
     package_dir, out_dir = Path(package_dir), Path(out_dir)
     if recipe not in RECIPES:
         raise UnknownRecipe(f"{out_dir}: recipe {recipe!r} is not one of {sorted(RECIPES)}")
-    package_manifest.refuse_existing(out_dir, force)
+    _refuse_existing(out_dir, force)
     source = package_manifest.verify_package(package_dir)
     mlpackage = package_dir / source["package"]["name"]
     if len(source["op_histogram"]) > 1:

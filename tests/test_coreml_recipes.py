@@ -7,6 +7,7 @@ import shutil
 
 import coremltools as ct
 from coremltools.models.utils import _apply_graph_pass
+from coremltools.proto import MIL_pb2
 from coremltools.optimize.coreml._quantization_passes import WeightDecompressor
 import numpy as np
 import pytest
@@ -145,6 +146,36 @@ def test_mixed_spends_the_budget_on_the_most_sensitive_layers():
     assert chosen["estimated_bytes"] == 2 * int8 + 2 * int4
     with pytest.raises(RecipePrecondition, match="over the budget"):
         choose_mixed(weights, measure, budget_bytes=4 * int4 - 1)
+
+
+def _quantized_dtypes(mlpackage) -> dict[str, str]:
+    """Compressed variable -> the MIL dtype of its stored values, read from the saved spec."""
+    spec = ct.utils.load_spec(str(mlpackage))
+    block = next(iter(spec.mlProgram.functions["main"].block_specializations.values()))
+    outputs = {o.name: o for op in block.operations for o in op.outputs}
+    dtypes = {}
+    for op in block.operations:
+        if op.type == "constexpr_blockwise_shift_scale":
+            data = op.inputs["data"].arguments[0]
+            value_type = data.value.type if data.HasField("value") else outputs[data.name].type
+            dtypes[op.outputs[0].name] = MIL_pb2.DataType.Name(value_type.tensorType.dataType)
+    return dtypes
+
+
+def test_mixed_package_stores_each_layer_at_its_chosen_width(source, tmp_path):
+    sensitivity = {"layers.0": 1.0, "layers.1": 8.0, "layers.2": 2.0, "layers.3": 4.0, "model.embed_tokens.weight": 3.0}
+    layer_int4, layer_int8 = 20480, 36864  # 32768 weights per layer: values + fp32 scale per 32
+    budget = 4 * layer_int4 + 256 * 64 * 0.5 + 256 * 2 * 4 + (layer_int8 - layer_int4)  # room for one upgrade
+    manifest = compress_package(source.path, "mixed", tmp_path / "mixed", budget_bytes=budget,
+                                measure=lambda group, option: sensitivity[group] * (0.1 if option == "int8-b32" else 1))
+    mixed = manifest["selection"]["mixed"]
+    assert mixed["choices"]["layers.1"] == "int8-b32" and mixed["estimated_bytes"] <= budget
+    assert sorted(mixed["choices"].values()).count("int8-b32") == 1
+    dtypes = _quantized_dtypes(manifest.path / "model.mlpackage")
+    for name, entry in manifest["selection"]["weights"].items():
+        if entry["compressed"]:
+            group = Weight(name, tuple(entry["hf_names"]), (), (), ()).group
+            assert dtypes[entry["compressed_as"]] == mixed["choices"][group].split("-")[0].upper()
 
 
 def test_refusals(source, compressed, tmp_path):
