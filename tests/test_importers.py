@@ -229,7 +229,8 @@ CHAT = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor
 
 
 def _write_gguf(path: Path, arch: str = "llama", tokenizer_model: str = "gpt2", pre: str = "smollm",
-                extra_tensor: str | None = None, rope_scaling: str | None = None) -> dict[str, np.ndarray]:
+                extra_tensor: str | None = None, rope_scaling: str | None = None,
+                int_norm: bool = False) -> dict[str, np.ndarray]:
     """A 2-layer llama GGUF in llama.cpp's layout (q/k rows permuted, Q8_0/Q4_1/F16 blocks);
     returns the HF-layout float weights it was made from."""
     from gguf import GGMLQuantizationType as Q
@@ -270,7 +271,9 @@ def _write_gguf(path: Path, arch: str = "llama", tokenizer_model: str = "gpt2", 
         stored = w
         if permute_heads:
             stored = w.reshape(permute_heads, 2, shape[0] // permute_heads // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
-        if qtype in (Q.F32,):
+        if qtype == Q.I8:
+            writer.add_tensor(gguf_name, stored.astype(np.int8))
+        elif qtype == Q.F32:
             writer.add_tensor(gguf_name, stored)
         elif qtype == Q.F16:
             writer.add_tensor(gguf_name, stored.astype(np.float16))
@@ -289,7 +292,7 @@ def _write_gguf(path: Path, arch: str = "llama", tokenizer_model: str = "gpt2", 
         add(b + "ffn_gate.weight", p + "mlp.gate_proj.weight", (inter, hidden), Q.Q8_0)
         add(b + "ffn_up.weight", p + "mlp.up_proj.weight", (inter, hidden), Q.Q4_1)
         add(b + "ffn_down.weight", p + "mlp.down_proj.weight", (hidden, inter), Q.Q8_0)
-    add("output_norm.weight", "model.norm.weight", (hidden,), Q.F32)
+    add("output_norm.weight", "model.norm.weight", (hidden,), Q.I8 if int_norm else Q.F32)
     if extra_tensor:
         add(extra_tensor, "unused", (hidden,), Q.F32)
     writer.write_header_to_file()
@@ -346,7 +349,8 @@ def test_gguf_tokenizer_and_chat_bundle(tiny_gguf):
      ({"tokenizer_model": "llama"}, "tokenizer.ggml.model is 'llama'"),
      ({"pre": "deepseek-llm"}, "tokenizer.ggml.pre is 'deepseek-llm'"),
      ({"extra_tensor": "blk.0.attn_sinks.weight"}, "tensor 'blk.0.attn_sinks.weight' has no Hugging Face counterpart"),
-     ({"rope_scaling": "yarn"}, "rope.scaling.type = .yarn.: rope scaling is not imported")],
+     ({"rope_scaling": "yarn"}, "rope.scaling.type = .yarn.: rope scaling is not imported"),
+     ({"int_norm": True}, "tensor 'output_norm.weight' is I8, which gguf cannot dequantize")],
 )
 def test_import_gguf_refusals_name_the_problem(tmp_path, options, message):
     _write_gguf(tmp_path / "x.gguf", **options)

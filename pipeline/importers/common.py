@@ -98,10 +98,10 @@ def write_import(
                 index = np.unravel_index(int(np.argmin(finite)), array.shape)
                 raise UnsupportedModel(f"{source}: tensor '{name}' holds {array[index]} at index {list(map(int, index))}")
             dtype = plan[name][0]
-            if dtype == "f16" and array.size and float(np.abs(array).max()) > F16_MAX:
+            peak = float(np.abs(array).max()) if dtype == "f16" and array.size else 0.0
+            if peak > F16_MAX:
                 raise UnsupportedModel(
-                    f"{source}: tensor '{name}' reaches {float(np.abs(array).max())}, beyond f16's {F16_MAX}; "
-                    "import with --quant f32 or bf16"
+                    f"{source}: tensor '{name}' reaches {peak}, beyond f16's {F16_MAX}; import with --quant f32 or bf16"
                 )
             yield name, array, dtype
 

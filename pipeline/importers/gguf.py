@@ -70,7 +70,7 @@ def import_gguf(path: str | os.PathLike, out: str | os.PathLike, *, policy: Quan
         # llama.cpp permutes q/k biases along with the weights.
         role = hf_name.split(".", 3)[-1].rsplit(".", 1)[0]
         heads = {"self_attn.q_proj": arch["num_attention_heads"], "self_attn.k_proj": arch["num_kv_heads"]}.get(role)
-        mapped[hf_name] = (shape, _loader(tensor, shape, heads))
+        mapped[hf_name] = (shape, _loader(tensor, shape, heads, path))
 
     tokenizer_json, tokenizer_config = _tokenizer(fields, path)
     provenance = {
@@ -143,9 +143,14 @@ def _hf_name(name: str, path: Path) -> str:
     return f"model.layers.{match[1]}.{_PER_LAYER[match[2]]}"
 
 
-def _loader(tensor, shape: tuple[int, ...], heads: int | None):
+def _loader(tensor, shape: tuple[int, ...], heads: int | None, path: Path):
     def load() -> np.ndarray:
-        array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False).reshape(shape)
+        try:
+            array = dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError:
+            kind = GGMLQuantizationType(tensor.tensor_type).name
+            raise UnsupportedModel(f"{path}: tensor '{tensor.name}' is {kind}, which gguf cannot dequantize") from None
+        array = array.astype(np.float32, copy=False).reshape(shape)
         return array if heads is None else unpermute_rows(array, heads)
 
     return load
