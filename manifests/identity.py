@@ -16,10 +16,6 @@ from pipeline.errors import IdentityError
 
 MANIFEST_NAME = "manifest.json"
 
-# Big enough that hashing runs at hashlib speed, small enough to stay out of RSS.
-HASH_CHUNK = 8 << 20
-
-
 @dataclass(frozen=True)
 class Manifest:
     """A stage output: its folder and its manifest as a dict (read-only by convention)."""
@@ -36,12 +32,9 @@ class Manifest:
 
 
 def sha256_file(path: str | Path) -> str:
-    """Hex sha256 of a file, read in chunks (never the whole file in memory)."""
-    digest = hashlib.sha256()
+    """Hex sha256 of a file, streamed through one reused buffer (never the whole file in memory)."""
     with open(path, "rb") as f:
-        while chunk := f.read(HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def file_identity(path: str | Path) -> dict:
