@@ -1,6 +1,6 @@
 """`cmfdeploy`: a thin argparse shell over the stage functions.
 
-Each area owns a module with `register(subparsers)`; this file only wires them up and
+Each area owns a module with `register(subparsers)` (listed in COMMANDS); this file only wires them up and
 turns typed errors into one line `KIND: message` with exit status 1 (never a traceback
 for bad input).
 """
@@ -11,28 +11,33 @@ import sys
 
 from pipeline.errors import CmfdeployError
 
-COMMAND_MODULES = [
-    "pipeline.cmf.commands",
-    "pipeline.artifact_commands",
-    "pipeline.eval_commands",
-    "pipeline.align_commands",
-    "mlx_runtime.commands",
-    "pipeline.scoring_commands",
-    "coreml.commands",
-    "coreml.survey_commands",
-]
+# Subcommand -> the module that registers it. Only the module a command needs is imported,
+# so `cmfdeploy verify` never pays for torch or coremltools; `--help` imports them all.
+COMMANDS = {
+    **dict.fromkeys(["inspect", "verify", "sign", "dump"], "pipeline.cmf.commands"),
+    **dict.fromkeys(["bundle", "verify-artifact", "import-hf", "import-gguf"], "pipeline.artifact_commands"),
+    **dict.fromkeys(["logits", "ppl"], "pipeline.eval_commands"),
+    **dict.fromkeys(["align", "reference-fixtures"], "pipeline.align_commands"),
+    "score": "pipeline.scoring_commands",
+    **dict.fromkeys(["coreml", "compress"], "coreml.commands"),
+    **dict.fromkeys(["survey", "release"], "coreml.survey_commands"),
+    "mlx": "mlx_runtime.commands",
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cmfdeploy", description=__doc__.splitlines()[0])
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cmfdeploy", description="Ship CMF v2 language models to Apple silicon, every stage verified.")
     subparsers = parser.add_subparsers(dest="command", required=True)
-    for module_name in COMMAND_MODULES:
+    modules = [COMMANDS[command]] if command in COMMANDS else dict.fromkeys(COMMANDS.values())
+    for module_name in modules:
         importlib.import_module(module_name).register(subparsers)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv[0] if argv else None).parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except CmfdeployError as error:
