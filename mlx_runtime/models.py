@@ -104,7 +104,7 @@ class Model:
     layers: tuple[Layer, ...]
     norm: mx.array
     head: Linear
-    inv_freq: mx.array
+    rope_periods: mx.array  # 1 / inv_freq, as mx.fast.rope takes them
     embed_scale: float | None
     report: LoadReport
 
@@ -282,7 +282,7 @@ def load_model(cmf: CmfFile, mask: TaskMask | None = None, skill: str | None = N
         layers=tuple(layers),
         norm=norm,
         head=head,
-        inv_freq=mx.array(rope_inv_freq(args).numpy()),
+        rope_periods=mx.array(1.0 / rope_inv_freq(args).numpy()),
         embed_scale=hidden**0.5 if args.family == "gemma" else None,
         report=t.report,
     )
@@ -291,33 +291,49 @@ def load_model(cmf: CmfFile, mask: TaskMask | None = None, skill: str | None = N
 # ---------------------------------------------------------------- forward
 
 
-def _rms_norm(x: mx.array, w: mx.array, eps: float) -> mx.array:
-    return x * mx.rsqrt(mx.mean(x * x, axis=-1, keepdims=True) + eps) * w
+def _attend_blas(q: mx.array, keys: mx.array, values: mx.array, start: int, scale: float) -> mx.array:
+    """Causal grouped-query attention through numpy's BLAS, for long chunks (MLX's CPU
+    attention is several times slower there). q [H, T, D] at positions start.., keys and
+    values [KV, start + T, D]; query head h reads kv head h // (H / KV)."""
+    mx.eval(q, keys, values)
+    qn, kn, vn = np.asarray(q), np.asarray(keys), np.asarray(values)
+    heads, count, dim = qn.shape
+    kv, seen, _ = kn.shape
+    scores = np.matmul(qn.reshape(kv, -1, dim), kn.transpose(0, 2, 1)).reshape(heads, count, seen)
+    scores *= np.float32(scale)
+    future = np.arange(seen)[None, :] > (start + np.arange(count))[:, None]
+    scores[:, future] = -np.inf
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    return mx.array(np.matmul(scores.reshape(kv, -1, seen), vn).reshape(heads, count, dim))
 
 
-def _rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
-    """HF's rotate_half RoPE on [heads, T, D] with cos/sin [T, D]."""
-    half = x.shape[-1] // 2
-    rotated = mx.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin
-
-
-def _attention_forward(model: Model, at: Attention, x: mx.array, cos, sin, cache: KVCache, index: int,
+def _attention_forward(model: Model, at: Attention, x: mx.array, cache: KVCache, index: int,
                        mask: mx.array | None, gemm: bool) -> mx.array:
     a = model.args
     T = x.shape[0]
 
+    def rope(h: mx.array) -> mx.array:
+        """HF's rotate_half RoPE on [heads, T, D]; periods are 1 / inv_freq (rope scaling included)."""
+        return mx.fast.rope(h, a.head_dim, traditional=False, base=None, scale=1.0, offset=cache.position,
+                            freqs=model.rope_periods)
+
     def heads(lin: Linear, count: int, norm: mx.array | None) -> mx.array:
         h = project(lin, x, gemm).reshape(T, count, a.head_dim)
         if norm is not None:
-            h = _rms_norm(h, norm, a.rms_norm_eps)
+            h = mx.fast.rms_norm(h, norm, a.rms_norm_eps)
         return h.transpose(1, 0, 2)
 
-    q = _rope(heads(at.q, a.num_attention_heads, at.q_norm), cos, sin)
-    k = _rope(heads(at.k, a.num_kv_heads, at.k_norm), cos, sin)
+    q = rope(heads(at.q, a.num_attention_heads, at.q_norm))
+    k = rope(heads(at.k, a.num_kv_heads, at.k_norm))
     v = heads(at.v, a.num_kv_heads, None)
     keys, values = cache.write(index, k, v)
-    out = mx.fast.scaled_dot_product_attention(q[None], keys[None], values[None], scale=a.head_dim**-0.5, mask=mask)[0]
+    scale = a.head_dim**-0.5
+    if gemm:
+        out = _attend_blas(q, keys, values, cache.position, scale)
+    else:
+        out = mx.fast.scaled_dot_product_attention(q[None], keys[None], values[None], scale=scale, mask=mask)[0]
     if at.head_mask is not None:
         out = out * at.head_mask[:, None, None]
     return project(at.o, out.transpose(1, 0, 2).reshape(T, -1), gemm)
@@ -380,10 +396,6 @@ def forward(model: Model, ids: np.ndarray, cache: KVCache, *, gemm: bool = False
     T = ids.size
     cache.reserve(T)
     start = cache.position
-    positions = mx.arange(start, start + T, dtype=mx.float32)
-    freqs = positions[:, None] * model.inv_freq[None, :]
-    emb = mx.concatenate([freqs, freqs], axis=-1)
-    cos, sin = mx.cos(emb), mx.sin(emb)
     # Causality alone keeps slots past position + t out: T == 1 attends to everything held.
     mask = None
     if T > 1:
@@ -395,15 +407,15 @@ def forward(model: Model, ids: np.ndarray, cache: KVCache, *, gemm: bool = False
         if not layer.active:
             # A gated-off layer leaves the residual stream alone (spec §5); its slots stay unread.
             continue
-        h = h + _attention_forward(model, layer.attn, _rms_norm(h, layer.input_norm, a.rms_norm_eps), cos, sin,
-                                   cache, index, mask, gemm)
-        x = _rms_norm(h, layer.post_norm, a.rms_norm_eps)
+        h = h + _attention_forward(model, layer.attn, mx.fast.rms_norm(h, layer.input_norm, a.rms_norm_eps), cache, index,
+                                   mask, gemm)
+        x = mx.fast.rms_norm(h, layer.post_norm, a.rms_norm_eps)
         ffn = layer.ffn
         h = h + (_moe_forward(model, ffn, x, gemm) if isinstance(ffn, Moe) else _mlp_forward(model, ffn, x, gemm))
         if gemm:
             mx.eval(h)
     cache.advance(T)
-    h = _rms_norm(h[-1:] if last_only else h, model.norm, a.rms_norm_eps)
+    h = mx.fast.rms_norm(h[-1:] if last_only else h, model.norm, a.rms_norm_eps)
     return head_logits(model, h, gemm and not last_only)
 
 

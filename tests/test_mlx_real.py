@@ -7,13 +7,13 @@ transformers model saved from the GGUF (its dequantizing loader takes minutes).
 """
 
 import os
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from _mlx_artifacts import cached_build, save_transformers_fp32
 from pipeline.importers.gguf import import_gguf
 from pipeline.importers.quant_policy import QuantPolicy
 from pipeline.tokenizer import tokenizer_from_artifact
@@ -27,37 +27,13 @@ ROOT = Path(__file__).resolve().parents[1]
 TEXT = (ROOT / "fixtures" / "botchan.txt").read_text()[:4000]
 
 
-def _cached(path: Path, build) -> Path:
-    """`path`, built by `build(tmp)` into a temporary sibling and renamed into place once."""
-    if not path.exists():
-        tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}{path.suffix}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.unlink(missing_ok=True)
-        build(tmp)
-        os.replace(tmp, path)
-    return path
-
-
-def _save_transformers(gguf: Path, tmp: Path) -> None:
-    """The GGUF as transformers dequantizes it, saved as a plain FP32 checkpoint (transformers
-    refuses save_pretrained on a GGUF-loaded model, so config and weights are written here)."""
-    from safetensors.torch import save_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    del model.config.quantization_config
-    model.config.save_pretrained(tmp)
-    model.generation_config.save_pretrained(tmp)
-    save_model(model, str(tmp / "model.safetensors"))
-
-
 @pytest.fixture(scope="module")
 def built(smollm2_gguf, smollm2_cmf):
     os.environ["HF_HUB_OFFLINE"] = "1"
-    q8 = _cached(smollm2_cmf.with_name("SmolLM2-135M-Instruct-q8_row.cmf"),
-                 lambda tmp: import_gguf(smollm2_gguf, tmp, policy=QuantPolicy("q8_row")))
-    folder = _cached(smollm2_cmf.with_name("transformers-fp32"), lambda tmp: _save_transformers(smollm2_gguf, tmp))
+    q8 = cached_build(smollm2_cmf.with_name("SmolLM2-135M-Instruct-q8_row.cmf"),
+                      lambda tmp: import_gguf(smollm2_gguf, tmp, policy=QuantPolicy("q8_row")))
+    folder = cached_build(smollm2_cmf.with_name("transformers-fp32"),
+                          lambda tmp: save_transformers_fp32(smollm2_gguf, tmp))
     return folder, {"f32": smollm2_cmf, "q8_row": q8}
 
 
