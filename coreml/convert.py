@@ -30,7 +30,7 @@ from coreml.package import open_package
 from manifests.identity import Manifest, load_manifest, sha256_bytes
 from pipeline.bundle import _refuse_existing
 from pipeline.errors import CmfdeployError, UnsupportedModel
-from pipeline.models import KVCache, ModelArgs, build_model
+from pipeline.models import CachedStep, KVCache, ModelArgs, build_model
 from pipeline.reference import load_reference
 
 KINDS = ("stateless", "chunk_kv", "stateful")
@@ -42,7 +42,6 @@ SCHEDULE_TOLERANCE = 3e-4
 # Lengths at which the stateless trace is replayed against the reference.
 STATELESS_CHECK_LENGTHS = (1, 7, 128)
 TRACE_LENGTH = 5
-AUTHOR = "cmfdeploy"
 
 
 class ScheduleMismatch(CmfdeployError):
@@ -108,18 +107,6 @@ class StatelessGraph(nn.Module):
         return self.model(input_ids).reshape(1, -1, self.vocab)
 
 
-class ChunkKVGraph(nn.Module):
-    """Cache tensors in, updated cache tensors out; `position` is the first slot written."""
-
-    def __init__(self, model: nn.Module, vocab: int):
-        super().__init__()
-        self.model, self.vocab = model, vocab
-
-    def forward(self, input_ids, position, key_cache, value_cache):
-        logits, new_k, new_v = self.model.forward_with_cache_tensors(input_ids, position, key_cache, value_cache)
-        return logits.reshape(1, -1, self.vocab), new_k, new_v
-
-
 class StatefulGraph(nn.Module):
     """The chunk-KV graph over fp16 buffers that the converter turns into Core ML states.
 
@@ -127,9 +114,9 @@ class StatefulGraph(nn.Module):
     and a full `[:]` write is the in-place form coremltools maps to `coreml_update_state`.
     """
 
-    def __init__(self, model: nn.Module, vocab: int, cache_shape: tuple[int, ...]):
+    def __init__(self, model: nn.Module, cache_shape: tuple[int, ...]):
         super().__init__()
-        self.model, self.vocab = model, vocab
+        self.model = model
         self.register_buffer("key_cache", torch.zeros(cache_shape, dtype=torch.float16))
         self.register_buffer("value_cache", torch.zeros(cache_shape, dtype=torch.float16))
 
@@ -139,7 +126,7 @@ class StatefulGraph(nn.Module):
         )
         self.key_cache[:] = new_k.half()
         self.value_cache[:] = new_v.half()
-        return logits.reshape(1, -1, self.vocab)
+        return logits
 
 
 def _example_ids(vocab: int, length: int, seed: int) -> torch.Tensor:
@@ -242,7 +229,7 @@ def measure_stateful(mlpackage: Path, ref: Reference, schedules=CHECK_SCHEDULES)
     for index, schedule in enumerate(schedules):
         schedule = _clip_schedule(schedule, ref.context)
         ids = _example_ids(ref.args.vocab_size, sum(schedule), seed=200 + index)
-        eager = StatefulGraph(ref.model, ref.args.vocab_size, ref.cache_shape)
+        eager = StatefulGraph(ref.model, ref.cache_shape)
         state = functions["prefill"].make_state()
         got, simulated, position = [], [], 0
         with torch.no_grad():
@@ -427,7 +414,7 @@ def _export_chunk_kv(ref: Reference, package_dir: Path, step: Callable[[str], No
     step("chunk_kv: trace and check schedules")
     zeros = torch.zeros(ref.cache_shape)
     example = (_example_ids(ref.args.vocab_size, TRACE_LENGTH, 0), _position(3), zeros, zeros)
-    traced = _trace(ChunkKVGraph(ref.model, ref.args.vocab_size), example)
+    traced = _trace(CachedStep(ref.model), example)
     checks = {"schedules_vs_reference_max_abs": check_chunk_schedules(traced, ref), "tolerance": SCHEDULE_TOLERANCE}
     return _save_single(ref, package_dir, step, traced, "chunk_kv", checks, start)
 
@@ -452,7 +439,7 @@ def _export_stateful(ref: Reference, package_dir: Path, step: Callable[[str], No
         for name, function in block["functions"].items():
             step(f"stateful: trace and convert {name}")
             length = min(TRACE_LENGTH, function["dims"]["T"][1])
-            graph = StatefulGraph(ref.model, ref.args.vocab_size, ref.cache_shape)
+            graph = StatefulGraph(ref.model, ref.cache_shape)
             traced = _trace(graph, (_example_ids(ref.args.vocab_size, length, 0), _position(3)))
             mlmodel = _convert(traced, block, function["dims"])
             _describe(mlmodel, block, ref, DESCRIPTIONS["stateful"])

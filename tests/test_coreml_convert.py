@@ -18,7 +18,6 @@ import torch
 from _coreml_models import CONTEXT, VOCAB, make_bundle
 from coreml.convert import (
     CHECK_SCHEDULES,
-    ChunkKVGraph,
     ScheduleMismatch,
     UnknownKind,
     check_chunk_schedules,
@@ -31,7 +30,7 @@ from coreml.package import open_package
 from manifests.identity import sha256_file
 from pipeline.cli import main
 from pipeline.errors import IdentityError, OutputExists
-from pipeline.models import KVCache
+from pipeline.models import CachedStep, KVCache
 
 TOLERANCE = 1e-4  # float32 package vs float32 reference: summation order only
 
@@ -168,7 +167,7 @@ def test_manifests_bind_the_package_to_its_bundle_code_and_program(built, statef
 
 
 def test_schedule_check_refuses_a_graph_that_ignores_position(reference):
-    graph = ChunkKVGraph(reference.model, VOCAB)
+    graph = CachedStep(reference.model)
 
     def forgets_position(ids, position, keys, values):
         return graph(ids, torch.zeros_like(position), keys, values)
@@ -178,7 +177,7 @@ def test_schedule_check_refuses_a_graph_that_ignores_position(reference):
 
 
 def test_schedule_check_refuses_a_graph_that_reads_slots_after_the_chunk(reference):
-    graph = ChunkKVGraph(reference.model, VOCAB)
+    graph = CachedStep(reference.model)
 
     def leaks_future_slots(ids, position, keys, values):
         logits, new_keys, new_values = graph(ids, position, keys, values)
@@ -189,11 +188,11 @@ def test_schedule_check_refuses_a_graph_that_reads_slots_after_the_chunk(referen
 
 
 def test_export_refuses_a_broken_chunk_graph_and_leaves_no_output(built, tmp_path, monkeypatch):
-    class Broken(ChunkKVGraph):
-        def forward(self, input_ids, position, key_cache, value_cache):
-            return super().forward(input_ids, position * 0, key_cache, value_cache)
+    class Broken(CachedStep):
+        def forward(self, ids, position, key_cache, value_cache):
+            return super().forward(ids, position * 0, key_cache, value_cache)
 
-    monkeypatch.setattr("coreml.convert.ChunkKVGraph", Broken)
+    monkeypatch.setattr("coreml.convert.CachedStep", Broken)
     with pytest.raises(ScheduleMismatch):
         export_coreml(built[0], tmp_path / "out", kinds=("chunk_kv",))
     assert list(tmp_path.iterdir()) == []
