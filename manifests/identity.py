@@ -10,6 +10,7 @@ import json
 import os
 import tempfile
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path, PurePosixPath
 
 from pipeline.errors import IdentityError
@@ -122,6 +123,14 @@ def resolve_inside(root: str | Path, name: str) -> Path:
 
 def environment(packages: tuple[str, ...] = ("cmfdeploy", "numpy", "safetensors", "torch", "tokenizers", "gguf")) -> dict:
     """Interpreter, platform and the versions of the packages that shaped an artifact."""
+    python, system, versions = _environment(packages)
+    return {"python": python, "platform": system, "packages": dict(versions)}
+
+
+# Installed versions cannot change under a running process, and reading package metadata
+# parses every METADATA file (tens of ms): once per process is enough.
+@cache
+def _environment(packages: tuple[str, ...]) -> tuple[str, str, tuple[tuple[str, str | None], ...]]:
     import platform
     from importlib import metadata
 
@@ -131,11 +140,7 @@ def environment(packages: tuple[str, ...] = ("cmfdeploy", "numpy", "safetensors"
         except metadata.PackageNotFoundError:
             return None
 
-    return {
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "packages": {name: version(name) for name in packages},
-    }
+    return platform.python_version(), platform.platform(), tuple((name, version(name)) for name in packages)
 
 
 def load_manifest(root: str | Path, format_name: str | None = None) -> dict:
