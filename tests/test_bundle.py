@@ -315,3 +315,16 @@ def test_a_killed_export_leaves_nothing_that_looks_complete(tmp_path):
     assert (leftover / "weights.safetensors").stat().st_size < full_size + 8
     with pytest.raises(IdentityError, match="not finished"):
         verify_bundle(leftover)
+
+
+def test_cli_bundle_and_verify_artifact(tmp_path, capsys):
+    from pipeline.cli import main
+
+    cmf = CONFORMANCE / "model_masks_tok_a.cmf"
+    assert main(["bundle", str(cmf), "-o", str(tmp_path / "b"), "--task", "coding"]) == 0
+    assert main(["verify-artifact", str(tmp_path / "b")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-2:] == [f"cmfdeploy.bundle/1 {tmp_path / 'b'}: verified", f"cmf {cmf}: verified"]
+    _flip_last_byte(tmp_path / "b" / "weights.safetensors")
+    assert main(["verify-artifact", str(tmp_path / "b")]) == 1
+    assert capsys.readouterr().err.startswith("IdentityError: ")
