@@ -28,7 +28,7 @@ from coreml import manifest as package_manifest
 from coreml.mil.loader import load_program
 from coreml.package import open_package
 from manifests.identity import Manifest, load_manifest, sha256_bytes
-from pipeline.bundle import _refuse_existing
+from manifests.output import refuse_existing, staged_output
 from pipeline.errors import CmfdeployError, UnsupportedModel
 from pipeline.models import CachedStep, KVCache, ModelArgs, build_model
 from pipeline.reference import load_reference
@@ -487,11 +487,11 @@ def export_coreml(
     if unknown or not kinds:
         raise UnknownKind(f"{out_dir}: package kinds {unknown or '(none)'} are not among {KINDS}")
     step = progress or (lambda stage: None)
-    _refuse_existing(out_dir, force)
+    refuse_existing(out_dir, force)
     step("verify the bundle and build the reference model")
     ref = reference_for_export(Path(bundle_dir), context)
     manifests = {}
-    with package_manifest.staged_output(out_dir, force) as staging:
+    with staged_output(out_dir, force) as staging:
         for kind in kinds:
             manifests[kind] = EXPORTERS[kind](ref, staging / kind, step)
     # The manifests were written in the staging folder; point them at the final one.

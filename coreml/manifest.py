@@ -1,4 +1,4 @@
-"""Manifests of Core ML package directories, and the atomic output they are written into.
+"""Manifests of Core ML package directories.
 
 A package directory `out/<kind>/` holds `model.mlpackage` and `manifest.json`. The
 manifest binds the package to what produced it: its source artifact (the bundle, or for
@@ -9,11 +9,8 @@ file inventory). Formats and required fields are fixed by
 last, so a manifest without it names a package that was never finished.
 """
 
-import contextlib
-import shutil
-import tempfile
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 
 import coremltools as ct
@@ -30,7 +27,8 @@ from manifests.identity import (
     sha256_file,
     write_json,
 )
-from pipeline.bundle import _move_into_place, _refuse_existing
+# Survey and release still reach these through this module.
+from manifests.output import refuse_existing, staged_output  # noqa: F401
 from pipeline.errors import IdentityError
 
 COREML_FORMAT = "cmfdeploy.coreml/1"
@@ -122,19 +120,3 @@ def verify_package(path: str | Path, hashes: bool = True) -> Manifest:
         )
     check_files(path, manifest["files"], hashes=hashes)
     return Manifest(path, manifest)
-
-
-@contextlib.contextmanager
-def staged_output(out_dir: Path, force: bool) -> Iterator[Path]:
-    """Yield a temporary sibling of `out_dir`; on success move it into place (the bundle
-    stage's move: an old output goes aside and is removed only once the new one is there)."""
-    out_dir = Path(out_dir)
-    _refuse_existing(out_dir, force)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
-    try:
-        yield staging
-        _move_into_place(staging, out_dir, force)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise

@@ -31,7 +31,7 @@ from coremltools.models.utils import _apply_graph_pass
 
 from coreml import manifest as package_manifest
 from manifests.identity import Manifest
-from pipeline.bundle import _refuse_existing
+from manifests.output import refuse_existing, staged_output
 from pipeline.errors import CmfdeployError, UnsupportedModel
 
 WEIGHT_THRESHOLD = 2048
@@ -323,7 +323,7 @@ def compress_package(
     package_dir, out_dir = Path(package_dir), Path(out_dir)
     if recipe not in RECIPES:
         raise UnknownRecipe(f"{out_dir}: recipe {recipe!r} is not one of {sorted(RECIPES)}")
-    _refuse_existing(out_dir, force)
+    refuse_existing(out_dir, force)
     source = package_manifest.verify_package(package_dir)
     mlpackage = package_dir / source["package"]["name"]
     if len(source["op_histogram"]) > 1:
@@ -341,7 +341,7 @@ def compress_package(
         mixed = choose_mixed(weights, measure, budget_bytes)
     plan = plan_selection(weights, recipe, mixed and mixed["choices"])
     compressed = apply_recipe(mlmodel, recipe, plan["steps"])
-    with package_manifest.staged_output(out_dir, force) as staging:
+    with staged_output(out_dir, force) as staging:
         compressed.save(str(staging / package_manifest.MODEL_NAME))
         _bind_compressed(staging / package_manifest.MODEL_NAME, weights, plan["record"], recipe)
         size = package_manifest.package_bytes(staging / package_manifest.MODEL_NAME)

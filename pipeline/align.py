@@ -305,11 +305,11 @@ def align_package(package_dir, fixtures_dir, out_dir, *, recipe: str = "fp32", b
     Packages without an explicit-KV interface (stateful) are refused by name: their fp16
     state has its own measured tolerance, recorded by the converter.
     """
-    from coreml.manifest import staged_output
     from coreml.package import open_package
     from coreml.runner import ChunkKVRunner, PackageBackend
     from manifests.chain import verify_chain
     from manifests.identity import MANIFEST_NAME, environment, inventory, write_json
+    from manifests.output import staged_output
 
     package_dir, out_dir = Path(package_dir), Path(out_dir)
     if recipe not in TOLERANCES:

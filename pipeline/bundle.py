@@ -31,8 +31,6 @@ import hashlib
 import json
 import math
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -51,9 +49,10 @@ from manifests.identity import (
     sha256_bytes,
     write_json,
 )
+from manifests.output import refuse_existing, staged_output
 from pipeline.cmf import CmfFile, open_cmf, verify_cmf
 from pipeline.cmf.skills import skill_tensor_source
-from pipeline.errors import CmfdeployError, IdentityError, OutputExists, UnsupportedModel
+from pipeline.errors import CmfdeployError, IdentityError, UnsupportedModel
 
 FORMAT = "cmfdeploy.bundle/1"
 WEIGHTS_NAME = "weights.safetensors"
@@ -89,7 +88,7 @@ def export_bundle(
     written while the next decodes) besides the mapped CMF pages.
     """
     cmf_path, out_dir = Path(cmf_path), Path(out_dir)
-    _refuse_existing(out_dir, force)
+    refuse_existing(out_dir, force)
     with open_cmf(cmf_path) as cmf:
         if cmf.is_skill_file:
             raise UnsupportedModel(f"{cmf_path}: is a standalone skill file (feature bit 6); it never runs on its own")
@@ -106,9 +105,7 @@ def export_bundle(
         plan = _plan(cmf, skill)
         task_mask, applied_task = _task(cmf, task)
 
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
-        try:
+        with staged_output(out_dir, force) as tmp:
             manifest = {
                 "format": FORMAT,
                 "status": "incomplete",
@@ -134,11 +131,6 @@ def export_bundle(
                 }
             )
             write_json(tmp / MANIFEST_NAME, manifest)
-            _fsync_dir(tmp)
-            _move_into_place(tmp, out_dir, force)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
     return Manifest(out_dir, manifest)
 
 
@@ -365,33 +357,3 @@ def _source_identity(cmf: CmfFile) -> dict:
     if len(paths) > 1:
         source["shards"] = [{"file": p.name, **ident} for p, ident in zip(paths, identities)]
     return source
-
-
-# -- atomic placement
-
-
-def _refuse_existing(out_dir: Path, force: bool) -> None:
-    if (out_dir.exists() or out_dir.is_symlink()) and not force:
-        raise OutputExists(f"{out_dir}: already exists; pass force=True (--force) to replace it")
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _move_into_place(tmp: Path, out_dir: Path, force: bool) -> None:
-    """Rename the finished temp folder onto `out_dir`; an old output is moved aside first and
-    removed only after the new one is in place, so `out_dir` is never half-written."""
-    _refuse_existing(out_dir, force)
-    old = None
-    if out_dir.exists() or out_dir.is_symlink():
-        old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".old", dir=out_dir.parent))
-        os.rename(out_dir, old / "previous")
-    os.rename(tmp, out_dir)
-    _fsync_dir(out_dir.parent)
-    if old is not None:
-        shutil.rmtree(old)

@@ -12,16 +12,15 @@ short's). The default fixture's folder is frozen in the repository; any other mo
 one made here from its own CMF.
 """
 
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from manifests.identity import canonical_json, sha256_bytes, sha256_file
+from manifests.output import refuse_existing, staged_output
 from pipeline.cmf import open_cmf
-from pipeline.errors import CmfdeployError, OutputExists
+from pipeline.errors import CmfdeployError
 from pipeline.models import KVCache
 from pipeline.reference import load_reference
 from pipeline.tokenizer import Tokenizer, tokenizer_from_artifact
@@ -87,8 +86,7 @@ def make_reference_fixtures(artifact: str | Path, out_dir: str | Path, lines: li
                             force: bool = False) -> Path:
     """Compute the cases from `lines` of text with the CMF at `artifact`; write `out_dir` atomically."""
     artifact, out_dir = Path(artifact), Path(out_dir)
-    if out_dir.exists() and not force:
-        raise OutputExists(f"{out_dir}: already exists; pass --force to replace it")
+    refuse_existing(out_dir, force)
     torch.manual_seed(0)
     torch.use_deterministic_algorithms(True)
     tokenizer = tokenizer_from_artifact(artifact)
@@ -105,11 +103,7 @@ def make_reference_fixtures(artifact: str | Path, out_dir: str | Path, lines: li
                   for name, c in cases.items()},
         "long_kv_step_logits": {"input_ids": "long.input_ids", "tokens": context},
     }
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    np.savez(tmp / "logits.npz", **arrays)
-    (tmp / "index.json").write_bytes(canonical_json(index))
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    tmp.rename(out_dir)
+    with staged_output(out_dir, force) as staging:
+        np.savez(staging / "logits.npz", **arrays)
+        (staging / "index.json").write_bytes(canonical_json(index))
     return out_dir

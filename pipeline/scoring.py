@@ -14,8 +14,6 @@ top-1 per item) and `manifest.json` (format `cmfdeploy.scores/1`, summary metric
 """
 
 import json
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,8 +29,9 @@ from manifests.identity import (
     sha256_file,
     write_json,
 )
+from manifests.output import refuse_existing, staged_output
 from pipeline.backends import Backend, open_backend
-from pipeline.bundle import _move_into_place, _refuse_existing, _source_identity
+from pipeline.bundle import _source_identity
 from pipeline.cmf import open_cmf
 from pipeline.errors import CmfdeployError
 from pipeline.tokenizer import Tokenizer, tokenizer_from_artifact
@@ -253,14 +252,12 @@ def write_run(results: list[ItemScores], out_dir: str | Path, *, artifact: str |
               items_path: str | Path, force: bool = False) -> Path:
     """Write a run directory atomically (temp sibling, renamed into place; status last)."""
     out_dir, artifact, items_path = Path(out_dir), Path(artifact), Path(items_path)
-    _refuse_existing(out_dir, force)
+    refuse_existing(out_dir, force)
     scores = _jsonl([{"id": r.id, "scores": r.scores.tolist(), "n_tokens": list(r.n_tokens), "gold": r.gold}
                      for r in results])
     items = _jsonl([{"id": r.id, "gold": r.gold, "rank": r.rank, "top1": r.top1} for r in results])
     summary = summarize(results)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
-    try:
+    with staged_output(out_dir, force) as tmp:
         manifest = {"format": FORMAT, "status": "incomplete", "source": _source(artifact)}
         write_json(tmp / MANIFEST_NAME, manifest)
         (tmp / SCORES_NAME).write_bytes(scores)
@@ -277,10 +274,6 @@ def write_run(results: list[ItemScores], out_dir: str | Path, *, artifact: str |
         )
         manifest["status"] = "complete"
         write_json(tmp / MANIFEST_NAME, manifest)
-        _move_into_place(tmp, out_dir, force)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 
@@ -301,7 +294,7 @@ def score(artifact: str | Path, items_path: str | Path, out_dir: str | Path, *, 
     The tokenizer comes from `tokenizer_from` (a CMF or a folder with tokenizer.json),
     by default the artifact itself.
     """
-    _refuse_existing(Path(out_dir), force)
+    refuse_existing(out_dir, force)
     items = load_items(items_path)
     tokenizer = tokenizer_from_artifact(tokenizer_from or artifact)
     runner = open_backend(artifact, backend)

@@ -1,0 +1,114 @@
+"""Atomic stage outputs: a folder or file appears complete, all at once, or not at all.
+
+    refuse_existing(out_dir, force)          # before the expensive work, to fail early
+    with staged_output(out_dir, force) as staging:
+        ...                                  # write everything into `staging`
+    # here `out_dir` holds exactly what was written
+
+Staging happens in a hidden sibling (the same filesystem, so the final rename is atomic)
+created with a normal folder's or file's mode (the umask's, not tempfile's 0700/0600: an
+artifact is meant to be read by others). Everything staged is fsynced before the rename
+and the parent after it, so a crash cannot leave the final name pointing at empty files.
+An existing output is refused with OutputExists unless `force`; with `force` it is moved
+aside first and removed only once the new one is in place (and put back if that rename
+fails), so the final name never holds a half-written output.
+"""
+
+import contextlib
+import os
+import secrets
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+from pipeline.errors import OutputExists
+
+
+def refuse_existing(path: str | os.PathLike, force: bool) -> None:
+    path = Path(path)
+    if (path.exists() or path.is_symlink()) and not force:
+        raise OutputExists(f"{path}: already exists; pass force=True (--force) to replace it")
+
+
+def sibling(path: Path, tag: str) -> Path:
+    """An unused hidden name beside `path` (random, so concurrent stages never collide)."""
+    return path.with_name(f".{path.name}.{secrets.token_hex(6)}.{tag}")
+
+
+def temp_file_beside(path: Path, tag: str = "tmp") -> BinaryIO:
+    """A new hidden file beside `path`, opened read/write, with a normal file's mode."""
+    return open(sibling(path, tag), "x+b")  # noqa: SIM115 - the caller owns and closes it
+
+
+@contextlib.contextmanager
+def staged_file(path: str | os.PathLike) -> Iterator[BinaryIO]:
+    """Yield a temporary file beside `path`; on success fsync it and rename it onto `path`.
+
+    Replaces unconditionally: callers that must not overwrite call `refuse_existing` first.
+    """
+    path = Path(path)
+    file = temp_file_beside(path)
+    try:
+        with file:
+            yield file
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(file.name, path)
+    except BaseException:
+        Path(file.name).unlink(missing_ok=True)
+        raise
+
+
+@contextlib.contextmanager
+def staged_output(out_dir: str | os.PathLike, force: bool) -> Iterator[Path]:
+    """Yield a temporary sibling folder of `out_dir`; on success move it into place."""
+    out_dir = Path(out_dir)
+    refuse_existing(out_dir, force)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = sibling(out_dir, "partial")
+    staging.mkdir()
+    try:
+        yield staging
+        _fsync_tree(staging)
+        _move_into_place(staging, out_dir, force)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    # Files before the folders that list them, so every entry is durable before its name.
+    for folder, _, files in os.walk(root, topdown=False):
+        for name in files:
+            _fsync(Path(folder, name))
+        _fsync(Path(folder))
+
+
+def _move_into_place(staging: Path, out_dir: Path, force: bool) -> None:
+    # Checked again: another process may have created `out_dir` while this one worked.
+    refuse_existing(out_dir, force)
+    aside = None
+    if out_dir.exists() or out_dir.is_symlink():
+        aside = sibling(out_dir, "old")
+        os.rename(out_dir, aside)
+    try:
+        os.rename(staging, out_dir)
+    except BaseException:
+        if aside is not None:
+            os.rename(aside, out_dir)
+        raise
+    _fsync(out_dir.parent)
+    if aside is not None:
+        if aside.is_dir() and not aside.is_symlink():
+            shutil.rmtree(aside)
+        else:
+            aside.unlink()
