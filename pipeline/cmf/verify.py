@@ -11,7 +11,6 @@ of exactly 32 raw bytes holding the Ed25519 private seed.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -21,13 +20,13 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from manifests.identity import sha256_file
 from pipeline.cmf.errors import HashMismatch, SignatureError
 from pipeline.cmf.hash64 import hash64
 from pipeline.cmf.reader import HASHED_SECTIONS, CmfFile, open_cmf
 from pipeline.errors import OutputExists
 
 SIG_ALG = "ed25519-sha256"
-_SHA_CHUNK = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -108,14 +107,6 @@ def signature_path(path: Path) -> Path:
     return path.with_name(path.name + ".sig")
 
 
-def file_sha256(path: Path) -> bytes:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(_SHA_CHUNK):
-            digest.update(chunk)
-    return digest.digest()
-
-
 def _verify_signature(path: Path, sig_path: Path, pubkey: bytes | None, report: VerifyReport) -> None:
     def fail(stored: str, actual: str) -> None:
         report.failures.append(VerifyFailure("signature", sig_path.name, stored, actual, path.name))
@@ -130,7 +121,7 @@ def _verify_signature(path: Path, sig_path: Path, pubkey: bytes | None, report: 
     if alg != SIG_ALG:
         fail(str(alg), f"unsupported (only {SIG_ALG})")
         return
-    digest = file_sha256(path)
+    digest = bytes.fromhex(sha256_file(path))
     if sha_hex != digest.hex():
         fail(str(sha_hex), digest.hex())
         return
@@ -175,7 +166,7 @@ def sign_cmf(path: str | os.PathLike, key_path: str | os.PathLike, *, force: boo
     if existing and not force:
         raise OutputExists(f"{', '.join(existing)} already exist(s); pass force to replace")
     for file, sig_path in zip(files, sig_paths):
-        digest = file_sha256(file)
+        digest = bytes.fromhex(sha256_file(file))
         body = {"alg": SIG_ALG, "pubkey": pub.hex(), "sha256": digest.hex(), "sig": key.sign(digest).hex()}
         tmp = sig_path.with_name(f".{sig_path.name}.tmp-{os.getpid()}")
         tmp.write_text(json.dumps(body, indent=1) + "\n", encoding="utf-8")
