@@ -254,7 +254,7 @@ def _gate_samples_plot(path: Path, samples: dict, tol: Tolerance) -> Path:
     from pipeline.report import histogram_plot
 
     return histogram_plot(path, samples, title="log10 |Δ logit| against the PyTorch FP32 reference",
-                          xlabel="log10 |Δ|", marker=float(np.log10(tol.atol)))
+                          xlabel="log10 |Δ|  (exact matches drawn at -12)", marker=float(np.log10(tol.atol)))
 
 
 def _markdown(report: dict) -> str:
@@ -308,7 +308,7 @@ def align_package(package_dir, fixtures_dir, out_dir, *, recipe: str = "fp32", b
     from coreml.package import open_package
     from coreml.runner import ChunkKVRunner, PackageBackend
     from manifests.chain import verify_chain
-    from manifests.identity import MANIFEST_NAME, environment, inventory, write_json
+    from manifests.identity import MANIFEST_NAME, artifact_source, environment, inventory, write_json
     from manifests.output import staged_output
 
     package_dir, out_dir = Path(package_dir), Path(out_dir)
@@ -357,8 +357,7 @@ def align_package(package_dir, fixtures_dir, out_dir, *, recipe: str = "fp32", b
         write_json(staging / MANIFEST_NAME, {
             "format": FORMAT, "status": "complete", "passed": passed, "recipe": recipe,
             "candidate_backend": package.backend,
-            "source": {"kind": "artifact", "format": package.manifest["format"], "path": str(package_dir.resolve()),
-                       "manifest_sha256": report["package"]["manifest_sha256"]},
+            "source": artifact_source(package_dir),
             "fixtures": fixtures.identity(),
             "summary": report["summary"],
             "files": inventory(staging),
