@@ -365,6 +365,15 @@ def test_planes_are_zero_copy_views():
             assert np.shares_memory(plane, payload), (dt.name, name)
 
 
+def test_f32_decode_is_the_payload_itself():
+    w = _weights((4, 64), 7)
+    payload = dtype_by_name("f32").encode(w)
+    payload.flags.writeable = False  # as the reader's views over its read-only mmap are
+    out = dtype_by_name("f32").decode(payload, w.shape)
+    assert np.shares_memory(out, payload) and not out.flags.writeable
+    np.testing.assert_array_equal(out, w)
+
+
 def test_vbit_bad_width_and_length_are_bounds():
     dt = dtype_by_name("vbit")
     payload = dt.encode(_weights((3, 32), 1), bits=4).copy()

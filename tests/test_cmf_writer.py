@@ -1,6 +1,8 @@
 """write_cmf: round trips through the reader and verifier, and the byte layout of spec §1-§6."""
 
 import json
+import os
+import stat
 import struct
 from pathlib import Path
 
@@ -252,6 +254,9 @@ def test_refuses_bad_input_and_existing_output(tmp_path, rng):
     with open_cmf(target) as cmf:
         assert cmf.tensors["w"].dtype.name == "f32"
     assert [p.name for p in tmp_path.iterdir()] == ["m.cmf"]
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert stat.S_IMODE(target.stat().st_mode) == 0o666 & ~umask  # a normal file, not a private temporary
 
 
 def test_streams_a_generator_and_cleans_up_when_it_fails(tmp_path, rng):

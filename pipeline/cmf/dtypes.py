@@ -270,7 +270,9 @@ def _bf16_parts(buf, shape, where):
 
 
 def _float_decode(parts_fn):
-    return lambda buf, shape, where: parts_fn(buf, shape, where)["values"].astype(np.float32)
+    # f32 on a little-endian host is already float32: the decode is the payload view itself
+    # (read-only over a mapped file), not a copy of it.
+    return lambda buf, shape, where: parts_fn(buf, shape, where)["values"].astype(np.float32, copy=False)
 
 
 def _bf16_decode(buf, shape, where):

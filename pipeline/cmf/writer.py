@@ -19,13 +19,13 @@ import json
 import os
 import shutil
 import struct
-import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from manifests.output import temp_file_beside
 from pipeline.cmf.dtypes import DTYPES, DType, dtype_by_name, dtype_for_id
 from pipeline.cmf.errors import Parse
 from pipeline.cmf.hash64 import hash64
@@ -293,18 +293,16 @@ def write_cmf(
     if sections:
         first_header["section_hashes"] = {k: f"{hash64(v):016x}" for k, v in sections.items()}
 
-    directory = path.parent
     temps: list[Path] = []
     shards: list[_Shard] = []
     bytes_by_dtype: dict[str, int] = {}
     seen: set[str] = set()
     try:
 
-        def new_file(prefix: str):
-            fd, name = tempfile.mkstemp(prefix=f".{path.name}.{prefix}", dir=directory)
-            os.close(fd)
-            temps.append(Path(name))
-            return open(name, "w+b")  # noqa: SIM115 - closed in the finally below
+        def new_file(tag: str):
+            file = temp_file_beside(path, tag)  # closed in the finally below
+            temps.append(Path(file.name))
+            return file
 
         if limit is None and isinstance(tensors, Sequence):
             # An upper bound: the longest dtype name stands in for a derived quant_type.
