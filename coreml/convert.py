@@ -27,7 +27,7 @@ from torch import nn
 from coreml import manifest as package_manifest
 from coreml.mil.loader import load_program
 from coreml.package import open_package
-from manifests.identity import Manifest, load_manifest, sha256_bytes
+from manifests.identity import Manifest, artifact_source, load_manifest, sha256_bytes
 from manifests.output import refuse_existing, staged_output
 from pipeline.errors import CmfdeployError, UnsupportedModel
 from pipeline.models import CachedStep, KVCache, ModelArgs, build_model
@@ -89,7 +89,7 @@ def reference_for_export(bundle_dir: Path, context: int | None = None) -> Refere
             f"{where}: context {context} is outside 1..arch.max_position_embeddings {args.max_position_embeddings}"
         )
     return Reference(
-        bundle_dir, args, model.eval(), context, load_manifest(bundle_dir), package_manifest.artifact_source(bundle_dir)
+        bundle_dir, args, model.eval(), context, load_manifest(bundle_dir), artifact_source(bundle_dir)
     )
 
 

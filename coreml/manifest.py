@@ -15,9 +15,10 @@ from pathlib import Path
 
 import coremltools as ct
 
-from manifests.identity import (
+from manifests.identity import (  # noqa: F401 - artifact_source: survey and release still reach it here
     MANIFEST_NAME,
     Manifest,
+    artifact_source,
     canonical_json,
     check_files,
     environment,
@@ -38,17 +39,6 @@ ROOT = Path(__file__).resolve().parent.parent
 # Distributions whose versions decide what a conversion or compression produces.
 ENVIRONMENT_PACKAGES = ("cmfdeploy", "coremltools", "torch", "numpy", "safetensors", "protobuf")
 BUNDLE_SHA_KEY = "cmfdeploy.bundle_manifest_sha256"
-
-
-def artifact_source(artifact_dir: Path) -> dict:
-    """The `source` record of a manifest built from the artifact at `artifact_dir`."""
-    manifest_path = Path(artifact_dir) / MANIFEST_NAME
-    return {
-        "kind": "artifact",
-        "format": load_manifest(artifact_dir)["format"],
-        "path": str(Path(artifact_dir).resolve()),
-        "manifest_sha256": sha256_file(manifest_path),
-    }
 
 
 def source_digest(paths: Iterable[Path]) -> dict:

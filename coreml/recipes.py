@@ -30,7 +30,7 @@ from coremltools.converters.mil.mil.passes.graph_pass import AbstractGraphPass
 from coremltools.models.utils import _apply_graph_pass
 
 from coreml import manifest as package_manifest
-from manifests.identity import Manifest
+from manifests.identity import Manifest, artifact_source
 from manifests.output import refuse_existing, staged_output
 from pipeline.errors import CmfdeployError, UnsupportedModel
 
@@ -347,7 +347,7 @@ def compress_package(
         size = package_manifest.package_bytes(staging / package_manifest.MODEL_NAME)
         manifest = package_manifest.write_package_manifest(staging, {
             "format": package_manifest.COMPRESSED_FORMAT,
-            "source": package_manifest.artifact_source(package_dir),
+            "source": artifact_source(package_dir),
             "architecture": source["architecture"],
             "special_tokens": source["special_tokens"],
             "recipe": {"name": recipe, "params": RECIPES[recipe]},

@@ -143,6 +143,37 @@ def _environment(packages: tuple[str, ...]) -> tuple[str, str, tuple[tuple[str, 
     return platform.python_version(), platform.platform(), tuple((name, version(name)) for name in packages)
 
 
+def artifact_source(artifact_dir: str | Path) -> dict:
+    """The `source` record that binds a manifest to the finished artifact it was built from."""
+    artifact_dir = Path(artifact_dir)
+    return {
+        "kind": "artifact",
+        "format": load_manifest(artifact_dir)["format"],
+        "path": str(artifact_dir.resolve()),
+        "manifest_sha256": sha256_file(artifact_dir / MANIFEST_NAME),
+    }
+
+
+def cmf_source(cmf) -> dict:
+    """The `source` record of a manifest built straight from an open CMF (`pipeline.cmf.CmfFile`):
+    every file's size and sha256 and the envelope hashes, as `manifests.chain` re-checks them."""
+    paths = [Path(p) for p in cmf.paths]
+    identities = [file_identity(p) for p in paths]
+    source = {
+        "kind": "cmf",
+        "path": str(paths[0].resolve()),
+        "file": paths[0].name,
+        **identities[0],
+        "header_hash": f"{cmf.envelope.header_hash:016x}",
+        "dir_hash": f"{cmf.envelope.dir_hash:016x}",
+        "required_features": cmf.required_features,
+        "verified_tensors": len(cmf.tensors),
+    }
+    if len(paths) > 1:
+        source["shards"] = [{"file": p.name, **ident} for p, ident in zip(paths, identities)]
+    return source
+
+
 def load_manifest(root: str | Path, format_name: str | None = None) -> dict:
     """The manifest of the artifact at `root`: valid against its schema, of `format_name`
     when given, and `"status": "complete"` (anything else is a half-written artifact)."""

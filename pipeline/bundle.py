@@ -42,8 +42,8 @@ from manifests.identity import (
     Manifest,
     canonical_json,
     check_files,
+    cmf_source,
     environment,
-    file_identity,
     inventory,
     load_manifest,
     sha256_bytes,
@@ -94,7 +94,7 @@ def export_bundle(
             raise UnsupportedModel(f"{cmf_path}: is a standalone skill file (feature bit 6); it never runs on its own")
         # The sha256 of the source runs beside the hash64 verification: both release the GIL.
         with ThreadPoolExecutor(max_workers=1) as pool:
-            source_future = pool.submit(_source_identity, cmf)
+            source_future = pool.submit(cmf_source, cmf)
             report = verify_cmf(cmf)
             source = source_future.result()
         if not report.ok:
@@ -339,21 +339,3 @@ def _special_tokens(config: dict | None) -> dict:
         "bos_token_id": config.get("bos_token_id"),
         "pad_token_id": config.get("pad_token_id"),
     }
-
-
-def _source_identity(cmf: CmfFile) -> dict:
-    paths = [Path(p) for p in cmf.paths]
-    identities = [file_identity(p) for p in paths]
-    source = {
-        "kind": "cmf",
-        "path": str(paths[0].resolve()),
-        "file": paths[0].name,
-        **identities[0],
-        "header_hash": f"{cmf.envelope.header_hash:016x}",
-        "dir_hash": f"{cmf.envelope.dir_hash:016x}",
-        "required_features": cmf.required_features,
-        "verified_tensors": len(cmf.tensors),
-    }
-    if len(paths) > 1:
-        source["shards"] = [{"file": p.name, **ident} for p, ident in zip(paths, identities)]
-    return source

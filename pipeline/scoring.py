@@ -21,7 +21,9 @@ import numpy as np
 
 from manifests.identity import (
     MANIFEST_NAME,
+    artifact_source,
     check_files,
+    cmf_source,
     environment,
     inventory,
     load_manifest,
@@ -31,7 +33,6 @@ from manifests.identity import (
 )
 from manifests.output import refuse_existing, staged_output
 from pipeline.backends import Backend, open_backend
-from pipeline.bundle import _source_identity
 from pipeline.cmf import open_cmf
 from pipeline.errors import CmfdeployError
 from pipeline.tokenizer import Tokenizer, tokenizer_from_artifact
@@ -242,10 +243,9 @@ def _jsonl(rows: list[dict]) -> bytes:
 
 def _source(artifact: Path) -> dict:
     if artifact.is_dir():
-        manifest = load_manifest(artifact)
-        return {"kind": "artifact", "format": manifest["format"], "path": str(artifact.resolve()),
-                "manifest_sha256": sha256_file(artifact / MANIFEST_NAME)}
-    return _source_identity(open_cmf(artifact))
+        return artifact_source(artifact)
+    with open_cmf(artifact) as cmf:
+        return cmf_source(cmf)
 
 
 def write_run(results: list[ItemScores], out_dir: str | Path, *, artifact: str | Path, backend_name: str,
