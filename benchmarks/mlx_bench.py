@@ -151,13 +151,13 @@ def artifacts() -> dict[str, Path]:
     return paths
 
 
-def run_worker(kind: str, model: Path, ids: list[int], decode: int, repeats: int) -> dict:
+def run_worker(kind: str, model: Path, ids: list[int], decode: int, repeats: int, env: dict) -> dict:
     """Best of `repeats` fresh processes (highest speeds, lowest load time and RSS)."""
     runs = []
     for _ in range(repeats):
         cmd = [sys.executable, __file__, "--worker", kind, "--model", str(model), "--ids", json.dumps(ids),
                "--decode", str(decode)]
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
         runs.append(json.loads(out.strip().splitlines()[-1]))
     best = dict(runs[0])
     for key, pick in (("prefill_tps", max), ("decode_tps", max), ("load_s", min), ("peak_rss_mib", min)):
@@ -170,6 +170,9 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=128, help="prompt tokens")
     parser.add_argument("--decode", type=int, default=64, help="decode tokens")
     parser.add_argument("--repeats", type=int, default=1, help="fresh processes per variant (best is shown)")
+    parser.add_argument("--blas-threads", type=int,
+                        help="OPENBLAS_NUM_THREADS for every variant (numpy's BLAS: only our GEMM prefill uses it); "
+                             "on a shared, oversubscribed machine 1 avoids OpenBLAS's spinning threads")
     parser.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--ids", help=argparse.SUPPRESS)
@@ -183,29 +186,41 @@ def main() -> None:
     paths = artifacts()
     text = (ROOT / "fixtures" / "botchan.txt").read_text()
     ids = [int(i) for i in tokenizer_from_artifact(paths["q8_row"]).encode(text)[: args.prompt]]
+    env = dict(os.environ)
+    if args.blas_threads is not None:
+        env["OPENBLAS_NUM_THREADS"] = str(args.blas_threads)
     print(f"SmolLM2-135M-Instruct, {len(ids)}-token prompt, {args.decode} greedy decode tokens, "
-          f"best of {args.repeats} fresh process(es); load excludes imports")
+          f"best of {args.repeats} fresh process(es); load excludes imports; "
+          f"OPENBLAS_NUM_THREADS={env.get('OPENBLAS_NUM_THREADS', 'unset')}, {os.cpu_count()} CPUs, "
+          f"load average {os.getloadavg()[0]:.1f}")
     header = (f"{'variant':22} {'load s':>7} {'prefill tok/s':>14} {'decode tok/s':>13} {'peak RSS MiB':>13}"
               f" {'weights MiB':>12}   vs mlx-lm: load / prefill / decode / RSS")
     print(header)
     rows = [("mlx-lm 4-bit g32", "mlx-lm", paths["mlx-lm-4bit"]), ("ours q4_block", "ours", paths["q4_block"]),
             ("mlx-lm 8-bit g32", "mlx-lm", paths["mlx-lm-8bit"]), ("ours q8_row", "ours", paths["q8_row"]),
             ("torch FP32 eager", "torch", paths["hf"])]
-    baseline = None
+    baseline, results = None, {}
     for label, kind, model in rows:
-        r = run_worker(kind, model, ids, args.decode, args.repeats)
+        r = results[label] = run_worker(kind, model, ids, args.decode, args.repeats, env)
         weights = f"{r['packed_mib']:12.1f}" if "packed_mib" in r else f"{'':12}"
         line = (f"{label:22} {r['load_s']:7.2f} {r['prefill_tps']:14.1f} {r['decode_tps']:13.2f}"
                 f" {r['peak_rss_mib']:13.0f} {weights}")
         if kind == "mlx-lm":
             baseline = r
-        elif baseline is not None:
+        elif kind == "ours":
             line += (f"   x{r['load_s'] / baseline['load_s']:.2f} / x{r['prefill_tps'] / baseline['prefill_tps']:.2f}"
                      f" / x{r['decode_tps'] / baseline['decode_tps']:.2f}"
                      f" / x{r['peak_rss_mib'] / baseline['peak_rss_mib']:.2f}")
         if kind == "ours" and r["fallbacks"]:
             line += f"   ({r['fallbacks']} dense fallbacks)"
         print(line, flush=True)
+    torch_run = results["torch FP32 eager"]
+    for label in ("ours q4_block", "ours q8_row"):
+        r = results[label]
+        print(f"{label} vs torch FP32 eager: prefill x{r['prefill_tps'] / torch_run['prefill_tps']:.2f}, "
+              f"decode x{r['decode_tps'] / torch_run['decode_tps']:.2f}, "
+              f"peak RSS x{r['peak_rss_mib'] / torch_run['peak_rss_mib']:.2f}")
+    print(f"load average at the end {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

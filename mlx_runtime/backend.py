@@ -9,7 +9,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from pipeline.backends import BackendError
+from pipeline.backends import validate_ids
 from pipeline.cmf import open_cmf
 from pipeline.reference import task_mask
 from mlx_runtime.cache import KVCache, Snapshot
@@ -32,16 +32,7 @@ class MlxBackend:
         self.context = self.args.max_position_embeddings
 
     def _ids(self, ids, offset: int = 0) -> np.ndarray:
-        ids = np.asarray(ids)
-        if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
-            raise BackendError(f"{self.name}: ids must be a non-empty 1-D integer array, got {ids.dtype} {ids.shape}")
-        bad = (ids < 0) | (ids >= self.args.vocab_size)
-        if bad.any():
-            raise BackendError(f"{self.name}: token id {ids[bad][0]} at {int(np.argmax(bad))} is outside "
-                               f"the vocabulary of {self.args.vocab_size}")
-        if offset + ids.size > self.context:
-            raise BackendError(f"{self.name}: {offset + ids.size} tokens exceed the context of {self.context}")
-        return ids.astype(np.int64)
+        return validate_ids(ids, self.name, self.args.vocab_size, self.context, offset)
 
     def _run(self, ids: np.ndarray, cache: KVCache) -> np.ndarray:
         logits = forward(self.model, ids, cache, gemm=ids.size >= GEMM_MIN_TOKENS)

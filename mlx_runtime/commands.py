@@ -44,6 +44,7 @@ def _generate(args) -> int:
         raise GenerateError(f"--max-tokens {args.max_tokens}: must be at least 1")
     tokenizer = tokenizer_from_artifact(args.model)
     model = load(args.model, task=args.task, skill=args.skill)
+    print(model.report.format(), file=sys.stderr)
     if args.chat:
         prompt = chat_ids(tokenizer, [{"role": "user", "content": args.prompt}])
     else:

@@ -25,7 +25,7 @@ from pipeline.cmf.masks import TaskMask
 from pipeline.cmf.skills import skill_tensor_source
 from pipeline.errors import UnsupportedModel
 from pipeline.models import ModelArgs
-from pipeline.models.base import IGNORED_PREFIXES, rope_inv_freq
+from pipeline.models.base import Weights, rope_inv_freq
 from pipeline.models.errors import ModelConfigError
 from mlx_runtime.cache import KVCache
 from mlx_runtime.weights import GROUP, Linear, LoadReport, Packed, expanded_matmul, load_linear, lookup, matmul
@@ -116,28 +116,24 @@ class Model:
 # ---------------------------------------------------------------- loading
 
 
-class _Tensors:
-    """Tensors handed out once each, read through a skill's source map, counted in the report.
-
-    A tensor nobody took means a capability this runtime does not implement; it is refused
-    by name, as the reference decoder does."""
+class _Tensors(Weights):
+    """The reference decoder's tensor bookkeeping (each handed out once; a tensor nobody took
+    is a capability this runtime lacks and is refused by name), over CMF directory entries
+    read through a skill's source map, kept packed and counted in the load report."""
 
     def __init__(self, cmf: CmfFile, source: dict[str, str], args: ModelArgs):
-        self.cmf, self.source, self.args = cmf, source, args
-        self.taken: set[str] = set()
+        super().__init__(source, cmf.path.name)
+        self.cmf, self.args = cmf, args
         self.report = LoadReport()
         self.gemma = args.norm_style == "gemma"
 
-    def has(self, name: str) -> bool:
-        return name in self.source
-
     def _info(self, name: str, shape: tuple):
-        if name not in self.source:
-            raise ModelConfigError(f"{self.cmf.path.name}: tensor {name} is missing")
-        info = self.cmf.info(self.source[name])
+        if name not in self.tensors:
+            raise ModelConfigError(f"{self.source}: tensor {name} is missing")
+        info = self.cmf.info(self.tensors[name])
         if len(info.shape) != len(shape) or any(w is not None and w != s for w, s in zip(shape, info.shape)):
             want = tuple("*" if w is None else w for w in shape)
-            raise ModelConfigError(f"{self.cmf.path.name}: tensor {name} has shape {info.shape}, expected {want}")
+            raise ModelConfigError(f"{self.source}: tensor {name} has shape {info.shape}, expected {want}")
         self.taken.add(name)
         return info
 
@@ -163,12 +159,6 @@ class _Tensors:
         if self.has(f"{prefix}.bias"):
             return replace(lin, bias=self.vector(f"{prefix}.bias", lin.shape[0]))
         return lin
-
-    def refuse_leftovers(self) -> None:
-        leftover = sorted(n for n in self.source if n not in self.taken and not n.startswith(IGNORED_PREFIXES))
-        if leftover:
-            shown = ", ".join(leftover[:5]) + (" ..." if len(leftover) > 5 else "")
-            raise UnsupportedModel(f"{self.cmf.path.name}: tensors this runtime cannot run: {shown}")
 
 
 def _attention(t: _Tensors, prefix: str, head_bits: np.ndarray | None) -> Attention:
@@ -216,16 +206,16 @@ def _stack(linears: list[Linear]) -> Packed | None:
 def _moe(t: _Tensors, prefix: str, index: int, mask: TaskMask | None) -> Moe:
     a = t.args
     if a.moe is None:
-        raise ModelConfigError(f"{t.cmf.path.name}: {prefix}.gate.weight is a router but the header has no moe block")
+        raise ModelConfigError(f"{t.source}: {prefix}.gate.weight is a router but the header has no moe block")
     if mask is not None and not mask.ffn[index].all():
-        raise UnsupportedModel(f"{t.cmf.path.name}: the task mask switches off FFN neurons of MoE layer {index}")
+        raise UnsupportedModel(f"{t.source}: the task mask switches off FFN neurons of MoE layer {index}")
     router = t.linear(f"{prefix}.gate", None, a.hidden_size)
     count = router.shape[0]
     present = 0
     while t.has(f"{prefix}.experts.{present}.gate_proj.weight"):
         present += 1
     if present != count:
-        raise ModelConfigError(f"{t.cmf.path.name}: {prefix}.gate.weight routes to {count} experts but {present} are present")
+        raise ModelConfigError(f"{t.source}: {prefix}.gate.weight routes to {count} experts but {present} are present")
     experts = tuple(_mlp(t, f"{prefix}.experts.{e}", None) for e in range(count))
     bits = None if mask is None or mask.experts is None else np.asarray(mask.experts[index][:count], dtype=bool)
     if bits is not None and not bits.any():
@@ -249,6 +239,9 @@ def _moe(t: _Tensors, prefix: str, index: int, mask: TaskMask | None) -> Moe:
 
 def load_model(cmf: CmfFile, mask: TaskMask | None = None, skill: str | None = None) -> Model:
     """The model of an open CMF file, weights packed on MLX; `mask` a task mask, `skill` an id."""
+    if cmf.is_skill_file:
+        raise UnsupportedModel(f"{cmf.path.name}: a skill file (feature bit 6) never runs on its own; "
+                               "apply it to its base (pipeline.cmf.skills.apply_skill_file) and load that")
     args = ModelArgs.from_header(cmf.header, source=cmf.path.name)
     for index, layer_type in enumerate(args.layer_types):
         if layer_type != "FullAttention":

@@ -86,10 +86,6 @@ class Linear:
         total = sum(b.nbytes for b in self.blocks) + sum(a.nbytes for a in extras)
         return total + (self.sparse.nbytes if self.sparse is not None else 0)
 
-    @property
-    def quantized(self) -> bool:
-        return isinstance(self.blocks[0], Packed)
-
 
 # ---------------------------------------------------------------- building blocks
 

@@ -11,10 +11,12 @@ import pytest
 import torch
 
 from _hf_models import load_saved, save_hf_model
+from _one_thread import one_thread  # noqa: F401 (autouse fixture)
 from pipeline.backends import open_backend
 from pipeline.cli import main
 from pipeline.cmf import DTYPES, open_cmf, write_cmf
 from pipeline.cmf.skills import add_skill
+from pipeline.errors import UnsupportedModel
 from pipeline.models import KVCache as TorchCache
 from pipeline.models.hf_config import arch_from_hf_config
 from pipeline.reference import load_reference
@@ -196,6 +198,48 @@ def test_skills_match_reference(tmp_path_factory):
     add_skill(path, {"id": "math", "name": "math"}, replaced)
     for skill in (None, "math"):
         _assert_logits(MlxBackend(path, skill=skill).logits(IDS), _reference_logits(path, IDS, skill=skill))
+
+
+def test_skill_files_are_refused(tmp_path_factory):
+    from pipeline.cmf.skills import export_skill_file
+
+    path = _write(tmp_path_factory, "qwen3", "f16", seed=5)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    with open_cmf(path) as cmf:
+        shape = cmf.info(name).shape
+    add_skill(path, {"id": "math", "name": "math"}, [(name, np.zeros(shape, np.float32), "f16")])
+    skill_file = export_skill_file(path, "math", path.with_name("math.cmf"))
+    with pytest.raises(UnsupportedModel, match="math.cmf: a skill file .* never runs on its own"):
+        MlxBackend(skill_file)
+
+
+def test_unknown_tensors_and_layer_types_are_refused(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("refuse")
+    save_hf_model("qwen3", directory / "hf", seed=7)
+    config, weights = load_saved(directory / "hf")
+    arch, _ = arch_from_hf_config(config)
+    tensors = [(n, t.numpy(), "f32") for n, t in weights.items()]
+    write_cmf(directory / "sinks.cmf", arch=arch, tensors=[*tensors, ("model.layers.0.self_attn.sinks", np.zeros(4), "f32")])
+    with pytest.raises(UnsupportedModel, match="sinks.cmf: .*model.layers.0.self_attn.sinks"):
+        MlxBackend(directory / "sinks.cmf")
+    linear = {**arch, "layer_types": ["FullAttention", "LinearAttention"]}
+    write_cmf(directory / "linear.cmf", arch=linear, tensors=tensors)
+    with pytest.raises(UnsupportedModel, match="linear.cmf: layer 1 has layer type 'LinearAttention'"):
+        MlxBackend(directory / "linear.cmf")
+
+
+def test_matrices_the_kernels_cannot_take_are_reported_and_exact(tmp_path_factory):
+    # Qwen2-MoE's shared expert is 48 wide: its down_proj (in = 48) is stored as q4_block,
+    # whose groups then span rows, so it runs on exact decoded weights.
+    path = _write(tmp_path_factory, "qwen2_moe", "vbit", seed=8)
+    with open_cmf(path) as cmf:
+        model = load_model(cmf)
+        down = [n for n in cmf.tensors if n.endswith("shared_expert.down_proj.weight")]
+    assert sorted(model.report.fallbacks) == sorted(down)
+    assert all("in = 48" in why for why in model.report.fallbacks.values())
+    assert model.report.tensors["q4_block"] == len(down)
+    assert f"dense fallback: {down[0]}: in = 48" in model.report.format()
+    _assert_logits(MlxBackend(path).logits(IDS), _reference_logits(path, IDS))
 
 
 def test_chat_templates_render_like_transformers():
