@@ -7,12 +7,11 @@ or turns a recorded name back into a path, so every stage checks identity the sa
 
 import hashlib
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path, PurePosixPath
 
+from manifests.output import staged_file
 from pipeline.errors import IdentityError
 
 MANIFEST_NAME = "manifest.json"
@@ -75,17 +74,8 @@ def sha256_bytes(data: bytes) -> str:
 
 def write_json(path: str | Path, obj) -> None:
     """Write `obj` as canonical JSON atomically: temp file in the same folder, fsync, rename."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(canonical_json(obj))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with staged_file(path) as f:
+        f.write(canonical_json(obj))
 
 
 def read_json(path: str | Path) -> dict:

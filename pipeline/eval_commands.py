@@ -4,9 +4,10 @@ from pathlib import Path
 
 import numpy as np
 
+from manifests.output import refuse_existing
 from pipeline.backends import BACKENDS, open_backend
 from pipeline.cmf.commands import write_npz
-from pipeline.errors import CmfdeployError, OutputExists
+from pipeline.errors import CmfdeployError
 from pipeline.evaluate import perplexity
 from pipeline.tokenizer import tokenizer_from_artifact
 
@@ -59,8 +60,7 @@ def _text_ids(artifact: Path, text_path: Path) -> tuple[np.ndarray, int | None]:
 
 
 def _logits(args) -> int:
-    if args.output.exists() and not args.force:
-        raise OutputExists(f"{args.output}: already exists; pass --force to overwrite")
+    refuse_existing(args.output, args.force)
     if args.ids is not None:
         try:
             ids = np.load(args.ids, allow_pickle=False)

@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import zipfile
 from pathlib import Path
 
 import numpy as np
 
+from manifests.output import refuse_existing, staged_file
 from pipeline.cmf.errors import Parse
 from pipeline.cmf.reader import CmfFile, open_cmf
 from pipeline.cmf.skills import SKILL_PREFIX, skill_tensor_source
 from pipeline.cmf.verify import sign_cmf, verify_cmf
-from pipeline.errors import OutputExists
 
 FEATURE_NAMES = {
     0: "TENSOR_DIR",
@@ -168,8 +167,7 @@ def _sign(args) -> int:
 
 def _dump(args) -> int:
     out = Path(args.output)
-    if out.exists() and not args.force:
-        raise OutputExists(f"{out}: already exists; pass --force to overwrite")
+    refuse_existing(out, args.force)
     with open_cmf(args.file) as cmf:
         source = skill_tensor_source(cmf, args.skill) if args.skill else {n: n for n in cmf.tensors}
         names = args.tensor or list(source)
@@ -183,13 +181,7 @@ def _dump(args) -> int:
 
 def write_npz(out: Path, arrays) -> None:
     """An uncompressed .npz written one array at a time (never all in memory), renamed into place."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.tmp", dir=out.parent)
-    os.close(fd)
-    try:
-        with zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
-            for name, array in arrays:
-                with zf.open(f"{name}.npy", "w", force_zip64=True) as fh:
-                    np.lib.format.write_array(fh, np.asarray(array), allow_pickle=False)
-        os.replace(tmp, out)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
+    with staged_file(out) as f, zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+        for name, array in arrays:
+            with zf.open(f"{name}.npy", "w", force_zip64=True) as fh:
+                np.lib.format.write_array(fh, np.asarray(array), allow_pickle=False)

@@ -21,6 +21,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from manifests.identity import sha256_file
+from manifests.output import staged_file
 from pipeline.cmf.errors import HashMismatch, SignatureError
 from pipeline.cmf.hash64 import hash64
 from pipeline.cmf.reader import HASHED_SECTIONS, CmfFile, open_cmf
@@ -168,7 +169,6 @@ def sign_cmf(path: str | os.PathLike, key_path: str | os.PathLike, *, force: boo
     for file, sig_path in zip(files, sig_paths):
         digest = bytes.fromhex(sha256_file(file))
         body = {"alg": SIG_ALG, "pubkey": pub.hex(), "sha256": digest.hex(), "sig": key.sign(digest).hex()}
-        tmp = sig_path.with_name(f".{sig_path.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(body, indent=1) + "\n", encoding="utf-8")
-        os.replace(tmp, sig_path)
+        with staged_file(sig_path) as f:
+            f.write((json.dumps(body, indent=1) + "\n").encode())
     return sig_paths
