@@ -27,7 +27,10 @@ from mlx_runtime.generate import Sampling, Stats, generate, sample
 from mlx_runtime.models import forward, load_model
 
 CONFORMANCE = Path("/work/shared/cmf-conformance")
-FIXTURE_TOKENIZER = Path(__file__).resolve().parents[1] / "fixtures" / "tokenizer.json"
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "botchan-llama-1m.cmf"
+FIXTURE_TOKENIZER = FIXTURE.with_name("tokenizer.json")
+FROZEN = FIXTURE.parent / "reference" / "logits.npz"
+FIXTURE_IDS = np.load(FROZEN, allow_pickle=False)["long.input_ids"]  # 128 tokens of Botchan
 WRITER_DTYPES = [dt.name for dt in DTYPES.values() if dt.encode is not None]
 IDS = np.random.default_rng(5).integers(0, 128, 40)
 TOLERANCE = 1e-3
@@ -63,17 +66,33 @@ def _assert_logits(got: np.ndarray, want: np.ndarray) -> None:
 
 
 @pytest.fixture(scope="module", params=WRITER_DTYPES)
-def llama_in_dtype(request, tmp_path_factory):
-    return _write(tmp_path_factory, "llama", request.param, seed=1)
+def fixture_in_dtype(request, tmp_path_factory):
+    """The fixture model (fixtures/botchan-llama-1m.cmf) with its matrices re-encoded in one dtype."""
+    path = tmp_path_factory.mktemp(f"fixture-{request.param}") / "model.cmf"
+    with open_cmf(FIXTURE) as cmf:
+        tensors = [(n, np.array(cmf.decode(n)), request.param if len(i.shape) == 2 else "f32")
+                   for n, i in cmf.tensors.items()]
+        write_cmf(path, arch=cmf.arch, tensors=tensors)
+    return path
 
 
-def test_logits_match_reference_in_every_writer_dtype(llama_in_dtype):
-    want = _reference_logits(llama_in_dtype, IDS)
-    with open_cmf(llama_in_dtype) as cmf:
+def test_fixture_logits_match_reference_in_every_writer_dtype(fixture_in_dtype):
+    want = _reference_logits(fixture_in_dtype, FIXTURE_IDS)
+    with open_cmf(fixture_in_dtype) as cmf:
         model = load_model(cmf)
     assert not model.report.fallbacks
     for gemm in (False, True):
-        _assert_logits(np.array(forward(model, IDS, model.new_cache(), gemm=gemm)), want)
+        _assert_logits(np.array(forward(model, FIXTURE_IDS, model.new_cache(), gemm=gemm)), want)
+
+
+def test_fixture_matches_its_frozen_reference_logits():
+    frozen = np.load(FROZEN, allow_pickle=False)
+    backend = MlxBackend(FIXTURE)
+    for case in ("short", "long"):
+        _assert_logits(backend.logits(frozen[f"{case}.input_ids"]), frozen[f"{case}.logits"])
+    cache = backend.model.new_cache()  # one token at a time through the KV cache
+    steps = [np.array(forward(backend.model, np.array([t]), cache)) for t in frozen["long.input_ids"]]
+    _assert_logits(np.concatenate(steps), frozen["long_kv_step_logits"])
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma", "qwen2_moe", "qwen3_moe"])
