@@ -31,14 +31,14 @@ def refuse_existing(path: str | os.PathLike, force: bool) -> None:
         raise OutputExists(f"{path}: already exists; pass force to overwrite")
 
 
-def sibling(path: Path, tag: str) -> Path:
+def _sibling(path: Path, tag: str) -> Path:
     """An unused hidden name beside `path` (random, so concurrent stages never collide)."""
     return path.with_name(f".{path.name}.{secrets.token_hex(6)}.{tag}")
 
 
 def temp_file_beside(path: Path, tag: str = "tmp") -> BinaryIO:
     """A new hidden file beside `path`, opened read/write, with a normal file's mode."""
-    return open(sibling(path, tag), "x+b")  # noqa: SIM115 - the caller owns and closes it
+    return open(_sibling(path, tag), "x+b")  # noqa: SIM115 - the caller owns and closes it
 
 
 @contextlib.contextmanager
@@ -66,7 +66,7 @@ def staged_output(out_dir: str | os.PathLike, force: bool) -> Iterator[Path]:
     out_dir = Path(out_dir)
     refuse_existing(out_dir, force)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = sibling(out_dir, "partial")
+    staging = _sibling(out_dir, "partial")
     staging.mkdir()
     try:
         yield staging
@@ -98,7 +98,7 @@ def _move_into_place(staging: Path, out_dir: Path, force: bool) -> None:
     refuse_existing(out_dir, force)
     aside = None
     if out_dir.exists() or out_dir.is_symlink():
-        aside = sibling(out_dir, "old")
+        aside = _sibling(out_dir, "old")
         os.rename(out_dir, aside)
     try:
         os.rename(staging, out_dir)
