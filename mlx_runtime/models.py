@@ -203,6 +203,12 @@ def _stack(linears: list[Linear]) -> Packed | None:
     return Packed(*(mx.stack([getattr(b, f) for b in blocks]) for f in ("w", "scales", "biases")), blocks[0].bits)
 
 
+def _member(p: Packed, index: int) -> Packed:
+    """Expert `index` of a stacked Packed as views (a range slice shares the buffer; an
+    integer index would copy it)."""
+    return Packed(*(a[index : index + 1].reshape(a.shape[1:]) for a in (p.w, p.scales, p.biases)), p.bits)
+
+
 def _moe(t: _Tensors, prefix: str, index: int, mask: TaskMask | None) -> Moe:
     a = t.args
     if a.moe is None:
@@ -221,6 +227,14 @@ def _moe(t: _Tensors, prefix: str, index: int, mask: TaskMask | None) -> Moe:
     if bits is not None and not bits.any():
         raise ModelConfigError(f"{prefix}: the task mask allows none of the {count} experts")
     parts = [_stack([getattr(e, f) for e in experts]) for f in ("gate", "up", "down")]
+    stacked = Stacked(*parts) if all(p is not None for p in parts) else None
+    if stacked is not None:
+        # Keep one copy: each expert's blocks become views into the stacked arrays.
+        mx.eval(*(getattr(getattr(stacked, f), a) for f in ("gate", "up", "down") for a in ("w", "scales", "biases")))
+        experts = tuple(
+            Mlp(*(replace(getattr(ex, f), blocks=(_member(getattr(stacked, f), e),)) for f in ("gate", "up", "down")))
+            for e, ex in enumerate(experts)
+        )
     shared = shared_gate = None
     if t.has(f"{prefix}.shared_expert.gate_proj.weight"):
         shared = _mlp(t, f"{prefix}.shared_expert", None)
@@ -228,7 +242,7 @@ def _moe(t: _Tensors, prefix: str, index: int, mask: TaskMask | None) -> Moe:
     return Moe(
         router=router,
         experts=experts,
-        stacked=Stacked(*parts) if all(p is not None for p in parts) else None,
+        stacked=stacked,
         allowed=None if bits is None or bits.all() else mx.array(bits),
         top_k=min(a.moe.top_k, count if bits is None else int(bits.sum())),
         norm_topk_prob=a.moe.norm_topk_prob,

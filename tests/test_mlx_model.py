@@ -219,6 +219,22 @@ def test_skills_match_reference(tmp_path_factory):
         _assert_logits(MlxBackend(path, skill=skill).logits(IDS), _reference_logits(path, IDS, skill=skill))
 
 
+def test_resident_memory_is_the_packed_weights(tmp_path_factory):
+    """Nothing is held twice: stacked MoE experts share their buffers with the per-expert
+    views, and no decoded copy stays behind."""
+    import gc
+
+    import mlx.core as mx
+
+    path = _write(tmp_path_factory, "qwen3_moe", "q4_block", seed=9)
+    gc.collect()
+    before = mx.get_active_memory()
+    model = MlxBackend(path).model
+    gc.collect()
+    resident = mx.get_active_memory() - before
+    assert model.report.packed_bytes <= resident <= model.report.packed_bytes + 64 * 1024
+
+
 def test_skill_files_are_refused(tmp_path_factory):
     from pipeline.cmf.skills import export_skill_file
 
