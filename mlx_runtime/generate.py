@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from pipeline.models.errors import ContextOverflow
 from mlx_runtime.cache import KVCache
 from mlx_runtime.models import Model, forward
 
@@ -87,6 +88,10 @@ def generate(model: Model, prompt: np.ndarray, *, max_tokens: int, sampling: Sam
     (which is yielded). `stats`, when given, is filled with token counts and timings."""
     stats = Stats() if stats is None else stats
     prompt = np.asarray(prompt, dtype=np.int64).reshape(-1)
+    context = model.args.max_position_embeddings
+    if prompt.size + max_tokens > context:
+        raise ContextOverflow(f"generate: {prompt.size} prompt tokens + {max_tokens} new tokens exceed the "
+                              f"model's context of {context}")
     cache = model.new_cache(prompt.size + max_tokens)
     rng = np.random.default_rng(sampling.seed)
     start = time.perf_counter()

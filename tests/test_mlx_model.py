@@ -319,9 +319,12 @@ def test_cli_generate_streams_the_greedy_completion(with_tokenizer, capsys):
     assert f"prefill: {prompt.size} tokens" in err and f"decode: {len(tokens)} tokens" in err
 
 
-def test_cli_errors_are_one_line(tmp_path, capsys):
+def test_cli_errors_are_one_line(with_tokenizer, tmp_path, capsys):
     assert main(["mlx", "generate", str(tmp_path / "missing.cmf"), "--prompt", "x"]) == 1
     assert capsys.readouterr().err.startswith("Bounds: missing.cmf")
+    assert main(["mlx", "generate", str(with_tokenizer), "--prompt", "I am a cat.", "--max-tokens", "600"]) == 1
+    assert "ContextOverflow: generate: 6 prompt tokens + 600 new tokens exceed the model's context of 512" in \
+        capsys.readouterr().err
 
 
 def test_cli_score_matches_the_torch_backend(with_tokenizer, tmp_path):
