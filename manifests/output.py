@@ -28,7 +28,7 @@ from pipeline.errors import OutputExists
 def refuse_existing(path: str | os.PathLike, force: bool) -> None:
     path = Path(path)
     if (path.exists() or path.is_symlink()) and not force:
-        raise OutputExists(f"{path}: already exists; pass force to overwrite")
+        raise OutputExists(f"{path}: already exists; pass force=True (--force) to replace it")
 
 
 def _sibling(path: Path, tag: str) -> Path:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from manifests.output import refuse_existing, temp_file_beside
+from manifests.output import temp_file_beside
 from pipeline.cmf.dtypes import DTYPES, DType, dtype_by_name, dtype_for_id
 from pipeline.cmf.errors import Parse
 from pipeline.cmf.hash64 import hash64
@@ -262,7 +262,8 @@ def write_cmf(
     reserved head in the output file; otherwise they are staged and copied in-kernel.
     """
     path = Path(path)
-    refuse_existing(path, force)
+    if not force and path.exists():
+        raise OutputExists(f"{path}: already exists; pass force to overwrite")
     extra_header = dict(extra_header or {})
     clash = _OWN_KEYS & extra_header.keys()
     if clash:
