@@ -33,8 +33,8 @@ class Sampling:
 
 @dataclass
 class Stats:
-    """Prefill covers the prompt up to the first sampled token; each later token is one decode
-    step. Time spent by the consumer of the stream is not counted."""
+    """Prefill: the prompt up to the first sampled token. Decode: every later token is one
+    step, timed as wall time from the first token to the last."""
 
     prompt_tokens: int = 0
     prefill_s: float = 0.0
@@ -82,6 +82,27 @@ def sample(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> 
     return int(rng.choice(p.size, p=p))
 
 
+def _tokens(model: Model, logits: mx.array, cache: KVCache, sampling: Sampling, rng: np.random.Generator,
+            count: int) -> Iterator[int]:
+    """`count` tokens, one decode forward between each. Greedy decoding stays on the device and
+    queues the next forward before reading the current token, so MLX computes while Python
+    builds the next graph; sampling reads the logits to the host for the seeded generator."""
+    if sampling.temperature > 0:
+        for step in range(count):
+            if step:
+                logits = forward(model, np.array([token]), cache)
+            token = sample(np.asarray(logits[0]), sampling, rng)
+            yield token
+        return
+    following = mx.argmax(logits[0], keepdims=True)
+    for step in range(count):
+        current = following
+        if step + 1 < count:
+            following = mx.argmax(forward(model, current, cache)[0], keepdims=True)
+            mx.async_eval(following)
+        yield int(current.item())
+
+
 def generate(model: Model, prompt: np.ndarray, *, max_tokens: int, sampling: Sampling = Sampling(),
              eos_ids: tuple[int, ...] = (), stats: Stats | None = None) -> Iterator[int]:
     """Stream up to `max_tokens` new tokens after `prompt`; stops after any of `eos_ids`
@@ -93,21 +114,16 @@ def generate(model: Model, prompt: np.ndarray, *, max_tokens: int, sampling: Sam
         raise ContextOverflow(f"generate: {prompt.size} prompt tokens + {max_tokens} new tokens exceed the "
                               f"model's context of {context}")
     cache = model.new_cache(prompt.size + max_tokens)
-    rng = np.random.default_rng(sampling.seed)
     start = time.perf_counter()
     logits = prefill(model, prompt, cache)
     stats.prompt_tokens = prompt.size
-    for step in range(max_tokens):
-        if step:
-            start = time.perf_counter()
-            logits = forward(model, np.array([token]), cache)
-        token = sample(np.asarray(logits[0]), sampling, rng)
-        elapsed = time.perf_counter() - start
-        if step:
-            stats.decode_steps += 1
-            stats.decode_s += elapsed
+    first = None
+    for token in _tokens(model, logits, cache, sampling, np.random.default_rng(sampling.seed), max_tokens):
+        now = time.perf_counter()
+        if first is None:
+            first, stats.prefill_s = now, now - start
         else:
-            stats.prefill_s = elapsed
+            stats.decode_steps, stats.decode_s = stats.decode_steps + 1, now - first
         stats.generated += 1
         yield token
         if token in eos_ids:

@@ -395,11 +395,14 @@ def _moe_forward(model: Model, moe: Moe, x: mx.array, gemm: bool) -> mx.array:
     return out
 
 
-def forward(model: Model, ids: np.ndarray, cache: KVCache, *, gemm: bool = False, last_only: bool = False) -> mx.array:
-    """Logits [T, vocab] (or [1, vocab] with `last_only`) of ids run after the cache's tokens;
-    the cache advances by T. `gemm` runs projections as dense GEMMs (long prompts)."""
+def forward(model: Model, ids: np.ndarray | mx.array, cache: KVCache, *, gemm: bool = False,
+            last_only: bool = False) -> mx.array:
+    """Logits [T, vocab] (or [1, vocab] with `last_only`) of ids [T] run after the cache's
+    tokens; the cache advances by T. `gemm` runs projections as dense GEMMs (long prompts).
+    Device ids (an mx.array) keep a decode step free of host synchronisation."""
     a = model.args
-    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    if not isinstance(ids, mx.array):
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
     T = ids.size
     cache.reserve(T)
     start = cache.position

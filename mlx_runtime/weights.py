@@ -351,8 +351,14 @@ def dense(lin: Linear) -> mx.array:
     return w
 
 
-def lookup(lin: Linear, ids: np.ndarray) -> mx.array:
-    """Rows `ids` of the effective weights, float32 [n, in]: embeddings dequantize only these rows."""
+def lookup(lin: Linear, ids: np.ndarray | mx.array) -> mx.array:
+    """Rows `ids` [n] of the effective weights, float32 [n, in]: embeddings dequantize only
+    these rows. Device ids of a plain one-block matrix are gathered on the device."""
+    if isinstance(ids, mx.array) and len(lin.blocks) == 1 and all(x is None for x in (lin.order, lin.row, lin.sparse)):
+        block = lin.blocks[0]
+        if isinstance(block, Packed):
+            return _dequantize(Packed(block.w[ids], block.scales[ids], block.biases[ids], block.bits))
+        return block[ids]
     ids = np.asarray(ids, dtype=np.int64).reshape(-1)
     pos = np.asarray(lin.order)[ids] if lin.order is not None else ids
     sizes = np.array([b.w.shape[0] if isinstance(b, Packed) else b.shape[0] for b in lin.blocks])
