@@ -251,7 +251,7 @@ def verify_release(path: str | Path, hashes: bool = True) -> Manifest:
 def release_markdown(manifest: dict, survey: dict) -> str:
     from pipeline.report import md_table
 
-    interface = manifest["interface"]
+    interface, tokens = manifest["interface"], manifest["special_tokens"]
     features = [[direction, f["name"], f["dtype"], "[" + ", ".join(map(str, f["shape"])) + "]", f.get("meaning", "")]
                 for direction, key in (("input", "inputs"), ("output", "outputs"), ("state", "states"))
                 for f in interface.get(key, [])]
@@ -274,7 +274,7 @@ def release_markdown(manifest: dict, survey: dict) -> str:
         "",
         md_table(["", "name", "dtype", "shape", "meaning"], features),
         f"`T` is the flexible token count, {interface['dims']['T'][0]}..{interface['dims']['T'][1]}. "
-        f"Special tokens: {manifest['special_tokens']}.",
+        f"Special tokens: BOS {tokens['bos_token_id']}, EOS {tokens['eos_token_ids']}, PAD {tokens['pad_token_id']}.",
         "",
         "## Packages and their gates",
         "",
