@@ -15,10 +15,9 @@ from pathlib import Path
 
 import coremltools as ct
 
-from manifests.identity import (  # noqa: F401 - artifact_source: survey and release still reach it here
+from manifests.identity import (
     MANIFEST_NAME,
     Manifest,
-    artifact_source,
     canonical_json,
     check_files,
     environment,
@@ -28,8 +27,6 @@ from manifests.identity import (  # noqa: F401 - artifact_source: survey and rel
     sha256_file,
     write_json,
 )
-# Survey and release still reach these through this module.
-from manifests.output import refuse_existing, staged_output  # noqa: F401
 from pipeline.errors import IdentityError
 
 COREML_FORMAT = "cmfdeploy.coreml/1"

@@ -38,6 +38,7 @@ from coreml.recipes import (
 )
 from manifests.identity import (
     MANIFEST_NAME,
+    artifact_source,
     check_files,
     environment,
     file_identity,
@@ -46,6 +47,7 @@ from manifests.identity import (
     sha256_file,
     write_json,
 )
+from manifests.output import refuse_existing, staged_output
 from manifests.schema import validate
 from pipeline import align, scoring
 from pipeline.backends import open_backend
@@ -328,7 +330,7 @@ def run_survey(
     unknown = sorted(set(recipes) - set(RECIPES))
     if unknown or not recipes:
         raise SurveyError(f"{out_dir}: recipes {unknown or '(none)'} are not among {list(RECIPES)}")
-    package_manifest.refuse_existing(out_dir, force)
+    refuse_existing(out_dir, force)
     source = package_manifest.verify_package(package_dir)
     if source.format != package_manifest.COREML_FORMAT:
         raise SurveyError(f"{package_dir / MANIFEST_NAME}: field 'format' is {source.format!r}; "
@@ -345,7 +347,7 @@ def run_survey(
         "items_path": items_path,
         "tokenizer": tokenizer_from_artifact(Path(source["source"]["path"])),
     }
-    with package_manifest.staged_output(out_dir, force) as staging:
+    with staged_output(out_dir, force) as staging:
         baseline, baseline_run = _score_run(package_dir, staging / "scores" / "fp32", context)
         context["baseline"] = baseline
         records = [survey_recipe(name, package_dir, staging, context)
@@ -354,7 +356,7 @@ def run_survey(
         survey = {
             "format": FORMAT,
             "status": "complete",
-            "source": package_manifest.artifact_source(package_dir),
+            "source": artifact_source(package_dir),
             "fp32": {
                 "package": {"path": str(package_dir.resolve()), "kind": source["package"]["kind"],
                             "manifest_sha256": sha256_file(package_dir / MANIFEST_NAME),

@@ -27,6 +27,7 @@ from coreml.survey import load_survey, passed_gate_of
 from manifests.identity import (
     MANIFEST_NAME,
     Manifest,
+    artifact_source,
     check_files,
     environment,
     inventory,
@@ -35,6 +36,7 @@ from manifests.identity import (
     sha256_file,
     write_json,
 )
+from manifests.output import staged_output
 from pipeline import align
 from pipeline.errors import CmfdeployError, IdentityError
 
@@ -128,7 +130,7 @@ def make_release(
     name = name or model_name(fp32_package)
     out_dir = Path(out_root) / f"{name}-{recipe}"
     entries = [_entry(role, label, package, gate) for role, label, package, gate in checked]
-    with package_manifest.staged_output(out_dir, force) as staging:
+    with staged_output(out_dir, force) as staging:
         for (_, label, package, gate), entry in zip(checked, entries):
             shutil.copytree(package.path, staging / entry["path"])
             shutil.copytree(gate.path, staging / entry["gate"]["path"])
@@ -138,7 +140,7 @@ def make_release(
         manifest = {
             "format": FORMAT,
             "status": "incomplete",
-            "source": package_manifest.artifact_source(survey_dir / record["package"]["path"]),
+            "source": artifact_source(survey_dir / record["package"]["path"]),
             "model": name,
             "recipe": recipe,
             "deployed": recipe == survey["deployed"]["recipe"],
