@@ -417,8 +417,8 @@ def forward(model: Model, ids: np.ndarray | mx.array, cache: KVCache, *, gemm: b
         if not layer.active:
             # A gated-off layer leaves the residual stream alone (spec §5); its slots stay unread.
             continue
-        h = h + _attention_forward(model, layer.attn, mx.fast.rms_norm(h, layer.input_norm, a.rms_norm_eps), cache, index,
-                                   mask, gemm)
+        x = mx.fast.rms_norm(h, layer.input_norm, a.rms_norm_eps)
+        h = h + _attention_forward(model, layer.attn, x, cache, index, mask, gemm)
         x = mx.fast.rms_norm(h, layer.post_norm, a.rms_norm_eps)
         ffn = layer.ffn
         h = h + (_moe_forward(model, ffn, x, gemm) if isinstance(ffn, Moe) else _mlp_forward(model, ffn, x, gemm))

@@ -254,7 +254,8 @@ def test_unknown_tensors_and_layer_types_are_refused(tmp_path_factory):
     config, weights = load_saved(directory / "hf")
     arch, _ = arch_from_hf_config(config)
     tensors = [(n, t.numpy(), "f32") for n, t in weights.items()]
-    write_cmf(directory / "sinks.cmf", arch=arch, tensors=[*tensors, ("model.layers.0.self_attn.sinks", np.zeros(4), "f32")])
+    sinks = ("model.layers.0.self_attn.sinks", np.zeros(4), "f32")
+    write_cmf(directory / "sinks.cmf", arch=arch, tensors=[*tensors, sinks])
     with pytest.raises(UnsupportedModel, match="sinks.cmf: .*model.layers.0.self_attn.sinks"):
         MlxBackend(directory / "sinks.cmf")
     linear = {**arch, "layer_types": ["FullAttention", "LinearAttention"]}
@@ -302,7 +303,8 @@ def with_tokenizer(tmp_path_factory):
     config, weights = load_saved(directory / "hf")
     arch, moe = arch_from_hf_config(config)
     path = directory / "model.cmf"
-    write_cmf(path, arch=arch, tensors=[(n, t.numpy(), "q4_block" if t.dim() == 2 else "f32") for n, t in weights.items()],
+    tensors = [(n, t.numpy(), "q4_block" if t.dim() == 2 else "f32") for n, t in weights.items()]
+    write_cmf(path, arch=arch, tensors=tensors,
               tokenizer_json=FIXTURE_TOKENIZER.read_bytes(), tokenizer_config={"eos_token_ids": [2], "bos_token_id": 1})
     return path
 
@@ -331,7 +333,8 @@ def test_cli_score_matches_the_torch_backend(with_tokenizer, tmp_path):
     from pipeline.scoring import read_run, score
 
     items = tmp_path / "items.jsonl"
-    items.write_text('{"id": "a", "context": "I am a cat.", "candidates": [" As yet", " I have", " no name"], "gold": 0}\n'
+    items.write_text('{"id": "a", "context": "I am a cat.", "candidates": [" As yet", " I have", " no name"], '
+                     '"gold": 0}\n'
                      '{"id": "b", "context": "Where I was born", "candidates": [" I have", " no idea"]}\n')
     assert main(["mlx", "score", str(with_tokenizer), str(items), "-o", str(tmp_path / "mlx")]) == 0
     score(with_tokenizer, items, tmp_path / "torch", backend="torch")
