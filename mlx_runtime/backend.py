@@ -9,7 +9,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from pipeline.backends import validate_ids
+from pipeline.backend_protocol import validate_ids
 from pipeline.cmf import open_cmf
 from pipeline.reference import task_mask
 from mlx_runtime.cache import KVCache, Snapshot

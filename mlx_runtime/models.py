@@ -25,8 +25,9 @@ from pipeline.cmf.masks import TaskMask
 from pipeline.cmf.skills import skill_tensor_source
 from pipeline.errors import UnsupportedModel
 from pipeline.models import ModelArgs
-from pipeline.models.base import Weights, rope_inv_freq
 from pipeline.models.errors import ModelConfigError
+from pipeline.models.rope import rope_inv_freq
+from pipeline.models.weights import WeightLedger
 from mlx_runtime.cache import KVCache
 from mlx_runtime.weights import GROUP, Linear, LoadReport, Packed, expanded_matmul, load_linear, lookup, matmul
 
@@ -116,7 +117,7 @@ class Model:
 # ---------------------------------------------------------------- loading
 
 
-class _Tensors(Weights):
+class _Tensors(WeightLedger):
     """The reference decoder's tensor bookkeeping (each handed out once; a tensor nobody took
     is a capability this runtime lacks and is refused by name), over CMF directory entries
     read through a skill's source map, kept packed and counted in the load report."""
@@ -128,13 +129,8 @@ class _Tensors(Weights):
         self.gemma = args.norm_style == "gemma"
 
     def _info(self, name: str, shape: tuple):
-        if name not in self.tensors:
-            raise ModelConfigError(f"{self.source}: tensor {name} is missing")
-        info = self.cmf.info(self.tensors[name])
-        if len(info.shape) != len(shape) or any(w is not None and w != s for w, s in zip(shape, info.shape)):
-            want = tuple("*" if w is None else w for w in shape)
-            raise ModelConfigError(f"{self.source}: tensor {name} has shape {info.shape}, expected {want}")
-        self.taken.add(name)
+        info = self.cmf.info(self.entry(name))
+        self.claim(name, info.shape, shape)
         return info
 
     def vector(self, name: str, size: int) -> mx.array:
@@ -289,7 +285,7 @@ def load_model(cmf: CmfFile, mask: TaskMask | None = None, skill: str | None = N
         layers=tuple(layers),
         norm=norm,
         head=head,
-        rope_periods=mx.array(1.0 / rope_inv_freq(args).numpy()),
+        rope_periods=mx.array(1.0 / rope_inv_freq(args)),
         embed_scale=hidden**0.5 if args.family == "gemma" else None,
         report=t.report,
     )

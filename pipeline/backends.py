@@ -6,15 +6,15 @@
 
 Each runtime implements the protocol in its own area; this module holds the torch one and
 imports the others only when asked for, so the reference path never needs coremltools or MLX.
+The protocol itself lives in `pipeline.backend_protocol`, which needs no torch.
 """
 
 from pathlib import Path
-from typing import Protocol
 
 import numpy as np
 import torch
 
-from pipeline.errors import CmfdeployError
+from pipeline.backend_protocol import Backend, BackendError, validate_ids
 from pipeline.models import Decoder, KVCache, ModelArgs
 from pipeline.reference import load_reference
 
@@ -23,38 +23,6 @@ BACKENDS = ("auto", "torch", "coreml", "coreml-executor", "coreml-macos", "mlx")
 # The torch cache is [layers, 1, kv, context, head_dim] and attention reads all of it, so the
 # default stays far below the long contexts some models declare; `context=` raises it.
 DEFAULT_TORCH_CONTEXT = 2048
-
-
-class BackendError(CmfdeployError):
-    """An artifact no backend can open as asked, or input a backend cannot run."""
-
-
-class Backend(Protocol):
-    name: str  # "torch-fp32", "coreml-executor", "coreml-macos", "mlx"
-    context: int  # max tokens
-
-    def logits(self, ids: np.ndarray) -> np.ndarray:
-        """ids int [T] -> float32 [T, vocab], one full forward."""
-
-    def prefill(self, ids: np.ndarray) -> tuple[np.ndarray, object]:
-        """Logits [T, vocab] and an immutable snapshot of the state after ids."""
-
-    def extend(self, snapshot: object, ids: np.ndarray) -> np.ndarray:
-        """Logits of ids run after the snapshot; the snapshot stays unchanged (branching)."""
-
-
-def validate_ids(ids, backend_name: str, vocab_size: int, context: int, offset: int = 0) -> np.ndarray:
-    """ids as int64 [T], or a BackendError naming the problem; `offset` tokens are already cached."""
-    ids = np.asarray(ids)
-    if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
-        raise BackendError(f"{backend_name}: ids must be a non-empty 1-D integer array, got {ids.dtype} {ids.shape}")
-    bad = (ids < 0) | (ids >= vocab_size)
-    if bad.any():
-        raise BackendError(f"{backend_name}: token id {ids[bad][0]} at {int(np.argmax(bad))} is outside "
-                           f"the vocabulary of {vocab_size}")
-    if offset + ids.size > context:
-        raise BackendError(f"{backend_name}: {offset + ids.size} tokens exceed the context of {context}")
-    return ids.astype(np.int64)
 
 
 class TorchBackend:

@@ -7,10 +7,13 @@ A CMF task applies its mask (spec §5); a skill reads `skill.{id}.{name}` in pla
 `sum_i w_i T_i` with `w = softmax(-E / T)`.
 """
 
+from __future__ import annotations
+
 import json
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from safetensors.numpy import load_file
@@ -20,8 +23,11 @@ from pipeline.cmf import open_cmf
 from pipeline.cmf.reader import CmfFile
 from pipeline.cmf.skills import skill_tensor_source
 from pipeline.errors import UnsupportedModel
-from pipeline.models import Decoder, ModelArgs, build_model
+from pipeline.models import ModelArgs, build_model
 from pipeline.models.errors import ModelConfigError
+
+if TYPE_CHECKING:  # torch loads only when a decoder is built (the MLX runtime reads task masks here)
+    from pipeline.models.base import Decoder
 
 BUNDLE_CONFIG = "config.json"
 BUNDLE_TOKENIZER = "tokenizer.json"

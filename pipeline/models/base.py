@@ -6,8 +6,6 @@ Written for two readers: a person checking the maths against Hugging Face, and
 an explicit expand + reshape, and the KV cache is plain tensors in and out.
 """
 
-import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,47 +17,25 @@ from pipeline.cmf.masks import TaskMask
 from pipeline.errors import UnsupportedModel
 from pipeline.models.args import ModelArgs
 from pipeline.models.errors import ContextOverflow, ModelConfigError
+from pipeline.models.rope import rope_inv_freq
+from pipeline.models.weights import WeightLedger
 
-# Tensors a decoder may carry that the reference forward has no use for.
-IGNORED_PREFIXES = ("model.mtp.", "skill.")
 
-
-class Weights:
-    """HF-named tensors handed out once each, so tensors nobody consumed can be refused.
-
-    A tensor we do not recognise means a capability we do not implement; running without it
-    would silently compute something else.
-    """
-
-    def __init__(self, tensors: Mapping[str, object], source: str):
-        self.tensors, self.source, self.taken = tensors, source, set()
-
-    def has(self, name: str) -> bool:
-        return name in self.tensors
+class Weights(WeightLedger):
+    """The ledger handing tensors out as float32 torch tensors."""
 
     def take(self, name: str, shape: tuple) -> torch.Tensor:
         """The tensor as float32; `None` in `shape` accepts any size on that axis."""
-        if name not in self.tensors:
-            raise ModelConfigError(f"{self.source}: tensor {name} is missing")
-        value = self.tensors[name]
+        value = self.entry(name)
         if isinstance(value, torch.Tensor):
             tensor = value.detach().to(torch.float32).clone()
         else:
             tensor = torch.tensor(np.asarray(value, dtype=np.float32))
-        if len(tensor.shape) != len(shape) or any(w is not None and w != s for w, s in zip(shape, tensor.shape)):
-            want = tuple("*" if w is None else w for w in shape)
-            raise ModelConfigError(f"{self.source}: tensor {name} has shape {tuple(tensor.shape)}, expected {want}")
-        self.taken.add(name)
+        self.claim(name, tuple(tensor.shape), shape)
         return tensor
 
     def optional(self, name: str, shape: tuple) -> torch.Tensor | None:
         return self.take(name, shape) if self.has(name) else None
-
-    def refuse_leftovers(self) -> None:
-        leftover = sorted(n for n in self.tensors if n not in self.taken and not n.startswith(IGNORED_PREFIXES))
-        if leftover:
-            shown = ", ".join(leftover[:5]) + (" ..." if len(leftover) > 5 else "")
-            raise UnsupportedModel(f"{self.source}: tensors this model family cannot run: {shown}")
 
 
 def _frozen(tensor: torch.Tensor) -> nn.Parameter:
@@ -100,27 +76,6 @@ class RMSNorm(nn.Module):
     def forward(self, x):
         scale = self.weight + 1.0 if self.offset else self.weight
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * scale
-
-
-def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2], computed in float32 exactly as transformers does."""
-    dim = args.head_dim
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim))
-    scaling = args.rope_scaling
-    if scaling is None:
-        return inv_freq
-    if scaling["rope_type"] == "linear":
-        return inv_freq / scaling["factor"]
-    # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old_context = scaling["original_max_position_embeddings"]
-    low_freq_wavelen, high_freq_wavelen = old_context / low, old_context / high
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_context / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
 
 
 def rotate_half(x, half: int):
@@ -280,7 +235,7 @@ class Decoder(nn.Module):
         self.model.norm = RMSNorm(weights.take("model.norm.weight", (hidden,)), args.rms_norm_eps, args.norm_style)
         tied = args.tie_word_embeddings and not weights.has("lm_head.weight")
         self.lm_head = None if tied else Linear(weights.take("lm_head.weight", (vocab, hidden)))
-        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+        self.register_buffer("inv_freq", torch.from_numpy(rope_inv_freq(args)), persistent=False)
         weights.refuse_leftovers()
 
     def embed_scale(self) -> torch.Tensor | None:
