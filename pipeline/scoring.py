@@ -32,7 +32,7 @@ from manifests.identity import (
     write_json,
 )
 from manifests.output import refuse_existing, staged_output
-from pipeline.backends import Backend, open_backend
+from pipeline.backend_protocol import Backend
 from pipeline.cmf import open_cmf
 from pipeline.errors import CmfdeployError
 from pipeline.tokenizer import Tokenizer, tokenizer_from_artifact
@@ -294,6 +294,8 @@ def score(artifact: str | Path, items_path: str | Path, out_dir: str | Path, *, 
     The tokenizer comes from `tokenizer_from` (a CMF or a folder with tokenizer.json),
     by default the artifact itself.
     """
+    from pipeline.backends import open_backend  # imports torch, which MLX-only scoring never needs
+
     refuse_existing(out_dir, force)
     items = load_items(items_path)
     tokenizer = tokenizer_from_artifact(tokenizer_from or artifact)
