@@ -45,14 +45,17 @@ def histogram_plot(path: Path, series: dict[str, list], *, title: str, xlabel: s
 
 
 def scatter_plot(path: Path, points: list[tuple[str, float, float, bool]], *, title: str, xlabel: str, ylabel: str) -> Path:
-    """Labelled points (label, x, y, highlighted); highlighted ones are drawn in red."""
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for label, x, y, highlighted in points:
-        ax.scatter([x], [y], color="red" if highlighted else "tab:blue", s=40)
-        ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    """Labelled points (label, x, y, highlighted), named in a legend: recipes of near-equal
+    size and error share one spot, where on-plot labels would overprint. Highlighted points
+    get a thick red ring."""
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for i, (label, x, y, highlighted) in enumerate(points):
+        ax.scatter([x], [y], color=plt.cm.tab10(i % 10), s=60, label=label,
+                   edgecolors="red" if highlighted else "none", linewidths=2.5 if highlighted else 0)
     ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
     ax.set_yscale("symlog", linthresh=1e-4)
     ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
