@@ -12,7 +12,6 @@ benchmark, not here.
 """
 
 import argparse
-import resource
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.cmf.dtypes import dtype_by_name  # noqa: E402
 from pipeline.cmf.hash64 import hash64  # noqa: E402
+from rss import peak_rss_mib  # noqa: E402
 
 DECODE_DTYPES = ("q4_block", "q8_row", "vbit", "q4tp")
 
@@ -63,21 +63,9 @@ def bench_decode(rows: int, cols: int) -> None:
         print(f"  {name:10s} payload {payload.nbytes >> 10:7d} KiB  {gbps:6.2f} GB/s   x{gbps / base:.2f} of numpy copy")
 
 
-def _peak_rss_mib() -> float:
-    """Peak resident memory of this process image: VmHWM on Linux (ru_maxrss there survives
-    exec and would report the parent's peak), ru_maxrss elsewhere."""
-    status = Path("/proc/self/status")
-    if status.exists():
-        for line in status.read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB elsewhere
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**20
-
-
 def _hash_file_and_report(path: str) -> None:
     """Child process: hash a memmap and report memory, so nothing else shares its peak."""
-    rss_before = _peak_rss_mib()
+    rss_before = peak_rss_mib()
     mm = np.memmap(path, dtype=np.uint8, mode="r")
     tracemalloc.start()
     t = time.perf_counter()
@@ -85,7 +73,7 @@ def _hash_file_and_report(path: str) -> None:
     seconds = time.perf_counter() - t
     _, heap_peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    rss_peak = _peak_rss_mib()
+    rss_peak = peak_rss_mib()
     print(
         f"hash64 memmap {mm.nbytes >> 20:6d} MiB  {mm.nbytes / seconds / 1e9:6.2f} GB/s (cold pages)   "
         f"peak RSS {rss_peak:.0f} MiB (of which {rss_before:.0f} MiB before mapping; "

@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from cmf_bench import _peak_rss_mib  # noqa: E402
+from rss import peak_rss_mib  # noqa: E402
 
 RESULT_MARK = "BENCH-RESULT "
 FIXTURE_CMF = ROOT / "fixtures" / "botchan-llama-1m.cmf"
@@ -62,7 +62,7 @@ def convert_child(bundle: str, out: str, kind: str) -> None:
     start = time.perf_counter()
     manifests = export_coreml(bundle, out, kinds=(kind,), context=CONTEXT)
     seconds = time.perf_counter() - start
-    result = {"seconds": seconds, "peak_mib": _peak_rss_mib(), "package_bytes": manifests[kind]["package_bytes"]}
+    result = {"seconds": seconds, "peak_mib": peak_rss_mib(), "package_bytes": manifests[kind]["package_bytes"]}
     print(RESULT_MARK + json.dumps(result))
 
 

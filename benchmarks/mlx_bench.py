@@ -4,7 +4,12 @@ baseline: printed as ratios measured in the same run, never asserted.
 Each variant runs in a fresh process: load (model + tokenizer, after imports), a warm-up,
 then a greedy generation of `--decode` tokens after a `--prompt`-token Botchan prompt.
 Prefill tokens/s counts the prompt up to the first sampled token; decode tokens/s the
-later tokens (one forward each); peak RSS is the process's maximum resident set.
+later tokens (one forward each); peak RSS is the process's maximum resident set (VmHWM).
+
+Memory against the target (peak RSS <= 1.2x packed weights + KV cache) is shown two ways
+for our runtime: the whole process's peak, and the peak less the resident set right after
+the imports (interpreter, numpy, MLX, tokenizers: ~50 MiB that no runtime in Python avoids),
+both over the CMF's payload bytes plus the KV cache that generation allocated.
 
 - ours: the CMF imported from the GGUF at q4_block and q8_row (`pipeline.importers.gguf`).
 - mlx-lm: the same GGUF as transformers dequantizes it, saved as an FP32 folder, then
@@ -22,7 +27,6 @@ load <= mlx-lm.
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -35,18 +39,17 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from rss import current_rss_mib, peak_rss_mib  # noqa: E402
+
 BUILD = ROOT / "build" / "mlx-bench"
 WARMUP_PROMPT, WARMUP_TOKENS = 8, 4
-
-
-def _peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+RSS_TARGET = 1.2  # peak RSS / (packed weights + KV cache)
 
 
 def _result(load_s: float, imports_s: float, prefill_s: float, decode_s: float, prompt: int, decode: int,
             tokens: list[int], **extra) -> None:
     print(json.dumps({"load_s": load_s, "imports_s": imports_s, "prefill_tps": prompt / prefill_s,
-                      "decode_tps": decode / decode_s, "peak_rss_mib": _peak_rss_mib(), "tokens": tokens, **extra}))
+                      "decode_tps": decode / decode_s, "peak_rss_mib": peak_rss_mib(), "tokens": tokens, **extra}))
 
 
 # ---------------------------------------------------------------- workers (one per process)
@@ -55,20 +58,24 @@ def _result(load_s: float, imports_s: float, prefill_s: float, decode_s: float, 
 def worker_ours(cmf: str, ids: list[int], decode: int) -> None:
     import numpy as np
 
+    from pipeline.cmf import open_cmf
     from pipeline.tokenizer import tokenizer_from_artifact
     from mlx_runtime.backend import load
     from mlx_runtime.generate import Stats, generate
 
-    imports_s = time.perf_counter() - START
+    imports_s, imports_rss = time.perf_counter() - START, current_rss_mib()
+    with open_cmf(cmf) as file:
+        payload = sum(info.nbytes for info in file.tensors.values())
     t = time.perf_counter()
+    tokenizer_from_artifact(cmf)  # in the CLI's order: tokenizer, then model
     model = load(cmf)
-    tokenizer_from_artifact(cmf)
     load_s = time.perf_counter() - t
     list(generate(model, np.array(ids[:WARMUP_PROMPT]), max_tokens=WARMUP_TOKENS))
     stats = Stats()
     tokens = list(generate(model, np.array(ids), max_tokens=decode + 1, stats=stats))
     _result(load_s, imports_s, stats.prefill_s, stats.decode_s, len(ids), stats.decode_steps, tokens,
-            packed_mib=model.report.packed_bytes / 2**20, fallbacks=len(model.report.fallbacks))
+            packed_mib=model.report.packed_bytes / 2**20, fallbacks=len(model.report.fallbacks),
+            payload_mib=payload / 2**20, kv_mib=stats.kv_bytes / 2**20, imports_rss_mib=imports_rss)
 
 
 def worker_mlx_lm(folder: str, ids: list[int], decode: int) -> None:
@@ -76,7 +83,7 @@ def worker_mlx_lm(folder: str, ids: list[int], decode: int) -> None:
     from mlx_lm import load
     from mlx_lm.generate import generate_step
 
-    imports_s = time.perf_counter() - START
+    imports_s, imports_rss = time.perf_counter() - START, current_rss_mib()
     t = time.perf_counter()
     model, _ = load(folder)
     load_s = time.perf_counter() - t
@@ -91,7 +98,7 @@ def worker_mlx_lm(folder: str, ids: list[int], decode: int) -> None:
 
     run(ids[:WARMUP_PROMPT], WARMUP_TOKENS)
     prefill_s, decode_s, tokens = run(ids, decode + 1)
-    _result(load_s, imports_s, prefill_s, decode_s, len(ids), len(tokens) - 1, tokens)
+    _result(load_s, imports_s, prefill_s, decode_s, len(ids), len(tokens) - 1, tokens, imports_rss_mib=imports_rss)
 
 
 def worker_torch(folder: str, ids: list[int], decode: int) -> None:
@@ -214,6 +221,17 @@ def main() -> None:
         if kind == "ours" and r["fallbacks"]:
             line += f"   ({r['fallbacks']} dense fallbacks)"
         print(line, flush=True)
+    for label in ("mlx-lm 4-bit g32", "mlx-lm 8-bit g32"):
+        r = results[label]
+        print(f"{label} memory: peak RSS {r['peak_rss_mib']:.0f} MiB, less the {r['imports_rss_mib']:.0f} MiB "
+              f"after imports {r['peak_rss_mib'] - r['imports_rss_mib']:.0f} MiB")
+    for label in ("ours q4_block", "ours q8_row"):
+        r = results[label]
+        budget = r["payload_mib"] + r["kv_mib"]
+        print(f"{label} memory: CMF payload {r['payload_mib']:.1f} MiB (resident on MLX {r['packed_mib']:.1f}: "
+              f"float32 scale and bias per group of 32) + KV cache {r['kv_mib']:.1f} MiB = {budget:.1f} MiB; "
+              f"peak RSS x{r['peak_rss_mib'] / budget:.2f}, peak less the {r['imports_rss_mib']:.0f} MiB after "
+              f"imports x{(r['peak_rss_mib'] - r['imports_rss_mib']) / budget:.2f} (target <= {RSS_TARGET})")
     torch_run = results["torch FP32 eager"]
     for label in ("ours q4_block", "ours q8_row"):
         r = results[label]

@@ -39,6 +39,10 @@ class KVCache:
     def capacity(self) -> int:
         return self.keys[0].shape[1]
 
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (*self.keys, *self.values))
+
     def reserve(self, count: int) -> None:
         """Room for `count` more tokens: grows every buffer to a multiple of STEP, or refuses."""
         need = self.position + count

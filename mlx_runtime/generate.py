@@ -41,6 +41,7 @@ class Stats:
     generated: int = 0
     decode_steps: int = 0
     decode_s: float = 0.0
+    kv_bytes: int = 0  # the KV cache as allocated for prompt + max_tokens
 
     @property
     def prefill_tps(self) -> float:
@@ -116,7 +117,7 @@ def generate(model: Model, prompt: np.ndarray, *, max_tokens: int, sampling: Sam
     cache = model.new_cache(prompt.size + max_tokens)
     start = time.perf_counter()
     logits = prefill(model, prompt, cache)
-    stats.prompt_tokens = prompt.size
+    stats.prompt_tokens, stats.kv_bytes = prompt.size, cache.nbytes
     first = None
     for token in _tokens(model, logits, cache, sampling, np.random.default_rng(sampling.seed), max_tokens):
         now = time.perf_counter()

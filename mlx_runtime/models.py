@@ -136,7 +136,9 @@ class _Tensors(WeightLedger):
     def vector(self, name: str, size: int) -> mx.array:
         info = self._info(name, (size,))
         self.report.add(name, info.dtype.name, 4 * size)
-        return mx.array(self.cmf.decode(info.name))
+        vector = mx.array(self.cmf.decode(info.name))
+        self.cmf.evict(info.name)
+        return vector
 
     def norm(self, name: str, size: int) -> mx.array:
         """RMSNorm weight as multiplied: gemma stores w - 1 (spec §2 norm_style)."""
@@ -146,6 +148,8 @@ class _Tensors(WeightLedger):
     def matrix(self, name: str, out: int | None, in_: int | None) -> Linear:
         info = self._info(name, (out, in_))
         lin = load_linear(self.cmf, info.name)
+        # mx.array copies: the mapped pages are dead weight from here on.
+        self.cmf.evict(info.name)
         self.report.add_linear(name, lin)
         return lin
 

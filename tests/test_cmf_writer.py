@@ -298,3 +298,29 @@ def test_conformance_files_rewrite_to_equivalent_files(tmp_path):
                 np.testing.assert_array_equal(a.ffn, b.ffn)
                 np.testing.assert_array_equal(a.heads, b.heads)
                 np.testing.assert_array_equal(a.layer_gates, b.layer_gates)
+
+
+def _mapped_rss_kib(path: Path) -> int:
+    """Resident KiB of this process's mappings of `path`, from /proc/self/smaps."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5:  # a mapping's first line
+            inside = line.endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(head[1])
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc/self/smaps")
+def test_evict_drops_a_tensors_pages_and_the_bytes_read_back_unchanged(tmp_path, rng):
+    big = weights(rng, (2048, 1024))  # 8 MiB, far above anything the header parse touches
+    (path,) = write_cmf(tmp_path / "m.cmf", arch=ARCH, tensors=[("small", weights(rng, (4, 32)), "f32"),
+                                                                    ("big", big, "f32")])
+    with open_cmf(path) as cmf:
+        assert np.array_equal(cmf.decode("big"), big)
+        touched = _mapped_rss_kib(path.resolve())
+        cmf.evict("big")
+        evicted = _mapped_rss_kib(path.resolve())
+        assert touched - evicted >= big.nbytes // 1024 - 8  # every page but a shared edge
+        assert np.array_equal(cmf.decode("big"), big)  # read-only file map: the pages fault back

@@ -380,6 +380,16 @@ class CmfFile:
         info = self.info(name)
         return self._containers[info.shard_no - 1].buf[info.off : info.off + info.nbytes]
 
+    def evict(self, name: str) -> None:
+        """Drop the pages of a tensor's payload from this process's resident set once the
+        caller holds its own copy (a runtime that copies weights out of the map would
+        otherwise hold them twice while loading). The map is read-only and file-backed, so
+        a later read faults the same bytes back in; pages shared with a neighbour go too."""
+        info = self.info(name)
+        container = self._containers[info.shard_no - 1]
+        start = info.off - info.off % mmap.PAGESIZE
+        container.mm.madvise(mmap.MADV_DONTNEED, start, info.off + info.nbytes - start)
+
     def parts(self, name: str) -> dict[str, np.ndarray]:
         info = self.info(name)
         return info.dtype.parts(self.raw(name), info.shape, self._where(info))
