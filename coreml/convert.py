@@ -13,7 +13,6 @@ The chunk-KV graph is checked against the reference on fixed chunk schedules bef
 anything is converted; a graph that fails is refused, never shipped.
 """
 
-import gc
 import tempfile
 import time
 from collections.abc import Callable, Iterable
@@ -26,8 +25,8 @@ import torch
 from torch import nn
 
 from coreml import manifest as package_manifest
-from coreml.mil.loader import load_program
-from coreml.package import open_package
+from coreml.mil import Executor, load_program
+from coreml.multifunction import merge_functions
 from manifests.identity import Manifest, artifact_source, load_manifest, sha256_bytes
 from manifests.output import refuse_existing, staged_output
 from pipeline.errors import CmfdeployError, UnsupportedModel
@@ -228,8 +227,10 @@ def measure_stateful(mlpackage: Path, ref: Reference, schedules=CHECK_SCHEDULES)
     SmolLM2-135M.) The package against the float32 reference is the fp16-cache error,
     measured and recorded, not gated.
     """
-    functions = {name: open_package(mlpackage, backend="executor", function_name=name)
-                 for name in ("prefill", "decode")}
+    # One program for both functions: each load maps the weight file, and a second map of
+    # the same pages counts again in the process's RSS (the whole FP32 weights once more).
+    program = load_program(mlpackage)
+    functions = {name: Executor(program, name) for name in ("prefill", "decode")}
     conversion, cache, fp16_cache = {}, {}, {}
     for index, schedule in enumerate(schedules):
         schedule = _clip_schedule(schedule, ref.context)
@@ -245,7 +246,7 @@ def measure_stateful(mlpackage: Path, ref: Reference, schedules=CHECK_SCHEDULES)
                 function = functions["decode" if size == 1 else "prefill"]
                 for buffer in ("key_cache", "value_cache"):
                     getattr(eager, buffer).copy_(torch.from_numpy(state.read_state(buffer)))
-                got.append(function.predict(inputs, state)["logits"][0])
+                got.append(function.run(inputs, state)["logits"][0])
                 simulated.append(eager(chunk, _position(position))[0].numpy())
                 for buffer in ("key_cache", "value_cache"):
                     written = _beyond_one_fp16_step(state.read_state(buffer), getattr(eager, buffer).numpy())
@@ -450,32 +451,36 @@ def _save_single(ref, package_dir, step, traced, kind, checks, start) -> Manifes
     return _finish(package_dir, ref, block, checks, time.perf_counter() - start)
 
 
+def convert_stateful_functions(ref: Reference, folder: Path, step: Callable[[str], None]) -> dict[str, Path]:
+    """The stateful package's functions, each converted and saved as a single-function
+    package `folder/<name>.mlpackage`; paths by function name, in the block's order."""
+    block = package_interface("stateful", ref)
+    paths = {}
+    for name, function in block["functions"].items():
+        step(f"stateful: trace and convert {name}")
+        paths[name] = folder / f"{name}.mlpackage"
+        # In a function of its own, so the traced graph and converted program are freed
+        # before the next function is traced.
+        _save_stateful_function(ref, block, function["dims"], paths[name])
+    return paths
+
+
+def _save_stateful_function(ref: Reference, block: dict, dims: dict, path: Path) -> None:
+    length = min(TRACE_LENGTH, dims["T"][1])
+    traced = _trace(StatefulGraph(ref.model, ref.cache_shape), (_example_ids(ref.args.vocab_size, length, 0), _position(3)))
+    mlmodel = _convert(traced, block, dims)
+    _describe(mlmodel, block, ref, DESCRIPTIONS["stateful"])
+    mlmodel.save(str(path))
+
+
 def _export_stateful(ref: Reference, package_dir: Path, step: Callable[[str], None]) -> Manifest:
     start = time.perf_counter()
     block = package_interface("stateful", ref)
     package_dir.mkdir(parents=True)
     with tempfile.TemporaryDirectory(dir=package_dir.parent) as scratch:
-        descriptor = ct.utils.MultiFunctionDescriptor()
-        for name, function in block["functions"].items():
-            step(f"stateful: trace and convert {name}")
-            length = min(TRACE_LENGTH, function["dims"]["T"][1])
-            graph = StatefulGraph(ref.model, ref.cache_shape)
-            traced = _trace(graph, (_example_ids(ref.args.vocab_size, length, 0), _position(3)))
-            mlmodel = _convert(traced, block, function["dims"])
-            _describe(mlmodel, block, ref, DESCRIPTIONS["stateful"])
-            path = Path(scratch) / f"{name}.mlpackage"
-            mlmodel.save(str(path))
-            descriptor.add_function(str(path), src_function_name="main", target_function_name=name)
+        functions = convert_stateful_functions(ref, Path(scratch), step)
         step("stateful: save multifunction")
-        descriptor.default_function_name = block["default_function"]
-        merged = Path(scratch) / "merged.mlpackage"
-        ct.utils.save_multifunction(descriptor, str(merged))
-        # The merge leaves its MIL programs (both functions' weights, ~2x the FP32 bytes) in
-        # reference cycles; collect them before the executor maps the package to measure it.
-        del traced, mlmodel
-        gc.collect()
-        # save_multifunction drops model-level metadata: set it again on the merged package.
-        mlmodel = ct.models.MLModel(str(merged), skip_model_load=True)
+        mlmodel = merge_functions(functions, block["default_function"])
         _describe(mlmodel, block, ref, DESCRIPTIONS["stateful"], features=False)
         mlmodel.save(str(package_dir / package_manifest.MODEL_NAME))
     step("stateful: measure the fp16-cache error")

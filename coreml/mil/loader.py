@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import mmap
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -161,12 +162,23 @@ def _from_bytes(raw: bytes | memoryview | np.ndarray, dtype: MilDType, shape: tu
     return buf.view(dtype.numpy).reshape(shape)
 
 
+@dataclass(frozen=True)
+class BlobEntry:
+    """One blob's `blob_metadata`, checked: where it sits and where its data lies."""
+
+    offset: int  # of the blob_metadata record (what a program's blobFileValue.offset names)
+    blob_dtype: int  # BlobDataType
+    data_offset: int
+    size: int
+    padding_bits: int  # unused trailing bits of a packed sub-byte blob
+
+
 class BlobStorage:
     """Memory-mapped MIL blob storage file (`weight.bin`); blobs are read on demand by offset."""
 
     SENTINEL = 0xDEADBEEF
-    _HEADER = np.dtype([("count", "<u4"), ("version", "<u4"), ("reserved", "<u8", 7)])
-    _META = np.dtype(
+    HEADER = np.dtype([("count", "<u4"), ("version", "<u4"), ("reserved", "<u8", 7)])
+    METADATA = np.dtype(
         [("sentinel", "<u4"), ("dtype", "<u4"), ("size", "<u8"), ("offset", "<u8"),
          ("padding_bits", "<u8"), ("reserved", "<u8", 4)]
     )
@@ -178,15 +190,16 @@ class BlobStorage:
         self._bytes = np.frombuffer(self._map, dtype=np.uint8)
         if self._bytes.size < 64:
             raise MilError(f"{path}: blob storage header needs 64 bytes, file has {self._bytes.size}")
-        header = self._bytes[:64].view(self._HEADER)[0]
+        header = self._bytes[:64].view(self.HEADER)[0]
         if header["version"] != 2:
             raise MilError(f"{path}: storage_header.version is {header['version']}, only 2 is supported")
 
-    def read(self, offset: int, dtype: MilDType, shape: tuple[int, ...]) -> np.ndarray:
+    def entry(self, offset: int, dtype: MilDType) -> BlobEntry:
+        """The checked metadata of the blob at `offset`, which the program declares as `dtype`."""
         where = f"{self.path} @ {offset}"
         if offset % 64 or offset + 64 > self._bytes.size:
             raise MilError(f"{where}: blob offset outside the file or not 64-byte aligned")
-        meta = self._bytes[offset : offset + 64].view(self._META)[0]
+        meta = self._bytes[offset : offset + 64].view(self.METADATA)[0]
         if meta["sentinel"] != self.SENTINEL:
             raise MilError(f"{where}: blob_metadata.sentinel is {int(meta['sentinel']):#x}, expected 0xdeadbeef")
         if meta["dtype"] != dtype.blob_id:
@@ -194,10 +207,35 @@ class BlobStorage:
         start, size = int(meta["offset"]), int(meta["size"])
         if start + size > self._bytes.size:
             raise MilError(f"{where}: blob data [{start}, {start + size}) runs past the end of the file")
-        return _from_bytes(self._bytes[start : start + size], dtype, shape, where)
+        return BlobEntry(offset, int(meta["dtype"]), start, size, int(meta["padding_bits"]))
+
+    def read(self, offset: int, dtype: MilDType, shape: tuple[int, ...]) -> np.ndarray:
+        entry = self.entry(offset, dtype)
+        data = self._bytes[entry.data_offset : entry.data_offset + entry.size]
+        return _from_bytes(data, dtype, shape, f"{self.path} @ {offset}")
+
+    def stream(self, entry: BlobEntry, window: int = 1 << 24) -> Iterator[memoryview]:
+        """A blob's data a window at a time; each window's pages are dropped from this process
+        once the consumer moves on, so hashing or copying a whole weight file through the map
+        never holds it resident (peak RSS counts mapped file pages)."""
+        view = memoryview(self._map)
+        for start in range(entry.data_offset, entry.data_offset + entry.size, window):
+            stop = min(start + window, entry.data_offset + entry.size)
+            with view[start:stop] as chunk:
+                yield chunk
+            page = start - start % mmap.PAGESIZE
+            self._map.madvise(mmap.MADV_DONTNEED, page, stop - page)
 
 
-def _dtype(code: int, where: str) -> MilDType:
+def blob_file(model_dir: Path, name: str, where: str) -> Path:
+    """The weight file a blobFileValue names (`@model_path/...`), which must lie inside `model_dir`."""
+    path = (model_dir / name.removeprefix("@model_path/")).resolve()
+    if model_dir.resolve() not in path.parents or not path.is_file():
+        raise MilError(f"{where}: weight file {name!r} is not a file inside {model_dir}")
+    return path
+
+
+def mil_dtype(code: int, where: str) -> MilDType:
     if code not in DTYPES:
         raise MilError(f"{where}: data type {MIL_pb2.DataType.Name(code)} is not supported")
     return DTYPES[code]
@@ -212,7 +250,7 @@ def _tensor_spec(vt: MIL_pb2.ValueType, where: str) -> TensorSpec | None:
         return None
     tt = vt.tensorType
     dims = tuple(d.constant.size if d.WhichOneof("dimension") == "constant" else None for d in tt.dimensions)
-    return TensorSpec(_dtype(tt.dataType, where), dims)
+    return TensorSpec(mil_dtype(tt.dataType, where), dims)
 
 
 class _ValueReader:
@@ -258,11 +296,7 @@ class _ValueReader:
         key = (name, offset)
         if key not in self._cache:
             if name not in self._files:
-                rel = name.removeprefix("@model_path/")
-                path = (self.model_dir / rel).resolve()
-                if self.model_dir.resolve() not in path.parents or not path.is_file():
-                    raise MilError(f"{where}: weight file {name!r} is not a file inside {self.model_dir}")
-                self._files[name] = BlobStorage(path)
+                self._files[name] = BlobStorage(blob_file(self.model_dir, name, where))
             self._cache[key] = self._files[name].read(offset, spec.dtype, spec.shape)
         return self._cache[key]
 
@@ -346,9 +380,8 @@ def model_path(package: Path) -> Path:
     return path
 
 
-def load_program(package: str | Path) -> Program:
-    """Parse a saved ML Program package; every const is decoded (blob data stays memory-mapped)."""
-    package = Path(package)
+def program_spec(package: Path) -> tuple[Path, Model_pb2.Model]:
+    """The root spec file of an ML Program package and its protobuf (weights not read)."""
     spec_path = model_path(package)
     model = Model_pb2.Model()
     try:
@@ -357,6 +390,13 @@ def load_program(package: str | Path) -> Program:
         raise MilError(f"{spec_path}: not a Core ML model spec ({exc})") from None
     if model.WhichOneof("Type") != "mlProgram":
         raise MilError(f"{spec_path}: model type is {model.WhichOneof('Type')}, expected mlProgram")
+    return spec_path, model
+
+
+def load_program(package: str | Path) -> Program:
+    """Parse a saved ML Program package; every const is decoded (blob data stays memory-mapped)."""
+    package = Path(package)
+    spec_path, model = program_spec(package)
     reader = _ValueReader(spec_path.parent)
     desc = model.description
     described = {f.name: f for f in desc.functions}
