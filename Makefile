@@ -46,7 +46,7 @@ test: $(INSTALLED)
 
 bundle: $(OUT)/bundle/manifest.json
 coreml: $(OUT)/coreml/stateless/manifest.json
-align: $(OUT)/align/stateless.passed $(OUT)/align/chunk_kv.passed
+align: $(OUT)/align/stateless.passed $(OUT)/align/chunk_kv.passed $(OUT)/align/stateful.passed
 compress: $(OUT)/survey/survey.json
 score: $(OUT)/scores/fp32-chunk_kv/manifest.json
 release: $(OUT)/release.done

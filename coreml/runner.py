@@ -1,7 +1,9 @@
-"""Drive saved packages token by token: the chunk-KV contract and the Backend adapter.
+"""Drive saved packages token by token: the chunk-KV and stateful contracts, the Backend adapter.
 
-A chunk-KV package is pure: it takes caches and returns new ones. Snapshots here are
-frozen numpy arrays, so branching from one (scoring candidates, rollback, the gates'
+A chunk-KV package is pure: it takes caches and returns new ones. A stateful package keeps
+its caches in Core ML state; its runner copies a snapshot into a fresh state before each
+call and copies the state out after it, so both kinds look alike from outside. Snapshots
+are frozen numpy arrays, so branching from one (scoring candidates, rollback, the gates'
 A/B/A check) can never mutate it by accident.
 """
 
@@ -19,13 +21,13 @@ class PackageInterfaceError(CmfdeployError):
 
 @dataclass(frozen=True)
 class KVSnapshot:
-    key_cache: np.ndarray  # (layers, 1, kv_heads, context, head_dim), read-only
+    key_cache: np.ndarray  # (layers, 1, kv_heads, context, head_dim), read-only, in the package's cache dtype
     value_cache: np.ndarray
     position: int  # slots [0, position) are valid
 
 
-def _frozen(array: np.ndarray) -> np.ndarray:
-    array = np.array(array, dtype=np.float32, copy=True)
+def _frozen(array: np.ndarray, dtype=np.float32) -> np.ndarray:
+    array = np.array(array, dtype=dtype, copy=True)
     array.flags.writeable = False
     return array
 
@@ -34,38 +36,44 @@ def _input_ids(ids) -> np.ndarray:
     return np.asarray(ids, dtype=np.int32).reshape(1, -1)
 
 
-class ChunkKVRunner:
-    """Feeds a chunk-KV package: `run(snapshot, ids)` returns logits and the next snapshot."""
+def _features(package, section: str, kind: str) -> dict[str, dict]:
+    """The manifest's `package.<section>` features by name, checked to be the `kind` interface."""
+    block = (package.manifest or {}).get("package", {})
+    features = {f["name"]: f for f in block.get(section, [])}
+    if block.get("kind") != kind or "key_cache" not in features or "value_cache" not in features:
+        raise PackageInterfaceError(
+            f"{package.path}: manifest package.kind {block.get('kind')!r} with {section} {sorted(features)} "
+            f"is not the {kind} interface (key_cache and value_cache {section})")
+    return features
 
-    def __init__(self, package):
-        self.package = package
-        shapes = {i["name"]: i["shape"] for i in package.manifest["package"]["inputs"]}
-        if "key_cache" not in shapes or "position" not in shapes:
-            raise PackageInterfaceError(
-                f"{package.path}: inputs {sorted(shapes)} are not the chunk-KV interface "
-                "(input_ids, position, key_cache, value_cache)")
-        self.cache_shape = tuple(shapes["key_cache"])
-        self.context = self.cache_shape[3]
+
+class _CacheRunner:
+    """What the cache-carrying kinds share: snapshots, the context check and chunk schedules.
+    Subclasses set `package`, `cache_shape` and `cache_dtype`, and implement `run`."""
+
+    package: object
+    cache_shape: tuple[int, ...]
+    cache_dtype: type
+
+    @property
+    def context(self) -> int:
+        return self.cache_shape[3]
 
     def empty(self, fill: float = 0.0) -> KVSnapshot:
-        cache = _frozen(np.full(self.cache_shape, fill, dtype=np.float32))
+        cache = _frozen(np.full(self.cache_shape, fill), self.cache_dtype)
         return KVSnapshot(cache, cache, 0)
 
-    def run(self, snapshot: KVSnapshot, ids) -> tuple[np.ndarray, KVSnapshot]:
-        ids = _input_ids(ids)
+    def _end(self, snapshot: KVSnapshot, ids: np.ndarray) -> int:
+        """The position after `ids`, refused when it runs past the cache."""
         end = snapshot.position + ids.shape[1]
         if end > self.context:
             raise PackageInterfaceError(
                 f"{self.package.path}: position {snapshot.position} + {ids.shape[1]} tokens "
                 f"exceeds the cache context {self.context}")
-        out = self.package.predict({
-            "input_ids": ids,
-            "position": np.array([snapshot.position], dtype=np.int32),
-            "key_cache": snapshot.key_cache,
-            "value_cache": snapshot.value_cache,
-        })
-        next_snapshot = KVSnapshot(_frozen(out["new_key_cache"]), _frozen(out["new_value_cache"]), end)
-        return np.asarray(out["logits"], dtype=np.float32)[0], next_snapshot
+        return end
+
+    def _snapshot(self, key_cache, value_cache, position: int) -> KVSnapshot:
+        return KVSnapshot(_frozen(key_cache, self.cache_dtype), _frozen(value_cache, self.cache_dtype), position)
 
     def run_schedule(self, ids, schedule, snapshot: KVSnapshot | None = None) -> tuple[np.ndarray, KVSnapshot]:
         """Logits of `ids` fed in chunks of the given sizes, and the snapshot after the last."""
@@ -81,20 +89,81 @@ class ChunkKVRunner:
         return np.concatenate(logits), snapshot
 
 
+class ChunkKVRunner(_CacheRunner):
+    """Feeds a chunk-KV package: `run(snapshot, ids)` returns logits and the next snapshot."""
+
+    cache_dtype = np.float32
+
+    def __init__(self, package):
+        self.package = package
+        self.cache_shape = tuple(_features(package, "inputs", "chunk_kv")["key_cache"]["shape"])
+
+    def run(self, snapshot: KVSnapshot, ids) -> tuple[np.ndarray, KVSnapshot]:
+        ids = _input_ids(ids)
+        end = self._end(snapshot, ids)
+        out = self.package.predict({
+            "input_ids": ids,
+            "position": np.array([snapshot.position], dtype=np.int32),
+            "key_cache": snapshot.key_cache,
+            "value_cache": snapshot.value_cache,
+        })
+        next_snapshot = self._snapshot(out["new_key_cache"], out["new_value_cache"], end)
+        return np.asarray(out["logits"], dtype=np.float32)[0], next_snapshot
+
+
+class StatefulRunner(_CacheRunner):
+    """Feeds a stateful package through the same snapshot interface as ChunkKVRunner.
+
+    `package` is any function of the package opened with `open_package`; the runner opens
+    `prefill` (chunks of 2+ tokens) and `decode` (1 token) on the same backend. Each run
+    writes the snapshot's fp16 caches into a fresh state, so a state never outlives one
+    call and no snapshot shares memory with one.
+    """
+
+    FUNCTIONS = ("prefill", "decode")
+    cache_dtype = np.float16
+
+    def __init__(self, package):
+        states = _features(package, "states", "stateful")
+        self.package = package
+        self.cache_shape = tuple(states["key_cache"]["shape"])
+        self.functions = {
+            name: package if package.function_name == name
+            else open_package(package.path, backend=package.backend, function_name=name)
+            for name in self.FUNCTIONS
+        }
+
+    def run(self, snapshot: KVSnapshot, ids) -> tuple[np.ndarray, KVSnapshot]:
+        ids = _input_ids(ids)
+        end = self._end(snapshot, ids)
+        function = self.functions["decode" if ids.shape[1] == 1 else "prefill"]
+        state = function.make_state()
+        state.write_state("key_cache", snapshot.key_cache)
+        state.write_state("value_cache", snapshot.value_cache)
+        out = function.predict({"input_ids": ids, "position": np.array([snapshot.position], dtype=np.int32)},
+                               state=state)
+        next_snapshot = self._snapshot(state.read_state("key_cache"), state.read_state("value_cache"), end)
+        return np.asarray(out["logits"], dtype=np.float32)[0], next_snapshot
+
+
+RUNNERS = {"chunk_kv": ChunkKVRunner, "stateful": StatefulRunner}
+
+
 class PackageBackend:
-    """The Backend protocol (docs/ARCHITECTURE.md) over a stateless or chunk-KV package.
+    """The Backend protocol (docs/ARCHITECTURE.md) over any package kind.
 
     Stateless packages have no cache, so `extend` recomputes prefix + suffix in one call
-    and returns the suffix's logits; chunk-KV packages run the prefix once and branch.
+    and returns the suffix's logits; chunk-KV and stateful packages run the prefix once
+    and branch from its snapshot.
     """
 
     def __init__(self, package, chunk: int | None = None):
         self.package = package
         self.name = package.backend
         kind = package.manifest["package"]["kind"]
-        self.kv = ChunkKVRunner(package) if kind == "chunk_kv" else None
+        self.kv = RUNNERS[kind](package) if kind in RUNNERS else None
         if chunk and not self.kv:
-            raise PackageInterfaceError(f"{package.path}: --chunk needs a chunk_kv package, not {kind}")
+            raise PackageInterfaceError(f"{package.path}: --chunk needs a chunk_kv or stateful package, not {kind}")
         self.chunk = chunk
         self.context = self.kv.context if self.kv else package.manifest["package"]["context"]
 

@@ -2,14 +2,15 @@
 
 from pathlib import Path
 
-from pipeline.align import TOLERANCES, align_package
+from pipeline.align import RECIPES, align_package
 
 
 def _align(args) -> int:
     report = align_package(args.package, args.fixtures, args.out, recipe=args.recipe,
                            backend=args.backend, force=args.force)
     summary = report["summary"]
-    print(f"gate passed ({report['candidate_backend']}): {summary['comparisons']} comparisons, "
+    print(f"gate passed ({report['package']['kind']}, {report['candidate_backend']}, policy {report['policy']}): "
+          f"{summary['comparisons']} comparisons, "
           f"max |Δ| {summary['max_abs']:.3g}, top-1 >= {summary['top1_agreement_min']:.3f}; "
           f"report {args.out}/alignment.md")
     return 0
@@ -29,7 +30,8 @@ def register(subparsers) -> None:
     p.add_argument("package", help="package directory (model.mlpackage + manifest.json)")
     p.add_argument("--fixtures", required=True, help="reference fixtures directory (index.json + logits.npz)")
     p.add_argument("-o", "--out", required=True, help="report directory to create")
-    p.add_argument("--recipe", default="fp32", choices=sorted(TOLERANCES), help="tolerance policy")
+    p.add_argument("--recipe", default="fp32", choices=sorted(RECIPES),
+                   help="the package's recipe; with its kind it picks the tolerance policy (stateful: fp32 only)")
     p.add_argument("--backend", default="auto", help="auto, coreml-executor or coreml-macos")
     p.add_argument("--force", action="store_true", help="replace an existing report directory")
     p.set_defaults(func=_align)

@@ -32,6 +32,17 @@ def fixture_packages(fixture_bundle) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def fixture_stateful(fixture_bundle) -> Path:
+    """The default fixture's stateful package directory (do not modify). Kept apart from
+    `fixture_packages` so only the tests that drive it pay its conversion (~20 s)."""
+    from coreml.convert import export_coreml
+
+    out = fixture_bundle.parent / "coreml-stateful"
+    export_coreml(fixture_bundle, out, kinds=("stateful",))
+    return out / "stateful"
+
+
 def _smollm2_gguf() -> Path:
     import importlib.util
 
