@@ -69,10 +69,11 @@ class ExecutorPackage(_Package):
 
     backend = "coreml-executor"
 
-    def __init__(self, path: Path, mlpackage: Path, manifest: dict | None, function_name: str | None):
+    def __init__(self, path: Path, mlpackage: Path, manifest: dict | None, function_name: str | None,
+                 program=None):
         from coreml.mil import Executor, load_program
 
-        self.program = load_program(mlpackage)
+        self.program = program or load_program(mlpackage)
         self.executor = Executor(self.program, function_name)
         super().__init__(path, mlpackage, manifest, self.executor.function.name)
         self.functions = tuple(self.program.functions)
@@ -86,6 +87,11 @@ class ExecutorPackage(_Package):
 
     def make_state(self):
         return self.executor.make_state()
+
+    def function(self, name: str) -> "ExecutorPackage":
+        """Another function of this package over the same loaded program: opening it anew
+        would map and count the weights a second time."""
+        return ExecutorPackage(self.path, self.mlpackage, self.manifest, name, self.program)
 
 
 class MacPackage(_Package):
@@ -119,6 +125,9 @@ class MacPackage(_Package):
 
     def make_state(self):
         return self.model.make_state()
+
+    def function(self, name: str) -> "MacPackage":
+        return MacPackage(self.path, self.mlpackage, self.manifest, name)
 
 
 def open_package(path: str | Path, backend: str = "auto", function_name: str | None = None) -> _Package:

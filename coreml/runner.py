@@ -114,8 +114,8 @@ class ChunkKVRunner(_CacheRunner):
 class StatefulRunner(_CacheRunner):
     """Feeds a stateful package through the same snapshot interface as ChunkKVRunner.
 
-    `package` is any function of the package opened with `open_package`; the runner opens
-    `prefill` (chunks of 2+ tokens) and `decode` (1 token) on the same backend. Each run
+    `package` is any function of the package opened with `open_package`; the runner runs
+    its `prefill` (chunks of 2+ tokens) and `decode` (1 token) on the same backend. Each run
     writes the snapshot's fp16 caches into a fresh state, so a state never outlives one
     call and no snapshot shares memory with one.
     """
@@ -127,11 +127,8 @@ class StatefulRunner(_CacheRunner):
         states = _features(package, "states", "stateful")
         self.package = package
         self.cache_shape = tuple(states["key_cache"]["shape"])
-        self.functions = {
-            name: package if package.function_name == name
-            else open_package(package.path, backend=package.backend, function_name=name)
-            for name in self.FUNCTIONS
-        }
+        self.functions = {name: package if package.function_name == name else package.function(name)
+                          for name in self.FUNCTIONS}
 
     def run(self, snapshot: KVSnapshot, ids) -> tuple[np.ndarray, KVSnapshot]:
         ids = _input_ids(ids)

@@ -129,6 +129,10 @@ def test_multifunction_package_runs_each_function(paths):
     zero = torch.zeros(mm.cache_shape())
     ref = _torch(mm.TinyDecoderKV().eval(), torch.from_numpy(ids), torch.tensor([4], dtype=torch.int32), zero, zero)
     assert np.abs(out["logits"] - ref[0]).max() <= TOL
+    sibling = prefill.function("decode")  # the same loaded program, not a second map of the weights
+    assert sibling.function_name == "decode" and sibling.program is prefill.program
+    inputs = {"ids": ids, "position": np.array([4], np.int32), "k_cache": cache, "v_cache": cache}
+    assert np.array_equal(sibling.predict(inputs)["logits"], out["logits"])
     with pytest.raises(MilError, match="no function 'nope'"):
         open_package(paths["multi"], function_name="nope")
 
