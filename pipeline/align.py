@@ -9,7 +9,7 @@ Stateless packages are gated one shot; chunk-KV and stateful packages through th
 snapshot runner interface (coreml/runner.py) on every chunk pattern.
 """
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -87,6 +87,14 @@ PATTERN_INVARIANTS: dict[str, Tolerance] = {
     "fp32-fp16-cache": Tolerance(4e-3, 3e-4, 1.0, 6e-8, "chunk patterns of an fp16 K/V state round differently"),
 }
 GATED_KINDS = ("stateless", "chunk_kv", "stateful")
+# The fp16-cache error grows with the model (30-layer SmolLM2-135M: max |Δ| 0.048 on its
+# text fixtures, 25x the default fixture's), so the bounds above are floors: each stateful
+# package's own error is measured at conversion (`checks.fp16_cache_error_bound`: the torch
+# graph with fp16 buffers against float32 on random-token schedules, the package held within
+# 3e-4 of that graph) and its gate allows this multiple of it. Text fixtures reached 1.7x
+# the conversion's figure on both the default fixture and SmolLM2; 4x keeps the usual 2x
+# headroom over that. KL bounds scale with the square (KL ~ half the variance of Δ logit).
+FP16_CACHE_HEADROOM = 4.0
 
 
 # ---------------------------------------------------------------- fixtures
@@ -181,9 +189,10 @@ def _prefix_invariants(run_one_shot, fixtures: ReferenceFixtures) -> list[dict]:
     return out
 
 
-def gate_policy(package_dir: Path, kind: str, recipe: str) -> tuple[str, Tolerance, Tolerance]:
-    """The policy a `kind` package built with `recipe` is gated with: its name, its
-    tolerance against the fixtures and its tolerance between chunk patterns."""
+def gate_policy(package_dir: Path, manifest: dict, recipe: str) -> tuple[str, Tolerance, Tolerance]:
+    """The policy a package built with `recipe` is gated with: its name, its tolerance
+    against the fixtures and its tolerance between chunk patterns."""
+    kind = manifest["package"]["kind"]
     if kind not in GATED_KINDS:
         raise GateFailed(f"{package_dir}: package kind {kind!r} has no alignment gate; gated: {list(GATED_KINDS)}")
     allowed = KIND_POLICIES.get(kind) or {name: name for name in RECIPES}
@@ -191,7 +200,22 @@ def gate_policy(package_dir: Path, kind: str, recipe: str) -> tuple[str, Toleran
         raise GateFailed(f"{package_dir}: a {kind} package with recipe {recipe!r} has no gate policy; "
                          f"{kind} packages are gated as recipe {' or '.join(map(repr, allowed))}")
     policy = allowed[recipe]
-    return policy, TOLERANCES[policy], PATTERN_INVARIANTS.get(policy, INVARIANT)
+    tol, pattern_tol = TOLERANCES[policy], PATTERN_INVARIANTS.get(policy, INVARIANT)
+    if policy == "fp32-fp16-cache":
+        measured = manifest.get("checks", {}).get("fp16_cache_error_bound")
+        if not isinstance(measured, (int, float)):
+            raise GateFailed(f"{package_dir / 'manifest.json'}: checks.fp16_cache_error_bound is {measured!r}; "
+                             "a stateful package records its measured fp16-cache error at conversion")
+        tol, pattern_tol = (_at_least_measured(t, measured) for t in (tol, pattern_tol))
+    return policy, tol, pattern_tol
+
+
+def _at_least_measured(tol: Tolerance, measured: float) -> Tolerance:
+    atol = max(tol.atol, FP16_CACHE_HEADROOM * measured)
+    scale = atol / tol.atol
+    return replace(tol, atol=atol, max_kl=tol.max_kl * scale**2,
+                   why=f"{tol.why}; atol max({tol.atol:g}, {FP16_CACHE_HEADROOM:g} x the {measured:.3g} "
+                       f"measured at conversion), KL bound x{scale**2:.3g}")
 
 
 def gate_stateless(backend, fixtures: ReferenceFixtures, tol: Tolerance, samples: dict) -> tuple[list, list]:
@@ -357,8 +381,9 @@ def align_package(package_dir, fixtures_dir, out_dir, *, recipe: str = "fp32", b
 
     package_dir, out_dir = Path(package_dir), Path(out_dir)
     chain = verify_chain(package_dir)
-    kind = load_manifest(package_dir)["package"]["kind"]
-    policy, tol, pattern_tol = gate_policy(package_dir, kind, recipe)
+    manifest = load_manifest(package_dir)
+    kind = manifest["package"]["kind"]
+    policy, tol, pattern_tol = gate_policy(package_dir, manifest, recipe)
     fixtures = ReferenceFixtures(fixtures_dir)
     source_sha = source_cmf_sha256(package_dir)
     if source_sha != fixtures.checkpoint_sha256:
