@@ -58,14 +58,11 @@ def _result(load_s: float, imports_s: float, prefill_s: float, decode_s: float, 
 def worker_ours(cmf: str, ids: list[int], decode: int) -> None:
     import numpy as np
 
-    from pipeline.cmf import open_cmf
     from pipeline.tokenizer import tokenizer_from_artifact
     from mlx_runtime.backend import load
     from mlx_runtime.generate import Stats, generate
 
     imports_s, imports_rss = time.perf_counter() - START, current_rss_mib()
-    with open_cmf(cmf) as file:
-        payload = sum(info.nbytes for info in file.tensors.values())
     t = time.perf_counter()
     tokenizer_from_artifact(cmf)  # in the CLI's order: tokenizer, then model
     model = load(cmf)
@@ -75,7 +72,7 @@ def worker_ours(cmf: str, ids: list[int], decode: int) -> None:
     tokens = list(generate(model, np.array(ids), max_tokens=decode + 1, stats=stats))
     _result(load_s, imports_s, stats.prefill_s, stats.decode_s, len(ids), stats.decode_steps, tokens,
             packed_mib=model.report.packed_bytes / 2**20, fallbacks=len(model.report.fallbacks),
-            payload_mib=payload / 2**20, kv_mib=stats.kv_bytes / 2**20, imports_rss_mib=imports_rss)
+            payload_mib=model.report.payload_bytes / 2**20, kv_mib=stats.kv_bytes / 2**20, imports_rss_mib=imports_rss)
 
 
 def worker_mlx_lm(folder: str, ids: list[int], decode: int) -> None:

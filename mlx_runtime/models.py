@@ -135,7 +135,7 @@ class _Tensors(WeightLedger):
 
     def vector(self, name: str, size: int) -> mx.array:
         info = self._info(name, (size,))
-        self.report.add(name, info.dtype.name, 4 * size)
+        self.report.add(name, info.dtype.name, info.nbytes, 4 * size)
         vector = mx.array(self.cmf.decode(info.name))
         self.cmf.evict(info.name)
         return vector
@@ -150,7 +150,7 @@ class _Tensors(WeightLedger):
         lin = load_linear(self.cmf, info.name)
         # mx.array copies: the mapped pages are dead weight from here on.
         self.cmf.evict(info.name)
-        self.report.add_linear(name, lin)
+        self.report.add_linear(name, info.nbytes, lin)
         return lin
 
     def linear(self, prefix: str, out: int | None, in_: int | None) -> Linear:

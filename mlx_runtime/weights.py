@@ -391,23 +391,27 @@ def lookup(lin: Linear, ids: np.ndarray | mx.array) -> mx.array:
 
 @dataclass
 class LoadReport:
-    """What a load produced: tensors per CMF dtype, resident bytes, and the dense fallbacks."""
+    """What a load produced: tensors per CMF dtype, their bytes in the CMF (payload) and on
+    MLX (resident, packed), and the dense fallbacks."""
 
     tensors: Counter = field(default_factory=Counter)
+    payload_bytes: int = 0
     packed_bytes: int = 0
     fallbacks: dict[str, str] = field(default_factory=dict)
 
-    def add(self, name: str, dtype: str, nbytes: int, fallback: str | None = None) -> None:
+    def add(self, name: str, dtype: str, payload: int, nbytes: int, fallback: str | None = None) -> None:
         self.tensors[dtype] += 1
+        self.payload_bytes += payload
         self.packed_bytes += nbytes
         if fallback:
             self.fallbacks[name] = fallback
 
-    def add_linear(self, name: str, lin: Linear) -> None:
-        self.add(name, lin.dtype, lin.nbytes, lin.fallback)
+    def add_linear(self, name: str, payload: int, lin: Linear) -> None:
+        self.add(name, lin.dtype, payload, lin.nbytes, lin.fallback)
 
     def format(self) -> str:
         per = ", ".join(f"{k} {v}" for k, v in sorted(self.tensors.items()))
-        lines = [f"tensors: {per}; resident weights {self.packed_bytes / 2**20:.1f} MiB"]
+        lines = [f"tensors: {per}; CMF payload {self.payload_bytes / 2**20:.1f} MiB, "
+                 f"resident on MLX {self.packed_bytes / 2**20:.1f} MiB"]
         lines += [f"dense fallback: {name}: {why}" for name, why in self.fallbacks.items()]
         return "\n".join(lines)

@@ -233,6 +233,8 @@ def test_resident_memory_is_the_packed_weights(tmp_path_factory):
     gc.collect()
     resident = mx.get_active_memory() - before
     assert model.report.packed_bytes <= resident <= model.report.packed_bytes + 64 * 1024
+    with open_cmf(path) as cmf:  # every tensor is loaded once, the tied head included
+        assert model.report.payload_bytes == sum(info.nbytes for info in cmf.tensors.values())
 
 
 def test_skill_files_are_refused(tmp_path_factory):
