@@ -16,7 +16,7 @@ anything is converted; a graph that fails is refused, never shipped.
 import tempfile
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import coremltools as ct
@@ -519,10 +519,13 @@ def export_coreml(
     refuse_existing(out_dir, force)
     step("verify the bundle and build the reference model")
     ref = reference_for_export(Path(bundle_dir), context)
+    # Each package's source record takes its relative path from the package's final folder,
+    # not the staging one it is written in.
+    refs = {kind: replace(ref, source=artifact_source(ref.bundle_dir, relative_to=out_dir / kind)) for kind in kinds}
     manifests = {}
     with staged_output(out_dir, force) as staging:
         for kind in kinds:
-            manifests[kind] = EXPORTERS[kind](ref, staging / kind, step)
+            manifests[kind] = EXPORTERS[kind](refs[kind], staging / kind, step)
     # The manifests were written in the staging folder; point them at the final one.
     return {kind: Manifest(out_dir / kind, m.data) for kind, m in manifests.items()}
 

@@ -347,7 +347,7 @@ def compress_package(
         size = package_manifest.package_bytes(staging / package_manifest.MODEL_NAME)
         manifest = package_manifest.write_package_manifest(staging, {
             "format": package_manifest.COMPRESSED_FORMAT,
-            "source": artifact_source(package_dir),
+            "source": artifact_source(package_dir, relative_to=out_dir),
             "architecture": source["architecture"],
             "special_tokens": source["special_tokens"],
             "recipe": {"name": recipe, "params": RECIPES[recipe]},

@@ -15,8 +15,10 @@ smallest package whose gate passed.
 The survey folder holds `survey.json` (format `cmfdeploy.survey/1`), `survey.md`,
 `size_vs_error.png`, and per recipe `packages/<recipe>/`, `gates/<recipe>/` and
 `scores/<recipe>/` (plus `scores/fp32/`). It appears all at once or not at all. Nested
-artifacts were written inside the staging folder, so the `source.path` recorded by a
-gate or a scoring run names the staging path; their bindings hold by manifest sha256.
+artifacts were written inside the staging folder, so the absolute `source.path` recorded
+by a gate or a scoring run of a compressed package names the staging path, gone once the
+survey is in place; their `source.relative_path` (`../../packages/<recipe>`) holds across
+the rename, and `manifests.chain` follows it, pinned by manifest sha256.
 """
 
 from collections.abc import Iterable
@@ -36,6 +38,7 @@ from coreml.recipes import (
     estimated_bytes,
     program_weights,
 )
+from manifests.chain import upstream_path
 from manifests.identity import (
     MANIFEST_NAME,
     artifact_source,
@@ -143,7 +146,7 @@ def mixed_inputs(package_dir: Path, fixtures: align.ReferenceFixtures, budget_by
         totals = sorted(sum(estimated_bytes(w, o) for w in weights) for o in options)
         budget_bytes = totals[0] + MIXED_BUDGET_FRACTION * (totals[-1] - totals[0])
 
-    model, _, _ = load_reference(Path(source["source"]["path"]))
+    model, _, _ = load_reference(upstream_path(package_dir, source["source"]))
     original = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     case = fixtures.cases[MIXED_MEASURE_CASE]
     ids = torch.as_tensor(case.input_ids[: case.valid_prefix])
@@ -345,7 +348,7 @@ def run_survey(
         "mixed_budget_bytes": mixed_budget_bytes,
         "items": scoring.load_items(items_path),
         "items_path": items_path,
-        "tokenizer": tokenizer_from_artifact(Path(source["source"]["path"])),
+        "tokenizer": tokenizer_from_artifact(upstream_path(package_dir, source["source"])),
     }
     with staged_output(out_dir, force) as staging:
         baseline, baseline_run = _score_run(package_dir, staging / "scores" / "fp32", context)
@@ -356,7 +359,7 @@ def run_survey(
         survey = {
             "format": FORMAT,
             "status": "complete",
-            "source": artifact_source(package_dir),
+            "source": artifact_source(package_dir, relative_to=out_dir),
             "fp32": {
                 "package": {"path": str(package_dir.resolve()), "kind": source["package"]["kind"],
                             "manifest_sha256": sha256_file(package_dir / MANIFEST_NAME),

@@ -5,14 +5,18 @@ A verifier is `verify(path, hashes=True) -> Manifest` and raises IdentityError o
 difference. The table holds import paths, not functions, so verifying a bundle never
 imports Core ML.
 
-Every manifest's `source` is either an earlier artifact (`kind: artifact`, its folder and
-the sha256 of its manifest.json) or the CMF the chain starts from (`kind: cmf`, its size,
-sha256, envelope hashes). The walk verifies each artifact, checks that the upstream
-manifest is byte-for-byte the one recorded, and re-hashes the CMF when it is still at its
-recorded path.
+Every manifest's `source` is either an earlier artifact (`kind: artifact`, its folder by
+absolute `path` and by `relative_path` from the manifest's own folder, and the sha256 of
+its manifest.json) or the CMF the chain starts from (`kind: cmf`, its size, sha256,
+envelope hashes). The walk verifies each artifact, checks that the upstream manifest is
+byte-for-byte the one recorded, and re-hashes the CMF when it is still at its recorded
+path. An upstream is looked for at its relative path first, so a build tree moved or
+copied as a whole verifies within itself; then at its absolute path, so an artifact moved
+alone still reaches the upstream that stayed put.
 """
 
 import importlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +29,7 @@ VERIFIERS = {
     "cmfdeploy.alignment/1": "pipeline.align:verify_alignment",
     "cmfdeploy.compressed/1": "coreml.manifest:verify_package",
     "cmfdeploy.release/1": "pipeline.release:verify_release",
+    "cmfdeploy.scores/1": "pipeline.scoring:verify_scores",
 }
 
 
@@ -72,7 +77,7 @@ def verify_chain(path: str | Path, hashes: bool = True) -> list[Link]:
         if source["kind"] == "cmf":
             links.append(_check_cmf_source(source, hashes))
             return links
-        upstream = Path(source["path"])
+        upstream = upstream_path(current, source)
         if not (upstream / MANIFEST_NAME).is_file():
             links.append(Link(str(upstream), source["format"], "not available: no manifest at the recorded path"))
             return links
@@ -83,6 +88,22 @@ def verify_chain(path: str | Path, hashes: bool = True) -> list[Link]:
                 f"but {upstream / MANIFEST_NAME} has sha256 {digest}"
             )
         current = upstream
+
+
+def upstream_path(current: str | Path, source: dict) -> Path:
+    """Where the upstream artifact of `current` (an `artifact` source record) is now: at
+    `relative_path` from `current` when a manifest is there (the tree moved as a whole), else
+    at the absolute `path` (`current` moved alone).
+
+    A manifest at the relative path is taken even when it is not the recorded one: the
+    chain's sha256 check then reports the mismatch instead of looking past it.
+    """
+    if "relative_path" in source:
+        # Lexical join from the resolved folder, as `artifact_source` computed it.
+        candidate = Path(os.path.normpath(Path(current).resolve() / source["relative_path"]))
+        if (candidate / MANIFEST_NAME).is_file():
+            return candidate
+    return Path(source["path"])
 
 
 def _check_cmf_source(source: dict, hashes: bool) -> Link:

@@ -7,6 +7,7 @@ or turns a recorded name back into a path, so every stage checks identity the sa
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path, PurePosixPath
@@ -133,15 +134,25 @@ def _environment(packages: tuple[str, ...]) -> tuple[str, str, tuple[tuple[str, 
     return platform.python_version(), platform.platform(), tuple((name, version(name)) for name in packages)
 
 
-def artifact_source(artifact_dir: str | Path) -> dict:
-    """The `source` record that binds a manifest to the finished artifact it was built from."""
+def artifact_source(artifact_dir: str | Path, relative_to: str | Path | None = None) -> dict:
+    """The `source` record that binds a manifest to the finished artifact it was built from.
+
+    `relative_to` is the folder the binding manifest will finally live in (not a staging
+    folder it is written in first). From it the record adds `relative_path`, by which
+    `manifests.chain` still finds the upstream once the whole tree has moved; `path` stays
+    absolute for an artifact moved alone.
+    """
     artifact_dir = Path(artifact_dir)
-    return {
+    source = {
         "kind": "artifact",
         "format": load_manifest(artifact_dir)["format"],
         "path": str(artifact_dir.resolve()),
         "manifest_sha256": sha256_file(artifact_dir / MANIFEST_NAME),
     }
+    if relative_to is not None:
+        # Both resolved, so the relative path is the one the filesystem walks, symlinks included.
+        source["relative_path"] = Path(os.path.relpath(source["path"], Path(relative_to).resolve())).as_posix()
+    return source
 
 
 def cmf_source(cmf) -> dict:

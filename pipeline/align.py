@@ -355,6 +355,7 @@ def _markdown(report: dict) -> str:
 
 def source_cmf_sha256(package_dir: Path) -> str:
     """The sha256 of the CMF at the start of the package's identity chain."""
+    from manifests.chain import upstream_path
     from manifests.identity import load_manifest
 
     current = Path(package_dir)
@@ -362,7 +363,7 @@ def source_cmf_sha256(package_dir: Path) -> str:
         source = load_manifest(current)["source"]
         if source["kind"] == "cmf":
             return source["sha256"]
-        current = Path(source["path"])
+        current = upstream_path(current, source)
 
 
 def align_package(package_dir, fixtures_dir, out_dir, *, recipe: str = "fp32", backend: str = "auto",
@@ -424,7 +425,7 @@ def align_package(package_dir, fixtures_dir, out_dir, *, recipe: str = "fp32", b
         write_json(staging / MANIFEST_NAME, {
             "format": FORMAT, "status": "complete", "passed": passed, "recipe": recipe, "policy": policy,
             "candidate_backend": package.backend,
-            "source": artifact_source(package_dir),
+            "source": artifact_source(package_dir, relative_to=out_dir),
             "fixtures": fixtures.identity(),
             "summary": report["summary"],
             "files": inventory(staging),

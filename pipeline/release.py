@@ -24,6 +24,7 @@ from pathlib import Path
 from coreml import manifest as package_manifest
 from coreml.survey import REPORT_NAME as SURVEY_NAME
 from coreml.survey import load_survey, passed_gate_of
+from manifests.chain import upstream_path
 from manifests.identity import (
     MANIFEST_NAME,
     Manifest,
@@ -79,7 +80,7 @@ def _entry(role: str, name: str, package: Manifest, gate: Manifest) -> dict:
 
 def model_name(fp32_package: Manifest) -> str:
     """The source CMF's file stem, read from the FP32 package's bundle."""
-    bundle = Path(fp32_package["source"]["path"])
+    bundle = upstream_path(fp32_package.path, fp32_package["source"])
     try:
         return Path(read_json(bundle / MANIFEST_NAME)["source"]["file"]).stem
     except IdentityError as error:
@@ -140,7 +141,7 @@ def make_release(
         manifest = {
             "format": FORMAT,
             "status": "incomplete",
-            "source": artifact_source(survey_dir / record["package"]["path"]),
+            "source": artifact_source(survey_dir / record["package"]["path"], relative_to=out_dir),
             "model": name,
             "recipe": recipe,
             "deployed": recipe == survey["deployed"]["recipe"],

@@ -21,6 +21,7 @@ import numpy as np
 
 from manifests.identity import (
     MANIFEST_NAME,
+    Manifest,
     artifact_source,
     check_files,
     cmf_source,
@@ -241,9 +242,9 @@ def _jsonl(rows: list[dict]) -> bytes:
     return "".join(json.dumps(row, allow_nan=False) + "\n" for row in rows).encode()
 
 
-def _source(artifact: Path) -> dict:
+def _source(artifact: Path, out_dir: Path) -> dict:
     if artifact.is_dir():
-        return artifact_source(artifact)
+        return artifact_source(artifact, relative_to=out_dir)
     with open_cmf(artifact) as cmf:
         return cmf_source(cmf)
 
@@ -258,7 +259,7 @@ def write_run(results: list[ItemScores], out_dir: str | Path, *, artifact: str |
     items = _jsonl([{"id": r.id, "gold": r.gold, "rank": r.rank, "top1": r.top1} for r in results])
     summary = summarize(results)
     with staged_output(out_dir, force) as tmp:
-        manifest = {"format": FORMAT, "status": "incomplete", "source": _source(artifact)}
+        manifest = {"format": FORMAT, "status": "incomplete", "source": _source(artifact, out_dir)}
         write_json(tmp / MANIFEST_NAME, manifest)
         (tmp / SCORES_NAME).write_bytes(scores)
         (tmp / ITEMS_NAME).write_bytes(items)
@@ -277,11 +278,18 @@ def write_run(results: list[ItemScores], out_dir: str | Path, *, artifact: str |
     return out_dir
 
 
+def verify_scores(path: str | Path, hashes: bool = True) -> Manifest:
+    """Verifier for `cmfdeploy verify-artifact`: a finished run whose files are as recorded."""
+    path = Path(path)
+    manifest = load_manifest(path, FORMAT)
+    check_files(path, manifest["files"], hashes=hashes)
+    return Manifest(path, manifest)
+
+
 def read_run(run_dir: str | Path) -> list[ItemScores]:
     """The per-item scores of a finished run directory (for rank_differences / changed_items)."""
     run_dir = Path(run_dir)
-    manifest = load_manifest(run_dir, FORMAT)
-    check_files(run_dir, manifest["files"])
+    verify_scores(run_dir)
     rows = [json.loads(line) for line in (run_dir / SCORES_NAME).read_text().splitlines()]
     return [ItemScores(r["id"], np.asarray(r["scores"], dtype=np.float64), tuple(r["n_tokens"]), r["gold"])
             for r in rows]

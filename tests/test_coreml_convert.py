@@ -137,8 +137,11 @@ def test_manifests_bind_the_package_to_its_bundle_code_and_program(built, statef
         package_dir = manifest.path
         assert verify_package(package_dir).data == manifest.data
         assert manifest["format"] == "cmfdeploy.coreml/1" and manifest["status"] == "complete"
-        assert manifest["source"] == {"kind": "artifact", "format": "cmfdeploy.bundle/1",
-                                      "path": str(bundle.resolve()), "manifest_sha256": bundle_sha}
+        source = dict(manifest["source"])
+        # From the package's final folder, not the staging one it was written in.
+        assert (package_dir / source.pop("relative_path")).resolve() == bundle.resolve()
+        assert source == {"kind": "artifact", "format": "cmfdeploy.bundle/1",
+                          "path": str(bundle.resolve()), "manifest_sha256": bundle_sha}
         spec = ct.utils.load_spec(str(package_dir / "model.mlpackage"))
         assert spec.description.metadata.userDefined[BUNDLE_SHA_KEY] == bundle_sha
         assert spec.description.metadata.author and spec.description.metadata.license
@@ -227,4 +230,8 @@ def test_cli_refuses_existing_output_without_force_and_replaces_it_with(built, t
     assert main(["coreml", str(built[0]), "-o", str(out), "--kinds", "stateless", "--force"]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["stateless"]  # chunk_kv went with the old output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no staging or old folders left
-    assert verify_package(out / "stateless")["source"] == built[2]["stateless"]["source"]
+    # The same bundle, by its own path; the relative path is from where each package lives.
+    source, fixture_source = dict(verify_package(out / "stateless")["source"]), dict(built[2]["stateless"]["source"])
+    assert (out / "stateless" / source.pop("relative_path")).resolve() == built[0].resolve()
+    fixture_source.pop("relative_path")
+    assert source == fixture_source

@@ -3,6 +3,7 @@
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from manifests.chain import VERIFIERS, Link, verify_artifact, verify_chain
 from manifests.identity import (
     MANIFEST_NAME,
     Manifest,
+    artifact_source,
     canonical_json,
     check_files,
     file_identity,
@@ -243,6 +245,55 @@ def test_chain_walks_through_an_upstream_artifact(bundle, tmp_path, monkeypatch)
     write_json(stage / MANIFEST_NAME, {**manifest, "source": {**source, "path": str(tmp_path / "gone")}})
     assert verify_chain(stage)[-1] == Link(str(tmp_path / "gone"), "cmfdeploy.bundle/1",
                                            "not available: no manifest at the recorded path")
+
+
+def _stage_over(upstream: Path, stage: Path) -> dict:
+    """A later stage's output at `stage`, bound to `upstream` as a stage binds it."""
+    stage.mkdir(parents=True)
+    (stage / "result.jsonl").write_text('{"item": 0}\n')
+    manifest = {"format": "cmfdeploy.stage/1", "status": "complete",
+                "source": artifact_source(upstream, relative_to=stage), "files": inventory(stage)}
+    write_json(stage / MANIFEST_NAME, manifest)
+    return manifest
+
+
+def test_chain_follows_the_relative_path_of_a_tree_moved_as_a_whole(tmp_path, monkeypatch):
+    monkeypatch.setitem(VERIFIERS, "cmfdeploy.stage/1", f"{__name__}:_verify_stage")
+    cmf = tmp_path / "model.cmf"
+    cmf.write_bytes((CONFORMANCE / "model_q8_row_a.cmf").read_bytes())
+    export_bundle(cmf, tmp_path / "build" / "bundle")
+    source = _stage_over(tmp_path / "build" / "bundle", tmp_path / "build" / "stages" / "one")["source"]
+    assert source["relative_path"] == "../../bundle"
+    assert source["path"] == str((tmp_path / "build" / "bundle").resolve())
+
+    shutil.move(tmp_path / "build", tmp_path / "moved")
+    links = verify_chain(tmp_path / "moved" / "stages" / "one")
+    assert links == [Link(str(tmp_path / "moved" / "stages" / "one"), "cmfdeploy.stage/1", "verified"),
+                     Link(str((tmp_path / "moved" / "bundle").resolve()), "cmfdeploy.bundle/1", "verified"),
+                     Link(str(cmf.resolve()), "cmf", "verified")]
+
+    # An upstream at the relative path that is not the recorded one is reported, not looked past,
+    # even though the recorded path would no longer lead anywhere else.
+    bundle_manifest = tmp_path / "moved" / "bundle" / MANIFEST_NAME
+    write_json(bundle_manifest, {**read_json(bundle_manifest), "license": "edited"})
+    with pytest.raises(IdentityError, match="source.manifest_sha256"):
+        verify_chain(tmp_path / "moved" / "stages" / "one")
+
+
+def test_chain_of_an_artifact_moved_alone_finds_its_upstream_at_the_recorded_path(bundle, tmp_path, monkeypatch):
+    monkeypatch.setitem(VERIFIERS, "cmfdeploy.stage/1", f"{__name__}:_verify_stage")
+    upstream = shutil.copytree(bundle.path, tmp_path / "bundle")
+    _stage_over(upstream, tmp_path / "stage")
+    (tmp_path / "away").mkdir()
+    shutil.move(tmp_path / "stage", tmp_path / "away" / "stage")  # ../bundle from here is not there
+    links = verify_chain(tmp_path / "away" / "stage")
+    assert [(link.path, link.result) for link in links] == [
+        (str(tmp_path / "away" / "stage"), "verified"), (str(upstream.resolve()), "verified"),
+        (bundle["source"]["path"], "verified")]
+
+    write_json(upstream / MANIFEST_NAME, {**read_json(upstream / MANIFEST_NAME), "license": "edited"})
+    with pytest.raises(IdentityError, match="source.manifest_sha256"):
+        verify_chain(tmp_path / "away" / "stage")
 
 
 def test_verify_artifact_refuses_a_format_without_verifier(tmp_path):

@@ -13,6 +13,7 @@ from conftest import FIXTURE_REFERENCE
 
 from coreml.package import open_package
 from coreml.survey import ForeignGate, SurveyError, load_survey, run_survey
+from manifests.chain import verify_chain
 from manifests.identity import read_json, sha256_file
 from pipeline.align import GateFailed, ReferenceFixtures
 from pipeline.backends import open_backend
@@ -145,6 +146,66 @@ def test_survey_page_and_plot(survey):
         assert f"| {name} |" in text
     assert "![package size against gate error](size_vs_error.png)" in text
     assert (survey.path / "size_vs_error.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# --- the chain: nested artifacts were written in the staging folder, now renamed away --------------
+
+
+CHAIN_FROM_COMPRESSED = ["cmfdeploy.compressed/1", "cmfdeploy.coreml/1", "cmfdeploy.bundle/1", "cmf"]
+
+
+def _chain(path: Path) -> list[tuple[str, str, str]]:
+    return [(link.format, link.path, link.result) for link in verify_chain(path)]
+
+
+def test_nested_gates_and_scores_chain_back_to_the_source_cmf(survey):
+    bundle = read_json(survey.package / "manifest.json")["source"]["path"]
+    cmf = read_json(Path(bundle) / "manifest.json")["source"]["path"]
+    upstream = [str(survey.package.resolve()), bundle, cmf]
+    for name in MEASURED:
+        package = str((survey.path / "packages" / name).resolve())
+        for nested, format_name in (("gates", "cmfdeploy.alignment/1"), ("scores", "cmfdeploy.scores/1")):
+            assert _chain(survey.path / nested / name) == list(zip(
+                [format_name, *CHAIN_FROM_COMPRESSED], [str(survey.path / nested / name), package, *upstream],
+                ["verified"] * 5))
+    assert _chain(survey.path / "scores" / "fp32") == list(zip(
+        ["cmfdeploy.scores/1", *CHAIN_FROM_COMPRESSED[1:]], [str(survey.path / "scores" / "fp32"), *upstream],
+        ["verified"] * 4))
+
+
+def test_verify_artifact_on_a_scoring_run(survey, tmp_path, capsys):
+    run = survey.path / "scores" / "int8-b32"
+    assert main(["verify-artifact", str(run)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"cmfdeploy.scores/1 {run}: verified" and len(lines) == 5
+    assert all(line.endswith(": verified") for line in lines)
+
+    copy = shutil.copytree(run, tmp_path / "run")
+    scores = (copy / "scores.jsonl").read_text()
+    (copy / "scores.jsonl").write_text(scores.replace("-", "+", 1))  # same size, one score's sign flipped
+    assert main(["verify-artifact", str(copy)]) == 1
+    assert capsys.readouterr().err.startswith(f"IdentityError: {copy}: file 'scores.jsonl' has sha256")
+
+
+def test_a_build_tree_copied_whole_verifies_within_itself(survey, tmp_path):
+    """Bundle, FP32 packages and survey copied elsewhere: every link but the CMF (which stayed put)
+    is found in the copy, by the relative paths the manifests record."""
+    fixture_dir, survey_root = survey.package.parent.parent, survey.path.parent
+    assert fixture_dir.parent == survey_root.parent  # both under pytest's basetemp
+    for folder in (fixture_dir / "bundle", fixture_dir / "coreml", survey.path):
+        shutil.copytree(folder, tmp_path / folder.relative_to(fixture_dir.parent))
+    copy = tmp_path / survey_root.name / "survey"
+    links = verify_chain(copy / "gates" / "int8-b32")
+    assert [link.format for link in links] == ["cmfdeploy.alignment/1", *CHAIN_FROM_COMPRESSED]
+    assert all(link.result == "verified" for link in links)
+    assert all(Path(link.path).resolve().is_relative_to(tmp_path.resolve()) for link in links[:-1])
+
+    package = tmp_path / fixture_dir.name / "coreml" / "chunk_kv" / "manifest.json"
+    manifest = read_json(package)
+    manifest["conversion"]["seconds"] += 1.0  # valid and complete, but not the package the survey compressed
+    package.write_text(json.dumps(manifest))
+    with pytest.raises(IdentityError, match=r"source\.manifest_sha256"):
+        verify_chain(copy / "gates" / "int8-b32")
 
 
 # --- refusals: all happen before anything is compressed -----------------------------------------
