@@ -33,13 +33,14 @@ from manifests.identity import sha256_file  # noqa: E402
 FIXTURE = ROOT / "fixtures" / "botchan-llama-1m.cmf"
 SMOLLM2_QUANTS = ("f32", "q8_row", "q4_block")
 
-# Peak RSS from /proc's VmHWM: getrusage's ru_maxrss survives exec, so a child would
-# inherit the parent's peak (which the GGUF import made large).
+# Peak RSS by benchmarks/rss.py (VmHWM): the parent's GGUF import made its own peak large.
 _EXPORT = """
-import json, re, sys, time
+import json, sys, time
+sys.path.insert(0, "benchmarks")
 from pipeline.bundle import export_bundle
+from rss import peak_rss_mib
 def hwm():
-    return int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read())[1]) * 1024
+    return peak_rss_mib() * 2**20
 start_rss = hwm()
 t = time.perf_counter()
 manifest = export_bundle(sys.argv[1], sys.argv[2])

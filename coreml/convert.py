@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from coreml import manifest as package_manifest
-from coreml.mil import Executor, load_program
+from coreml.mil import load_program
+from coreml.package import open_package
 from coreml.multifunction import merge_functions
 from manifests.identity import Manifest, artifact_source, load_manifest, sha256_bytes
 from manifests.output import refuse_existing, staged_output
@@ -227,10 +228,9 @@ def measure_stateful(mlpackage: Path, ref: Reference, schedules=CHECK_SCHEDULES)
     SmolLM2-135M.) The package against the float32 reference is the fp16-cache error,
     measured and recorded, not gated.
     """
-    # One program for both functions: each load maps the weight file, and a second map of
-    # the same pages counts again in the process's RSS (the whole FP32 weights once more).
-    program = load_program(mlpackage)
-    functions = {name: Executor(program, name) for name in ("prefill", "decode")}
+    # One loaded program for both functions: a second load would map the weights again.
+    prefill = open_package(mlpackage, backend="executor", function_name="prefill")
+    functions = {"prefill": prefill, "decode": prefill.function("decode")}
     conversion, cache, fp16_cache = {}, {}, {}
     for index, schedule in enumerate(schedules):
         schedule = _clip_schedule(schedule, ref.context)
@@ -246,7 +246,7 @@ def measure_stateful(mlpackage: Path, ref: Reference, schedules=CHECK_SCHEDULES)
                 function = functions["decode" if size == 1 else "prefill"]
                 for buffer in ("key_cache", "value_cache"):
                     getattr(eager, buffer).copy_(torch.from_numpy(state.read_state(buffer)))
-                got.append(function.run(inputs, state)["logits"][0])
+                got.append(function.predict(inputs, state)["logits"][0])
                 simulated.append(eager(chunk, _position(position))[0].numpy())
                 for buffer in ("key_cache", "value_cache"):
                     written = _beyond_one_fp16_step(state.read_state(buffer), getattr(eager, buffer).numpy())

@@ -94,14 +94,23 @@ def _blob_values(spec: Model_pb2.Model) -> Iterator[tuple[MIL_pb2.Value, str]]:
 
 
 class _MergedWeights:
-    """The merged weight file, written blob by blob: each distinct content once."""
+    """The merged weight file, written blob by blob through one handle: each distinct content
+    once. The header's blob count is written when the file is closed."""
 
     def __init__(self, path: Path):
-        self.path = path
         self.offsets: dict[tuple[int, int, bytes], int] = {}
+        self.file = open(path, "wb")
+        self.file.write(bytes(BlobStorage.HEADER.itemsize))
+
+    def __enter__(self) -> "_MergedWeights":
+        return self
+
+    def __exit__(self, *exc) -> None:
         header = np.zeros(1, BlobStorage.HEADER)
-        header["version"] = 2
-        path.write_bytes(header.tobytes())
+        header["count"], header["version"] = len(self.offsets), 2
+        self.file.seek(0)
+        self.file.write(header.tobytes())
+        self.file.close()
 
     def place(self, storage: BlobStorage, entry: BlobEntry) -> int:
         """The merged file's offset for a blob with this entry's content, appended if new."""
@@ -114,40 +123,36 @@ class _MergedWeights:
         return self.offsets[key]
 
     def _append(self, storage: BlobStorage, entry: BlobEntry) -> int:
-        with open(self.path, "r+b") as fh:
-            header = np.frombuffer(fh.read(BlobStorage.HEADER.itemsize), BlobStorage.HEADER).copy()
-            offset = fh.seek(0, 2)  # every append ends 64-byte aligned, as the header does
-            meta = np.zeros(1, BlobStorage.METADATA)
-            meta["sentinel"], meta["dtype"], meta["size"] = BlobStorage.SENTINEL, entry.blob_dtype, entry.size
-            meta["offset"], meta["padding_bits"] = offset + meta.itemsize, entry.padding_bits
-            fh.write(meta.tobytes())
-            for chunk in storage.stream(entry):
-                fh.write(chunk)
-            fh.write(bytes(-fh.tell() % 64))
-            header["count"] += 1
-            fh.seek(0)
-            fh.write(header.tobytes())
+        offset = self.file.tell()  # every append ends 64-byte aligned, as the header does
+        meta = np.zeros(1, BlobStorage.METADATA)
+        meta["sentinel"], meta["dtype"], meta["size"] = BlobStorage.SENTINEL, entry.blob_dtype, entry.size
+        meta["offset"], meta["padding_bits"] = offset + meta.itemsize, entry.padding_bits
+        self.file.write(meta.tobytes())
+        for chunk in storage.stream(entry):
+            self.file.write(chunk)
+        self.file.write(bytes(-self.file.tell() % 64))
         return offset
 
 
 def _merge_blobs(sources: dict[str, Path], specs: dict[str, Model_pb2.Model], merged: Path) -> None:
     """Write every function's blobs into `merged`, each distinct content once, and point the
     specs' blob values at them (rewriting their offsets)."""
-    weights = _MergedWeights(merged)
-    for name, spec in specs.items():
-        model_dir = model_path(Path(sources[name])).parent
-        storage, placed = None, {}
-        for value, where in _blob_values(spec):
-            blob, at = value.blobFileValue, f"{model_dir}: {where}"
-            path = blob_file(model_dir, blob.fileName, at)
-            if storage is None:
-                storage = BlobStorage(path)
-            elif path != storage.path:
-                raise MergeError(f"{at}: weight file {path} besides {storage.path}; the merge expects one per package")
-            if blob.offset not in placed:
-                entry = storage.entry(blob.offset, mil_dtype(value.type.tensorType.dataType, at))
-                placed[blob.offset] = weights.place(storage, entry)
-            blob.offset = placed[blob.offset]
+    with _MergedWeights(merged) as weights:
+        for name, spec in specs.items():
+            model_dir = model_path(Path(sources[name])).parent
+            storage, placed = None, {}
+            for value, where in _blob_values(spec):
+                blob, at = value.blobFileValue, f"{model_dir}: {where}"
+                path = blob_file(model_dir, blob.fileName, at)
+                if storage is None:
+                    storage = BlobStorage(path)
+                elif path != storage.path:
+                    raise MergeError(f"{at}: weight file {path} besides {storage.path}; "
+                                     "the merge expects one per package")
+                if blob.offset not in placed:
+                    entry = storage.entry(blob.offset, mil_dtype(value.type.tensorType.dataType, at))
+                    placed[blob.offset] = weights.place(storage, entry)
+                blob.offset = placed[blob.offset]
 
 
 def _multifunction_spec(specs: dict[str, Model_pb2.Model], default_function: str) -> Model_pb2.Model:
