@@ -137,13 +137,18 @@ def test_compare_counts_nonfinite_outputs_as_outside():
 def test_reference_fixtures_command_reproduces_the_frozen_fixtures(tmp_path):
     from fixtures.corpus import corpus_lines, split_lines
     from conftest import FIXTURE_CMF
+    from _numerics import model_logits_bound
+    from pipeline.reference import load_reference
 
     text = tmp_path / "held_out.txt"
     text.write_text("\n".join(split_lines(corpus_lines())[1]), encoding="utf-8")
     assert main(["reference-fixtures", str(FIXTURE_CMF), "-o", str(tmp_path / "ref"), "--text", str(text)]) == 0
     made, frozen = ReferenceFixtures(tmp_path / "ref"), ReferenceFixtures(FIXTURE_REFERENCE)
     assert made.checkpoint_sha256 == frozen.checkpoint_sha256
+    # Frozen logits came from another CPU's float32 kernels: equal within two evaluations'
+    # worst-case float32 error (tests/_numerics.py), not bitwise. Ids are integers: exact.
+    bound = model_logits_bound(load_reference(FIXTURE_CMF)[0], len(frozen.cases["long"].input_ids))
     for name, case in frozen.cases.items():
         np.testing.assert_array_equal(made.cases[name].input_ids, case.input_ids)
-        np.testing.assert_array_equal(made.cases[name].logits, case.logits)
-    np.testing.assert_array_equal(made.kv_step_logits, frozen.kv_step_logits)
+        assert np.abs(made.cases[name].logits - case.logits).max() <= bound
+    assert np.abs(made.kv_step_logits - frozen.kv_step_logits).max() <= bound
