@@ -41,12 +41,19 @@ def logits_bound(chain: int, hidden: int, final_norm: np.ndarray, head: np.ndarr
     return 2 * gamma(chain) * float(scale)
 
 
-def model_logits_bound(model, tokens: int) -> float:
-    """`logits_bound` for a pipeline.models Decoder attending over at most `tokens` positions."""
+def model_logits_bound(model, tokens: int, fp16_cache: bool = False) -> float:
+    """`logits_bound` for a pipeline.models Decoder attending over at most `tokens` positions.
+
+    fp16_cache: one side reads its K/V back from fp16, each value within 2^-11 relative, so
+    each layer's q . k and probabilities @ V gain 2^-11 of their sum|a*b| (the other side is
+    exact there): 2 * layers * 2^-11 more relative error."""
     a = model.args
     chain = decoder_chain(a.num_layers, a.hidden_size, a.num_attention_heads * a.head_dim, a.head_dim,
                           a.intermediate_size, tokens)
     head = model.model.embed_tokens if model.lm_head is None else model.lm_head
     gain = model.model.norm.weight + 1.0 if model.model.norm.offset else model.model.norm.weight
-    return logits_bound(chain, a.hidden_size, gain.detach().numpy(), head.weight.detach().numpy())
+    bound = logits_bound(chain, a.hidden_size, gain.detach().numpy(), head.weight.detach().numpy())
+    if fp16_cache:
+        bound *= 1 + 2 * a.num_layers * 2.0**-11 / (2 * gamma(chain))
+    return bound
 
