@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from _hf_models import load_saved, save_hf_model
+from _numerics import model_logits_bound
 from _one_thread import one_thread  # noqa: F401 (autouse fixture)
 from pipeline.backends import open_backend
 from pipeline.cli import main
@@ -33,7 +34,9 @@ FROZEN = FIXTURE.parent / "reference" / "logits.npz"
 FIXTURE_IDS = np.load(FROZEN, allow_pickle=False)["long.input_ids"]  # 128 tokens of Botchan
 WRITER_DTYPES = [dt.name for dt in DTYPES.values() if dt.encode is not None]
 IDS = np.random.default_rng(5).integers(0, 128, 40)
-TOLERANCE = 1e-3
+# MLX's q4tp/q2tp weights are within 2^-20 of the decoder's (tests/test_mlx_weights.py);
+# every other dtype's are bitwise.
+MLX_WEIGHT_RTOL = 2.0**-20
 ROW_TILED = {"vbit", "vbit_ro", "q4tp", "q2tp"}
 
 
@@ -60,9 +63,21 @@ def _reference_logits(path: Path, ids, **options) -> np.ndarray:
     return model(torch.from_numpy(np.asarray(ids))).numpy()
 
 
-def _assert_logits(got: np.ndarray, want: np.ndarray) -> None:
-    assert np.abs(got - want).max() <= TOLERANCE
-    np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
+def _bound(path: Path, **options) -> float:
+    """Max |Δ logit| of MLX vs torch float32 on the model's decoded weights (tests/_numerics.py),
+    over its whole context."""
+    model, args, _ = load_reference(path, **options)
+    return model_logits_bound(model, args.max_position_embeddings, weight_rtol=MLX_WEIGHT_RTOL)
+
+
+def _assert_logits(got: np.ndarray, want: np.ndarray, bound: float) -> None:
+    assert np.abs(got - want).max() <= bound
+    # The same next token wherever the reference's top-2 gap exceeds 2 * bound; a closer pair
+    # may swap on another CPU's kernels.
+    top2 = np.sort(want, axis=-1)[..., -2:]
+    decided = top2[..., 1] - top2[..., 0] > 2 * bound
+    assert decided.any()
+    np.testing.assert_array_equal(got.argmax(-1)[decided], want.argmax(-1)[decided])
 
 
 @pytest.fixture(scope="module", params=WRITER_DTYPES)
@@ -78,21 +93,23 @@ def fixture_in_dtype(request, tmp_path_factory):
 
 def test_fixture_logits_match_reference_in_every_writer_dtype(fixture_in_dtype):
     want = _reference_logits(fixture_in_dtype, FIXTURE_IDS)
+    bound = _bound(fixture_in_dtype)
     with open_cmf(fixture_in_dtype) as cmf:
         model = load_model(cmf)
     assert not model.report.fallbacks
     for gemm in (False, True):
-        _assert_logits(np.array(forward(model, FIXTURE_IDS, model.new_cache(), gemm=gemm)), want)
+        _assert_logits(np.array(forward(model, FIXTURE_IDS, model.new_cache(), gemm=gemm)), want, bound)
 
 
 def test_fixture_matches_its_frozen_reference_logits():
     frozen = np.load(FROZEN, allow_pickle=False)
     backend = MlxBackend(FIXTURE)
+    bound = _bound(FIXTURE)  # the frozen logits came from another CPU: the same two-evaluation bound
     for case in ("short", "long"):
-        _assert_logits(backend.logits(frozen[f"{case}.input_ids"]), frozen[f"{case}.logits"])
+        _assert_logits(backend.logits(frozen[f"{case}.input_ids"]), frozen[f"{case}.logits"], bound)
     cache = backend.model.new_cache()  # one token at a time through the KV cache
     steps = [np.array(forward(backend.model, np.array([t]), cache)) for t in frozen["long.input_ids"]]
-    _assert_logits(np.concatenate(steps), frozen["long_kv_step_logits"])
+    _assert_logits(np.concatenate(steps), frozen["long_kv_step_logits"], bound)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma", "qwen2_moe", "qwen3_moe"])
@@ -101,9 +118,10 @@ def test_families_match_reference(tmp_path_factory, family, dtype):
     path = _write(tmp_path_factory, family, dtype, seed=2)
     want = _reference_logits(path, IDS)
     backend = MlxBackend(path)
-    _assert_logits(backend.logits(IDS), want)  # dense GEMM path
+    bound = _bound(path)
+    _assert_logits(backend.logits(IDS), want, bound)  # dense GEMM path
     logits, snap = backend.prefill(IDS[:3])  # quantized-kernel path, then branches
-    _assert_logits(np.concatenate([logits, backend.extend(snap, IDS[3:6])]), want[:6])
+    _assert_logits(np.concatenate([logits, backend.extend(snap, IDS[3:6])]), want[:6], bound)
 
 
 @pytest.fixture(scope="module")
@@ -119,9 +137,10 @@ def test_snapshots_are_immutable_and_branch(qwen3_q4):
     other = backend.extend(snap, IDS[25:30][::-1].copy())
     again = backend.extend(snap, IDS[25:])
     np.testing.assert_array_equal(first, again)
-    assert np.abs(np.concatenate([head, first]) - full).max() <= TOLERANCE
+    bound = _bound(qwen3_q4)
+    assert np.abs(np.concatenate([head, first]) - full).max() <= bound  # other chunking: other sums
     want_other = _reference_logits(qwen3_q4, np.concatenate([IDS[:25], IDS[25:30][::-1]]))[25:]
-    _assert_logits(other, want_other)
+    _assert_logits(other, want_other, bound)
 
 
 def test_trim_rewinds_the_cache(qwen3_q4):
@@ -132,7 +151,7 @@ def test_trim_rewinds_the_cache(qwen3_q4):
     cache.trim(10)
     assert cache.position == 20
     got = np.array(forward(model, IDS[20:30], cache))
-    _assert_logits(got, _reference_logits(qwen3_q4, IDS[:30])[20:])
+    _assert_logits(got, _reference_logits(qwen3_q4, IDS[:30])[20:], _bound(qwen3_q4))
 
 
 def test_backend_refuses_bad_ids(qwen3_q4):
@@ -199,7 +218,8 @@ def test_task_masks_match_reference():
             warnings.simplefilter("ignore")  # unmeasured tasks warn, on both runtimes
             want = _reference_logits(path, ids, task=task)
             got = MlxBackend(path, task=task).logits(ids)
-        _assert_logits(got, want)
+            bound = _bound(path, task=task)
+        _assert_logits(got, want, bound)
 
 
 def test_unmeasured_task_warns():
@@ -216,7 +236,8 @@ def test_skills_match_reference(tmp_path_factory):
     replaced = [(n, rng.standard_normal(s).astype(np.float32) * 0.1, "q4_block") for n, s in shapes.items()]
     add_skill(path, {"id": "math", "name": "math"}, replaced)
     for skill in (None, "math"):
-        _assert_logits(MlxBackend(path, skill=skill).logits(IDS), _reference_logits(path, IDS, skill=skill))
+        _assert_logits(MlxBackend(path, skill=skill).logits(IDS), _reference_logits(path, IDS, skill=skill),
+                       _bound(path, skill=skill))
 
 
 def test_resident_memory_is_the_packed_weights(tmp_path_factory):
@@ -277,7 +298,7 @@ def test_matrices_the_kernels_cannot_take_are_reported_and_exact(tmp_path_factor
     assert all("in = 48" in why for why in model.report.fallbacks.values())
     assert model.report.tensors["q4_block"] == len(down)
     assert f"dense fallback: {down[0]}: in = 48" in model.report.format()
-    _assert_logits(MlxBackend(path).logits(IDS), _reference_logits(path, IDS))
+    _assert_logits(MlxBackend(path).logits(IDS), _reference_logits(path, IDS), _bound(path))
 
 
 def test_chat_templates_render_like_transformers():
@@ -340,6 +361,15 @@ def test_cli_score_matches_the_torch_backend(with_tokenizer, tmp_path):
                      '{"id": "b", "context": "Where I was born", "candidates": [" I have", " no idea"]}\n')
     assert main(["mlx", "score", str(with_tokenizer), str(items), "-o", str(tmp_path / "mlx")]) == 0
     score(with_tokenizer, items, tmp_path / "torch", backend="torch")
+    # A candidate's score sums n log-probs, each within 2 max|Δ logit| (log_softmax).
+    # The winner stays the winner wherever it leads by more than both sides' slack.
+    bound = _bound(with_tokenizer)
+    decided = 0
     for got, want in zip(read_run(tmp_path / "mlx"), read_run(tmp_path / "torch")):
-        assert got.top1 == want.top1
-        np.testing.assert_allclose(got.scores, want.scores, atol=TOLERANCE)
+        slack = 2 * bound * np.array(want.n_tokens)
+        assert np.all(np.abs(got.scores - want.scores) <= slack)
+        runner_up, best = np.sort(want.scores)[-2:]
+        if best - runner_up > 2 * slack.max():
+            assert got.top1 == want.top1
+            decided += 1
+    assert decided
