@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from _hf_models import load_saved, save_hf_model
+from _numerics import model_logits_bound
 from pipeline.errors import UnsupportedModel
 from pipeline.models import KVCache, ModelArgs, build_model
 from pipeline.models.hf_config import arch_from_hf_config
 
-TOLERANCE = 1e-4
 CASES = {
     "llama-llama3-rope": ("llama", {}),
     "qwen2-biases": ("qwen2", {}),
@@ -53,7 +53,7 @@ def test_full_forward_matches_transformers(pair):
     assert got.dtype == torch.float32 and got.shape == expected.shape
     delta = (got - expected).abs().max().item()
     print(f"{name}: full max|dlogit| = {delta:.3g} (logit std {expected.std():.3g})")
-    assert delta <= TOLERANCE
+    assert delta <= model_logits_bound(model, len(ids))  # two float32 implementations: sums differ
 
 
 @torch.no_grad()
@@ -64,7 +64,7 @@ def test_cached_forward_matches_transformers(pair):
     assert cache.position == 64
     delta = (got - expected).abs().max().item()
     print(f"{name}: cached max|dlogit| = {delta:.3g}")
-    assert delta <= TOLERANCE
+    assert delta <= model_logits_bound(model, cache.context)
 
 
 LEGACY_LLAMA = {  # transformers 4 layout: rope_theta on top, scaling under rope_scaling with "type"
