@@ -69,3 +69,9 @@ def model_logits_bound(model, tokens: int, fp16_cache: bool = False, weight_rtol
     head = model.model.embed_tokens if model.lm_head is None else model.lm_head
     gain = model.model.norm.weight + 1.0 if model.model.norm.offset else model.model.norm.weight
     return logits_bound(chain, a.hidden_size, gain.detach().numpy(), head.weight.detach().numpy(), rel)
+
+
+def assert_within_sums(got, want, magnitude, n: int) -> None:
+    """got and want: two float32 evaluations of sums of n terms (any order, products rounded
+    too) whose absolute terms add up to `magnitude`: each within gamma_n * magnitude of exact."""
+    assert np.all(np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64)) <= 2 * gamma(n) * magnitude)

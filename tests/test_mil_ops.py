@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from _numerics import U32, assert_within_sums, gamma
 from coreml.mil import MilError
 from coreml.mil.loader import DTYPE_BY_NAME, unpack_subbyte
 from coreml.mil.ops import OPS
@@ -122,6 +123,8 @@ def test_scatter_along_axis_modes(mode):
         ref = t_data.scatter_reduce(0, t_idx, 1 / t_upd, "prod")
     else:
         ref = t_data.scatter_reduce(0, t_idx, t_upd, TORCH_REDUCE[mode])
+    # No index repeats within a column: one IEEE operation per element (two for div's 1/u then
+    # product against one division), each within u relative; 1e-6 is 16u.
     np.testing.assert_allclose(out, ref.numpy(), rtol=1e-6, atol=1e-6)
 
 
@@ -130,7 +133,8 @@ def test_scatter_accumulates_duplicate_indices_along_an_axis():
     upd = rng.standard_normal((4, 3)).astype(np.float32)
     out = run("scatter", data=DATA, indices=idx, updates=upd, axis=1, mode="add")
     ref = torch.from_numpy(DATA).index_add(1, torch.from_numpy(idx).long(), torch.from_numpy(upd))
-    np.testing.assert_allclose(out, ref.numpy(), rtol=1e-6)
+    magnitude = torch.from_numpy(np.abs(DATA)).index_add(1, torch.from_numpy(idx).long(), torch.from_numpy(np.abs(upd)))
+    assert_within_sums(out, ref.numpy(), magnitude.numpy(), 3)  # data + two updates, in either order
     out = run("scatter", data=DATA, indices=np.array([-1, 0], np.int32), updates=upd[:, :2], axis=1, mode="update")
     expected = DATA.copy()
     expected[:, [5, 0]] = upd[:, :2]
@@ -145,7 +149,10 @@ def test_scatter_nd_matches_torch_index_put(mode):
     ref = torch.from_numpy(DATA.copy()).index_put_(
         (torch.from_numpy(idx[:, 0]).long(), torch.from_numpy(idx[:, 1]).long()), torch.from_numpy(upd), accumulate=mode == "add"
     )
-    np.testing.assert_allclose(out, ref.numpy(), rtol=1e-6)
+    magnitude = torch.from_numpy(np.abs(DATA)).index_put_(
+        (torch.from_numpy(idx[:, 0]).long(), torch.from_numpy(idx[:, 1]).long()), torch.from_numpy(np.abs(upd)), accumulate=True
+    )
+    assert_within_sums(out, ref.numpy(), magnitude.numpy(), len(idx) + 1)
     rows = run("scatter_nd", data=DATA, indices=np.array([[2]], np.int32), updates=np.ones((1, 6), np.float32), mode="update")
     np.testing.assert_array_equal(rows[2], 1.0)
 
@@ -170,6 +177,8 @@ def test_band_part_matches_torch_triangles(lower, upper):
 @pytest.mark.parametrize("axis", [0, 1, 2, -1, -3])
 def test_softmax_axis_matches_torch(axis):
     x = X * 30  # large logits: the max-subtraction matters
+    # Each side: exp within a few ulps (Sleef, numpy SIMD, libm: <= 4u), a sum of <= 4 terms
+    # and a division, ~10u of each probability; 20u = 1.2e-6 apart < rtol. atol: underflowed tails.
     np.testing.assert_allclose(run("softmax", x=x, axis=axis), torch.softmax(torch.from_numpy(x), dim=axis).numpy(),
                                rtol=1e-5, atol=1e-7)
 
@@ -184,7 +193,16 @@ def test_scaled_dot_product_attention_matches_torch(mask_kind):
     ref = torch.nn.functional.scaled_dot_product_attention(
         *(torch.from_numpy(a) for a in (q, k, v)), attn_mask=None if mask is None else torch.from_numpy(mask)
     )
-    np.testing.assert_allclose(out, ref.numpy(), rtol=1e-5, atol=1e-6)
+    # A score (dot of 8, scaled, plus a float mask) errs by gamma_10 of its |terms|; softmax
+    # turns score errors ds into probability errors of at most 2 p max|ds|, plus its own ~10u
+    # (exp, sum, division); p @ V adds gamma_6. All relative to sum_j p_j |v_j|, both sides.
+    scores = np.abs(q) @ np.abs(k).swapaxes(-1, -2) / np.sqrt(8) + (np.abs(mask) if mask_kind == "float" else 0)
+    ds = gamma(10) * scores.max()
+    p = torch.softmax(torch.from_numpy(q @ k.swapaxes(-1, -2) / np.sqrt(8)
+                                      + (0 if mask is None else np.where(mask, 0, -np.inf) if mask_kind == "bool" else mask)),
+                      dim=-1).numpy()
+    bound = 2 * (2 * ds + 10 * U32 + gamma(6)) * (p @ np.abs(v))
+    assert np.all(np.abs(out - ref.numpy()) <= bound)
 
 
 # ---- elementwise, casts, selects ------------------------------------------------------------------
@@ -208,12 +226,16 @@ def test_select_broadcasts_like_torch_where():
 def test_gelu_modes_match_torch(mode, torch_mode):
     x = np.linspace(-6, 6, 101, dtype=np.float32)
     ref = torch.nn.functional.gelu(torch.from_numpy(x), approximate=torch_mode).numpy()
+    # erf/tanh within a few ulps and <= 6 roundings a side (~10u = 6e-7 of |x|); the atol covers
+    # the far negative tail, where 1 + tanh cancels and gelu is ~1e-8.
     np.testing.assert_allclose(run("gelu", x=x, mode=mode), ref, rtol=1e-6, atol=1e-6)
 
 
 def test_unary_math_against_torch():
     x = np.abs(X) + 0.1
     t = torch.from_numpy(x)
+    # Each library's sqrt is correctly rounded and its exp/erf within a few ulps; sigmoid and silu
+    # add <= 3 roundings: <= 8u = 5e-7 a side, so 2e-6 (34u) holds on any kernels.
     for op_type, ref in [("rsqrt", torch.rsqrt(t)), ("sqrt", t.sqrt()), ("sigmoid", t.sigmoid()),
                          ("silu", torch.nn.functional.silu(t)), ("erf", torch.erf(t - 1))]:
         got = run(op_type, x=x - 1 if op_type == "erf" else x, **({"epsilon": 0.0} if op_type == "rsqrt" else {}))
@@ -229,21 +251,28 @@ def test_cumsum_matches_torch(exclusive, reverse):
     if exclusive:
         ref = ref - t
     out = run("cumsum", x=X, axis=2, exclusive=exclusive, reverse=reverse)
-    np.testing.assert_allclose(out, ref.numpy(), rtol=1e-5, atol=1e-6)
+    # Any prefix sums at most the whole axis's |x|; torch's exclusive form subtracts once more.
+    assert_within_sums(out, ref.numpy(), np.abs(X).sum(2, keepdims=True), X.shape[2] + 1)
     ints = np.array([[1, 0, 1, 1]], np.int32)
     assert run("cumsum", x=ints, axis=-1, exclusive=exclusive).tolist() == [[0, 1, 1, 2] if exclusive else [1, 1, 2, 3]]
 
 
 def test_reductions_and_matmul_against_torch():
     t = torch.from_numpy(X)
-    np.testing.assert_allclose(run("reduce_mean", x=X, axes=np.array([-1]), keep_dims=True), t.mean(-1, keepdim=True).numpy(), rtol=1e-6)
-    np.testing.assert_allclose(run("reduce_sum", x=X, axes=np.array([0, 2])), t.sum((0, 2)).numpy(), rtol=1e-5)
-    np.testing.assert_allclose(run("reduce_sum", x=X), t.sum().numpy(), rtol=1e-5)
+    # Sums of signed terms: bounded by gamma_n of the absolute terms' sum, never relative to
+    # the (possibly cancelled) result.
+    a = np.abs(X)
+    assert_within_sums(run("reduce_mean", x=X, axes=np.array([-1]), keep_dims=True), t.mean(-1, keepdim=True).numpy(),
+                       a.mean(-1, keepdims=True), 5 + 1)  # and the division
+    assert_within_sums(run("reduce_sum", x=X, axes=np.array([0, 2])), t.sum((0, 2)).numpy(), a.sum((0, 2)), 2 * 4)
+    assert_within_sums(run("reduce_sum", x=X), t.sum().numpy(), a.sum(), X.size)
     y = rng.standard_normal((2, 3, 6, 5)).astype(np.float32)
-    np.testing.assert_allclose(run("matmul", x=X, y=y, transpose_y=True), (t @ torch.from_numpy(y).transpose(-1, -2)).numpy(), rtol=1e-5)
+    assert_within_sums(run("matmul", x=X, y=y, transpose_y=True), (t @ torch.from_numpy(y).transpose(-1, -2)).numpy(),
+                       a @ np.abs(y).swapaxes(-1, -2), 5 + 1)
     w, bias = rng.standard_normal((7, 5)).astype(np.float32), rng.standard_normal(7).astype(np.float32)
-    np.testing.assert_allclose(run("linear", x=X, weight=w, bias=bias),
-                               torch.nn.functional.linear(t, torch.from_numpy(w), torch.from_numpy(bias)).numpy(), rtol=1e-5, atol=1e-6)
+    assert_within_sums(run("linear", x=X, weight=w, bias=bias),
+                       torch.nn.functional.linear(t, torch.from_numpy(w), torch.from_numpy(bias)).numpy(),
+                       a @ np.abs(w).T + np.abs(bias), 5 + 2)
     assert run("matmul", x=X.astype(np.float16), y=y.astype(np.float16), transpose_y=True).dtype == np.float32
 
 
@@ -321,6 +350,7 @@ def test_sparse_and_affine_and_cast_constexprs():
     q = rng.integers(0, 255, size=(3, 4)).astype(np.uint8)
     zp, sc = np.array([128, 120, 100], np.uint8), np.array([0.1, 0.2, 0.3], np.float32)
     out = run("constexpr_affine_dequantize", quantized_data=q, zero_point=zp, scale=sc, axis=0)
+    # (q - zp) is exact; one float32 product each side, correctly rounded: equal up to u.
     np.testing.assert_allclose(out, (q.astype(np.float32) - zp[:, None]) * sc[:, None], rtol=1e-6)
     half = rng.standard_normal(5).astype(np.float16)
     cast = run("constexpr_cast", source_val=half, output_dtype="fp32")
