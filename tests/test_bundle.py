@@ -17,6 +17,7 @@ from safetensors import safe_open
 from safetensors.numpy import load_file
 
 from _hf_models import load_saved, save_hf_model
+from _numerics import model_logits_bound
 from manifests.identity import MANIFEST_NAME, read_json, write_json
 from manifests.schema import validate
 from pipeline.bundle import NonFiniteWeights, export_bundle, verify_bundle
@@ -120,7 +121,8 @@ def test_task_is_baked_exactly(tmp_path, task):
         masked, _, _ = load_reference(cmf, task=task)
     baked, _, _ = load_reference(tmp_path / "b")
     with torch.no_grad():
-        torch.testing.assert_close(baked(IDS), masked(IDS), rtol=0, atol=1e-5)
+        # Zeroed weights vs masked activations: other sums of the same terms (tests/_numerics.py).
+        torch.testing.assert_close(baked(IDS), masked(IDS), rtol=0, atol=model_logits_bound(masked, len(IDS)))
 
 
 def _hf(tmp_path, family, **overrides):
@@ -150,8 +152,9 @@ def test_a_gated_moe_layer_with_shared_expert_passes_through(tmp_path):
     baked = load_file(tmp_path / "b" / "weights.safetensors")
     args = ModelArgs.from_header({"arch": arch, "moe": moe})
     with torch.no_grad():
-        want = build_model(args, weights, mask)(IDS)
-        torch.testing.assert_close(build_model(args, baked)(IDS), want, rtol=0, atol=1e-5)
+        model = build_model(args, weights, mask)
+        want = model(IDS)
+        torch.testing.assert_close(build_model(args, baked)(IDS), want, rtol=0, atol=model_logits_bound(model, len(IDS)))
     zeroed = [n for n in baked if n.startswith("model.layers.1.") and not baked[n].any()]
     assert "model.layers.1.mlp.shared_expert.down_proj.weight" in zeroed
     assert "model.layers.1.mlp.experts.0.down_proj.weight" in zeroed and "model.layers.1.self_attn.o_proj.weight" in zeroed

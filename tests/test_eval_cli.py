@@ -13,11 +13,13 @@ import torch
 from tokenizers import Tokenizer
 
 from _hf_models import load_saved, save_hf_model
+from _numerics import model_logits_bound
 from pipeline.backends import BackendError, TorchBackend, open_backend
 from pipeline.bundle import export_bundle
 from pipeline.cli import main
 from pipeline.cmf import write_cmf
 from pipeline.models.hf_config import arch_from_hf_config
+from pipeline.reference import load_reference
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 BOS = 1
@@ -37,6 +39,14 @@ def artifact(tmp_path_factory):
     return path, hf
 
 
+@pytest.fixture(scope="module")
+def bound(artifact):
+    """Max |Δ logit| of two float32 evaluations of the artifact (tests/_numerics.py): ours and
+    transformers', or ours at other lengths, over its whole context."""
+    model, args, _ = load_reference(artifact[0])
+    return model_logits_bound(model, args.max_position_embeddings)
+
+
 def _hf_logits(hf, ids):
     with torch.no_grad():
         return hf(torch.as_tensor(np.asarray(ids, dtype=np.int64))[None]).logits[0].numpy()
@@ -48,7 +58,7 @@ def _run(capsys, *argv):
     return code, out.out, out.err
 
 
-def test_logits_from_ids_match_transformers_full_and_chunked(artifact, tmp_path, capsys):
+def test_logits_from_ids_match_transformers_full_and_chunked(artifact, bound, tmp_path, capsys):
     path, hf = artifact
     ids = np.random.default_rng(0).integers(0, 1024, 40)
     np.save(tmp_path / "ids.npy", ids)
@@ -60,10 +70,10 @@ def test_logits_from_ids_match_transformers_full_and_chunked(artifact, tmp_path,
         with np.load(out, allow_pickle=False) as npz:
             assert np.array_equal(npz["ids"], ids)
             assert npz["logits"].dtype == np.float32 and npz["logits"].shape == (40, 1024)
-            assert np.abs(npz["logits"] - expected).max() <= 1e-4
+            assert np.abs(npz["logits"] - expected).max() <= bound
 
 
-def test_logits_from_text_use_the_artifact_tokenizer_with_bos(artifact, tmp_path, capsys):
+def test_logits_from_text_use_the_artifact_tokenizer_with_bos(artifact, bound, tmp_path, capsys):
     path, hf = artifact
     text = "I was sent to a middle school in the country."
     (tmp_path / "t.txt").write_text(text)
@@ -72,7 +82,7 @@ def test_logits_from_text_use_the_artifact_tokenizer_with_bos(artifact, tmp_path
     want = [BOS, *Tokenizer.from_file(str(FIXTURES / "tokenizer.json")).encode(text, add_special_tokens=False).ids]
     with np.load(tmp_path / "t.npz", allow_pickle=False) as npz:
         assert npz["ids"].tolist() == want
-        assert np.abs(npz["logits"] - _hf_logits(hf, want)).max() <= 1e-4
+        assert np.abs(npz["logits"] - _hf_logits(hf, want)).max() <= bound
 
 
 def test_an_existing_output_is_refused_without_force(artifact, tmp_path, capsys):
@@ -90,7 +100,7 @@ def test_out_of_vocabulary_ids_are_a_typed_error(artifact, tmp_path, capsys):
     assert code == 1 and err.startswith("BackendError:") and "1024" in err
 
 
-def test_ppl_matches_an_independent_window_computation(artifact, tmp_path, capsys):
+def test_ppl_matches_an_independent_window_computation(artifact, bound, tmp_path, capsys):
     path, hf = artifact
     lines = (FIXTURES / "botchan.txt").read_text().splitlines()[:12]
     text = "\n".join(lines)
@@ -108,11 +118,13 @@ def test_ppl_matches_an_independent_window_computation(artifact, tmp_path, capsy
         losses.append(torch.nn.functional.cross_entropy(logits.double(), window[1:], reduction="none"))
     losses = torch.cat(losses)
     assert int(tokens) == len(ids) == losses.numel()
-    assert float(nll) == pytest.approx(losses.mean().item(), abs=2e-6)
-    assert float(ppl) == pytest.approx(np.exp(losses.mean().item()), rel=1e-4)
+    # Each NLL is a log_softmax entry: within 2 max|Δ logit| of transformers'; the printout
+    # rounds the NLL to 6 decimals and the perplexity to 4 (1e-4 relative covers that).
+    assert float(nll) == pytest.approx(losses.mean().item(), abs=2 * bound + 5e-7)
+    assert float(ppl) == pytest.approx(np.exp(losses.mean().item()), rel=np.expm1(2 * bound) + 1e-4)
 
 
-def test_torch_backend_prefill_and_extend_branch_like_one_forward(artifact):
+def test_torch_backend_prefill_and_extend_branch_like_one_forward(artifact, bound):
     path, _ = artifact
     backend = open_backend(path)
     assert isinstance(backend, TorchBackend) and backend.name == "torch-fp32"
@@ -122,9 +134,9 @@ def test_torch_backend_prefill_and_extend_branch_like_one_forward(artifact):
     branch_a = backend.extend(snapshot, ids[20:])
     backend.extend(snapshot, ids[20:23][::-1].copy())  # another branch in between
     branch_b = backend.extend(snapshot, ids[20:])
-    assert np.abs(prefix_logits - full[:20]).max() <= 1e-5
-    assert np.array_equal(branch_a, branch_b)
-    assert np.abs(branch_a - full[20:]).max() <= 1e-5
+    assert np.abs(prefix_logits - full[:20]).max() <= bound  # other lengths, other sums
+    assert np.array_equal(branch_a, branch_b)  # the same call on the same snapshot: bitwise
+    assert np.abs(branch_a - full[20:]).max() <= bound
 
 
 def test_a_bundle_runs_on_torch_like_its_cmf(artifact, tmp_path):
@@ -148,9 +160,9 @@ def test_dispatch_refuses_mismatched_backends(artifact, tmp_path):
         open_backend(tmp_path / "missing.cmf")
 
 
-def test_mlx_dispatch_reaches_the_mlx_runtime(artifact):
+def test_mlx_dispatch_reaches_the_mlx_runtime(artifact, bound):
     path, _ = artifact
     mlx = open_backend(path, "mlx")
     ids = np.random.default_rng(3).integers(0, 1024, 16)
     assert mlx.name == "mlx"
-    assert np.abs(mlx.logits(ids) - open_backend(path).logits(ids)).max() <= 1e-4
+    assert np.abs(mlx.logits(ids) - open_backend(path).logits(ids)).max() <= bound  # the same f32 weights, other kernels

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from _hf_models import load_saved, save_hf_model
+from _numerics import model_logits_bound
 from pipeline.models import CachedStep, KVCache, ModelArgs, build_model
 from pipeline.models.errors import ContextOverflow
 from pipeline.models.hf_config import arch_from_hf_config
@@ -38,7 +39,8 @@ def _run(model, ids, schedule, cache):
 def test_any_chunk_schedule_gives_the_full_forward(model, ids, schedule):
     expected = model(ids)
     got = _run(model, ids, schedule, KVCache.empty(model.args, 160))
-    assert (got - expected).abs().max().item() <= 1e-5
+    # Other chunk lengths, other kernels and sums: two float32 evaluations (tests/_numerics.py).
+    assert (got - expected).abs().max().item() <= model_logits_bound(model, 160)
 
 
 @torch.no_grad()
@@ -52,7 +54,7 @@ def test_snapshot_branches_do_not_disturb_each_other(model, ids):
     second = model.forward_cached(ids[64:80], branch)
     assert snapshot.position == 64 and torch.equal(snapshot.keys, keys_before)
     assert torch.equal(first, second)
-    assert (first - model(ids[:80])[64:]).abs().max().item() <= 1e-5
+    assert (first - model(ids[:80])[64:]).abs().max().item() <= model_logits_bound(model, 160)
 
 
 @torch.no_grad()
@@ -89,5 +91,5 @@ def test_traced_step_follows_position_and_length(model, ids):
         logits, keys, values = traced(ids[None, 9 : 9 + length], torch.tensor([9]), cache.keys, cache.values)
         branch = cache.snapshot()
         expected = model.forward_cached(ids[9 : 9 + length], branch)
-        assert (logits[0] - expected).abs().max().item() <= 1e-5
+        assert (logits[0] - expected).abs().max().item() <= model_logits_bound(model, context)
         assert torch.equal(keys, branch.keys) and torch.equal(values, branch.values)
