@@ -27,7 +27,7 @@ CONTEXT ?= 128
 # once from its own CMF by the PyTorch reference.
 REFERENCE := $(if $(filter $(DEFAULT_MODEL),$(MODEL)),fixtures/reference,$(OUT)/reference)
 
-.PHONY: all test venv bundle coreml compress align score release clean
+.PHONY: all test test-portability venv bundle coreml compress align score release clean
 
 all: bundle coreml compress align score
 
@@ -43,6 +43,27 @@ $(INSTALLED): pyproject.toml
 
 test: $(INSTALLED)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider
+
+# The suite again under each kernel switch that changes bits on x86, so a bound fitted to one
+# CPU's rounding fails here before a user's machine does. Each was checked to change results
+# (a matmul, softmax, silu, layer norm or exp2) on an AVX-512 EPYC: torch's ATen dispatch,
+# MKL's code path, numpy with every dispatched SIMD feature off (its baseline kernels), and
+# one BLAS/OpenMP thread. `+` joins the variables of one variant.
+PORTABILITY_VARIANTS ?= ATEN_CPU_CAPABILITY=default ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=COMPATIBLE \
+  NPY_DISABLE_CPU_FEATURES=@dispatched OMP_NUM_THREADS=1+OPENBLAS_NUM_THREADS=1+MKL_NUM_THREADS=1
+PORTABILITY_ARGS ?= -m "not slow"
+NPY_DISPATCHED = $(shell $(PY) -c "from numpy._core._multiarray_umath import __cpu_dispatch__ as d, \
+  __cpu_features__ as f; print(','.join(x for x in d if f.get(x)))")
+
+test-portability: $(INSTALLED)
+	@failed=""; for variant in $(PORTABILITY_VARIANTS); do \
+	  vars=$$(echo "$$variant" | tr '+' ' ' | sed 's/@dispatched/$(NPY_DISPATCHED)/'); \
+	  echo "== $$vars"; \
+	  env $$vars $(PY) -c "import torch; print('torch CPU capability:', torch.backends.cpu.get_cpu_capability())"; \
+	  env $$vars HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider $(PORTABILITY_ARGS) \
+	    || failed="$$failed [$$vars]"; \
+	done; \
+	if [ -n "$$failed" ]; then echo "test-portability failed under:$$failed"; exit 1; fi
 
 bundle: $(OUT)/bundle/manifest.json
 coreml: $(OUT)/coreml/stateless/manifest.json
