@@ -6,6 +6,7 @@ weights, and the conformance vectors' dtype_* files (random but valid payloads t
 every code value)."""
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -55,18 +56,32 @@ def assert_same_weights(got: np.ndarray, want: np.ndarray, dtype: str) -> None:
         np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
+def magnitude(lin) -> np.ndarray:
+    """[out, in] terms whose sum bounds what a kernel adds up: MLX's CPU kernel sums
+    x * (q s + b), its Metal kernel s * (x . q) and b * sum(x) apart, so q |s| + |b| counts
+    (codes are unsigned), then |row|, |col| and the overlay's |delta|."""
+    def absolute(block):
+        return replace(block, scales=mx.abs(block.scales), biases=mx.abs(block.biases)) if isinstance(block, Packed) \
+            else mx.abs(block)
+
+    sparse = None if lin.sparse is None else replace(lin.sparse, delta=mx.abs(lin.sparse.delta))
+    absolute_lin = replace(lin, blocks=tuple(absolute(b) for b in lin.blocks), sparse=sparse,
+                           col=None if lin.col is None else mx.abs(lin.col),
+                           row=None if lin.row is None else mx.abs(lin.row))
+    return np.array(dense(absolute_lin)).astype(np.float64)
+
+
 def assert_matmul(lin, want_w: np.ndarray, seed: int = 0) -> None:
     """Quantized kernels vs a float64 product with the effective weights, within float32
-    accumulation error: a dot of length K in any order, products rounded too, errs at most
-    gamma_{K+1} * |x| @ |W|.T (gamma_n = n u / (1 - n u)); the kernel's blocking, FMA and
-    vector width only move it inside that."""
+    accumulation error: K terms summed in any order (blocking, FMA and vector width only move
+    it inside), products, the per-group affine and q8_2f's scalings rounded too, err at most
+    gamma_{K+4} * |x| @ magnitude.T (gamma_n = n u / (1 - n u))."""
     k = want_w.shape[1]
     x = np.random.default_rng(seed).standard_normal((5, k)).astype(np.float32)
     got = np.array(matmul(lin, mx.array(x)))
     ref = x.astype(np.float64) @ want_w.T.astype(np.float64)
-    gamma = (k + 1) * U32 / (1 - (k + 1) * U32)
-    bound = gamma * (np.abs(x).astype(np.float64) @ np.abs(want_w).T.astype(np.float64))
-    assert np.all(np.abs(got - ref) <= bound + 1e-30)
+    gamma = (k + 4) * U32 / (1 - (k + 4) * U32)
+    assert np.all(np.abs(got - ref) <= gamma * (np.abs(x).astype(np.float64) @ magnitude(lin).T) + 1e-30)
 
 
 def unpack_codes(block: Packed, rows: int) -> np.ndarray:
