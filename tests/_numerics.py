@@ -4,8 +4,9 @@ Two float32 evaluations of one decoder (torch eager, the MIL executor, another B
 vector width) differ only in summation order, blocking and FMA contraction. A dot of length
 K in any order errs by at most gamma_K * sum|a*b| (gamma_K = K u / (1 - K u), u = 2^-24),
 and a logit's error, to first order, adds up along the longest chain of such accumulations
-it goes through. Every RMSNorm rescales its input, so a relative error in the hidden state
-stays relative; the head's dot then gives |Δ logit_j| <= rel * sum_i |h_i E_ji|, and with
+it goes through, taking each layer's gain on a relative error as one: every RMSNorm rescales
+its input, softmax moves a probability by at most 2 p max|Δ score| and SiLU's slope stays
+under 1.1, so a relative error in the hidden state stays relative; the head's dot then gives |Δ logit_j| <= rel * sum_i |h_i E_ji|, and with
 |h|_2 <= sqrt(D) * max|gamma| (unit RMS before the final norm's weight) Cauchy-Schwarz
 bounds that scale by weights alone. Two evaluations are each within the bound of the
 exact value, hence the factor 2. These are worst cases: typical differences sit two to
