@@ -494,7 +494,7 @@ STEPS_PER_KIND = {"stateless": 3, "chunk_kv": 3, "stateful": 4}
 
 def export_steps(kinds: Iterable[str]) -> int:
     """How many times `export_coreml` calls `progress` for these kinds (for a progress bar)."""
-    return 1 + sum(STEPS_PER_KIND[k] for k in kinds)
+    return 1 + sum(STEPS_PER_KIND.get(k, 0) for k in kinds)  # an unknown kind is export_coreml's to refuse
 
 
 def export_coreml(

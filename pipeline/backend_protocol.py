@@ -7,6 +7,9 @@ import numpy as np
 
 from pipeline.errors import CmfdeployError
 
+# What `open_backend` (pipeline.backends) accepts; here so the CLI lists them without torch.
+BACKENDS = ("auto", "torch", "coreml", "coreml-executor", "coreml-macos", "mlx")
+
 
 class BackendError(CmfdeployError):
     """An artifact no backend can open as asked, or input a backend cannot run."""

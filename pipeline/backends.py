@@ -14,12 +14,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline.backend_protocol import Backend, BackendError, validate_ids
+from pipeline.backend_protocol import BACKENDS, Backend, BackendError, validate_ids
 from pipeline.models import Decoder, KVCache, ModelArgs
 from pipeline.reference import load_reference
 
 PACKAGE_MARKER = "model.mlpackage"
-BACKENDS = ("auto", "torch", "coreml", "coreml-executor", "coreml-macos", "mlx")
 # The torch cache is [layers, 1, kv, context, head_dim] and attention reads all of it, so the
 # default stays far below the long contexts some models declare; `context=` raises it.
 DEFAULT_TORCH_CONTEXT = 2048

@@ -5,10 +5,9 @@ from pathlib import Path
 import numpy as np
 
 from manifests.output import refuse_existing
-from pipeline.backends import BACKENDS, open_backend
+from pipeline.backend_protocol import BACKENDS
 from pipeline.cmf.commands import write_npz
 from pipeline.errors import CmfdeployError
-from pipeline.evaluate import perplexity
 from pipeline.tokenizer import tokenizer_from_artifact
 
 
@@ -43,6 +42,8 @@ def _common(parser) -> None:
 
 
 def _backend(args, **options):
+    from pipeline.backends import open_backend  # torch: only once a command runs
+
     for key in ("task", "skill"):
         if getattr(args, key) is not None:
             options[key] = getattr(args, key)
@@ -79,6 +80,8 @@ def _logits(args) -> int:
 
 
 def _ppl(args) -> int:
+    from pipeline.evaluate import perplexity
+
     ids, bos_id = _text_ids(args.artifact, args.text)
     backend = _backend(args)
     result = perplexity(backend, ids, window=args.window, bos_id=bos_id)
