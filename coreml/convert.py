@@ -404,6 +404,7 @@ def _finish(package_dir: Path, ref: Reference, block: dict, checks: dict, second
             "source": ref.source,
             "architecture": ref.bundle_manifest["architecture"],
             "special_tokens": ref.bundle_manifest["special_tokens"],
+            "tokenizer": package_manifest.carry_tokenizer(ref.bundle_dir, package_dir),
             "package": block,
             "checks": checks,
             "package_bytes": package_manifest.package_bytes(mlpackage),

@@ -28,6 +28,10 @@ class Backend(Protocol):
     def extend(self, snapshot: object, ids: np.ndarray) -> np.ndarray:
         """Logits of ids run after the snapshot; the snapshot stays unchanged (branching)."""
 
+    def advance(self, snapshot: object, ids: np.ndarray) -> tuple[np.ndarray, object]:
+        """`extend`, and the snapshot after ids too (generation's decode step); the given
+        snapshot stays unchanged."""
+
 
 def validate_ids(ids, backend_name: str, vocab_size: int, context: int, offset: int = 0) -> np.ndarray:
     """ids as int64 [T], or a BackendError naming the problem; `offset` tokens are already cached."""
