@@ -91,7 +91,7 @@ $(OUT)/survey/survey.json: $(OUT)/align/chunk_kv.passed $(ITEMS)
 	  --items $(ITEMS) -o $(OUT)/survey --recipes $(RECIPES) --force
 
 $(OUT)/scores/fp32-chunk_kv/manifest.json: $(OUT)/align/chunk_kv.passed $(ITEMS)
-	$(CLI) score $(OUT)/coreml/chunk_kv $(ITEMS) --tokenizer $(MODEL) -o $(OUT)/scores/fp32-chunk_kv --force
+	$(CLI) score $(OUT)/coreml/chunk_kv $(ITEMS) -o $(OUT)/scores/fp32-chunk_kv --force
 
 $(OUT)/release.done: $(OUT)/survey/survey.json $(OUT)/align/stateless.passed
 	$(CLI) release $(OUT)/survey -o dist --name $(NAME) \

@@ -84,8 +84,7 @@ def stage_survey(package: str, gate: str, fixtures: str, items: str, out: str, r
 def stage_score(package: str, items: str, out: str) -> dict:
     from pipeline.scoring import score
 
-    _, summary = score(package, items, out, tokenizer_from=json.loads(
-        (Path(package) / "manifest.json").read_text())["source"]["path"])
+    _, summary = score(package, items, out)  # the package carries its tokenizer
     return summary
 
 
@@ -99,8 +98,7 @@ def stage_quality(fp32: str, packages: dict[str, str], windows: int) -> dict:
     from pipeline.scoring import log_softmax
     from pipeline.tokenizer import tokenizer_from_artifact
 
-    bundle = json.loads((Path(fp32) / "manifest.json").read_text())["source"]["path"]
-    tokenizer = tokenizer_from_artifact(bundle)
+    tokenizer = tokenizer_from_artifact(fp32)  # packages carry their tokenizer
     ids = tokenizer.encode(" ".join(split_lines(corpus_lines())[1]))
     inputs = cut_windows(np.asarray(ids, dtype=np.int64), CONTEXT, tokenizer.bos_id)[:windows]
 

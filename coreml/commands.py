@@ -4,35 +4,40 @@ import argparse
 
 from tqdm import tqdm
 
-from coreml.convert import KINDS, export_coreml, export_steps
-from coreml.recipes import RECIPES, compress_package
+# Kinds and recipes are checked by export_coreml and compress_package (typed errors naming the
+# known ones), not by argparse choices: listing them here would import coremltools and torch
+# into `--help`.
 
 
 def register(subparsers) -> None:
     convert = subparsers.add_parser("coreml", help="convert an FP32 bundle into Core ML packages")
     convert.add_argument("bundle", help="bundle directory (from `cmfdeploy bundle`)")
     convert.add_argument("-o", "--out", required=True, help="output directory; one subfolder per package kind")
-    convert.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
+    convert.add_argument("--kinds", nargs="+", help="stateless, chunk_kv, stateful (default: all three)")
     convert.add_argument("--context", type=int, help="KV/flexible-length context (default: max_position_embeddings)")
     convert.add_argument("--force", action="store_true", help="replace an existing output")
     convert.set_defaults(func=_coreml)
 
     compress = subparsers.add_parser("compress", help="apply a compression recipe to a Core ML package")
     compress.add_argument("package", help="package directory (out/<kind>/ from `cmfdeploy coreml`)")
-    compress.add_argument("recipe", choices=sorted(RECIPES))
+    compress.add_argument("recipe", help="a recipe of coreml.recipes.RECIPES (e.g. int8-b32, palette4-gc32)")
     compress.add_argument("-o", "--out", required=True, help="output package directory")
     compress.add_argument("--force", action="store_true", help="replace an existing output")
     compress.set_defaults(func=_compress)
 
 
 def _coreml(args: argparse.Namespace) -> int:
-    with tqdm(total=export_steps(args.kinds), unit="stage") as bar:
+    from coreml.convert import KINDS, export_coreml, export_steps
+
+    kinds = args.kinds or KINDS
+    # disable=False explicitly: the quiet CLI disables tqdm's default to silence coremltools' bars.
+    with tqdm(total=export_steps(kinds), unit="stage", disable=False) as bar:
 
         def progress(stage: str) -> None:
             bar.set_description(stage)
             bar.update(1)
 
-        manifests = export_coreml(args.bundle, args.out, args.kinds, force=args.force, context=args.context,
+        manifests = export_coreml(args.bundle, args.out, kinds, force=args.force, context=args.context,
                                   progress=progress)
     for kind, manifest in manifests.items():
         print(f"{kind}: {manifest.path} ({manifest['package_bytes']} bytes)")
@@ -40,6 +45,8 @@ def _coreml(args: argparse.Namespace) -> int:
 
 
 def _compress(args: argparse.Namespace) -> int:
+    from coreml.recipes import compress_package
+
     manifest = compress_package(args.package, args.recipe, args.out, force=args.force)
     print(f"{args.recipe}: {manifest.path} ({manifest['size_bytes']} bytes, "
           f"{manifest['base_size_bytes']} before)")

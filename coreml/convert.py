@@ -404,6 +404,7 @@ def _finish(package_dir: Path, ref: Reference, block: dict, checks: dict, second
             "source": ref.source,
             "architecture": ref.bundle_manifest["architecture"],
             "special_tokens": ref.bundle_manifest["special_tokens"],
+            "tokenizer": package_manifest.carry_tokenizer(ref.bundle_dir, package_dir),
             "package": block,
             "checks": checks,
             "package_bytes": package_manifest.package_bytes(mlpackage),
@@ -494,7 +495,7 @@ STEPS_PER_KIND = {"stateless": 3, "chunk_kv": 3, "stateful": 4}
 
 def export_steps(kinds: Iterable[str]) -> int:
     """How many times `export_coreml` calls `progress` for these kinds (for a progress bar)."""
-    return 1 + sum(STEPS_PER_KIND[k] for k in kinds)
+    return 1 + sum(STEPS_PER_KIND.get(k, 0) for k in kinds)  # an unknown kind is export_coreml's to refuse
 
 
 def export_coreml(

@@ -4,11 +4,14 @@ A package directory `out/<kind>/` holds `model.mlpackage` and `manifest.json`. T
 manifest binds the package to what produced it: its source artifact (the bundle, or for
 a compressed package the source package) by manifest sha256, the code (sha256 of its
 files), the environment, and the saved program itself (interface, op histogram, bytes,
-file inventory). Formats and required fields are fixed by
+file inventory). The package carries its tokenizer (`tokenizer.json`, `tokenizer_config.json`),
+copied from its source and recorded under `tokenizer` with the bundle's tokenizer identity, so
+a package folder alone turns text into ids. Formats and required fields are fixed by
 `manifests/schemas/{coreml,compressed}.schema.json`. `"status": "complete"` is written
 last, so a manifest without it names a package that was never finished.
 """
 
+import shutil
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
@@ -19,6 +22,7 @@ from manifests.identity import (
     MANIFEST_NAME,
     Manifest,
     canonical_json,
+    check_file,
     check_files,
     environment,
     inventory,
@@ -36,6 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Distributions whose versions decide what a conversion or compression produces.
 ENVIRONMENT_PACKAGES = ("cmfdeploy", "coremltools", "torch", "numpy", "safetensors", "protobuf")
 BUNDLE_SHA_KEY = "cmfdeploy.bundle_manifest_sha256"
+TOKENIZER_JSON, TOKENIZER_CONFIG = "tokenizer.json", "tokenizer_config.json"
 
 
 def source_digest(paths: Iterable[Path]) -> dict:
@@ -75,6 +80,53 @@ def set_model_metadata(mlmodel, *, description: str, license_: str, version: str
     mlmodel.user_defined_metadata.update(user)
 
 
+def carry_tokenizer(source_dir: str | Path, package_dir: str | Path) -> dict | None:
+    """Copy the tokenizer files of a package's source artifact (the bundle, or the package a
+    compressed one was made from) into `package_dir`; the manifest's `tokenizer` record.
+
+    The record is the source's own (`{sha256, bytes, has_config}`, as the bundle recorded it
+    from the CMF), checked against the bytes copied, so every package down the chain names the
+    bundle's tokenizer identity. None when the bundle has no tokenizer. Call it before the
+    manifest is written: the inventory then lists the copies with their sha256.
+    """
+    source_dir, package_dir = Path(source_dir), Path(package_dir)
+    identity = load_manifest(source_dir).get("tokenizer")
+    if identity is None:
+        return None
+    check_file(source_dir / TOKENIZER_JSON, identity, hashes=True,
+               where=f"{source_dir}: tokenizer {TOKENIZER_JSON!r} (manifest field 'tokenizer')")
+    names = (TOKENIZER_JSON, TOKENIZER_CONFIG) if identity["has_config"] else (TOKENIZER_JSON,)
+    package_dir.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        shutil.copyfile(source_dir / name, package_dir / name)
+    return {key: identity[key] for key in ("sha256", "bytes", "has_config")}
+
+
+def check_tokenizer(path: Path, manifest: dict) -> None:
+    """The package's tokenizer files are the ones its `tokenizer` record names (the inventory
+    has already checked their bytes), and that record is its source's when the source is at hand."""
+    from manifests.chain import upstream_path
+
+    record, files = manifest.get("tokenizer"), manifest["files"]
+    where = path / MANIFEST_NAME
+    if record is None:
+        if TOKENIZER_JSON in files:
+            raise IdentityError(f"{where}: files list {TOKENIZER_JSON!r} but field 'tokenizer' is missing")
+        return
+    if files.get(TOKENIZER_JSON, {}).get("sha256") != record["sha256"]:
+        raise IdentityError(f"{where}: field 'tokenizer.sha256' {record['sha256']} does not match "
+                            f"files[{TOKENIZER_JSON!r}]")
+    if record["has_config"] != (TOKENIZER_CONFIG in files):
+        raise IdentityError(f"{where}: field 'tokenizer.has_config' is {record['has_config']}, but "
+                            f"{TOKENIZER_CONFIG!r} is {'not ' if record['has_config'] else ''}in files")
+    upstream = upstream_path(path, manifest["source"])
+    if (upstream / MANIFEST_NAME).is_file():
+        recorded = (load_manifest(upstream).get("tokenizer") or {}).get("sha256")
+        if recorded != record["sha256"]:
+            raise IdentityError(f"{where}: field 'tokenizer.sha256' is {record['sha256']}, but its source "
+                                f"{upstream} records tokenizer sha256 {recorded}")
+
+
 def write_package_manifest(package_dir: Path, fields: dict) -> Manifest:
     """Complete `fields` with what the saved program says about itself; status goes last.
 
@@ -106,4 +158,5 @@ def verify_package(path: str | Path, hashes: bool = True) -> Manifest:
             f"expected {COREML_FORMAT!r} or {COMPRESSED_FORMAT!r}"
         )
     check_files(path, manifest["files"], hashes=hashes)
+    check_tokenizer(path, manifest)
     return Manifest(path, manifest)

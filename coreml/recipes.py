@@ -350,6 +350,7 @@ def compress_package(
             "source": artifact_source(package_dir, relative_to=out_dir),
             "architecture": source["architecture"],
             "special_tokens": source["special_tokens"],
+            "tokenizer": package_manifest.carry_tokenizer(package_dir, staging),
             "recipe": {"name": recipe, "params": RECIPES[recipe]},
             "package": source["package"],
             "selection": {**plan["record"], **({"mixed": mixed} if mixed else {})},

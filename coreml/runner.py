@@ -174,10 +174,14 @@ class PackageBackend:
         return self._feed(self.kv.empty(), ids)
 
     def extend(self, snapshot, ids) -> np.ndarray:
+        return self.advance(snapshot, ids)[0]
+
+    def advance(self, snapshot, ids):
         ids = np.asarray(ids)
         if not self.kv:
-            return self.prefill(np.concatenate([snapshot, ids]))[0][len(snapshot):]
-        return self._feed(snapshot, ids)[0]
+            logits, joined = self.prefill(np.concatenate([snapshot, ids]))
+            return logits[len(snapshot):], joined
+        return self._feed(snapshot, ids)
 
     def _feed(self, snapshot: KVSnapshot, ids: np.ndarray):
         step = self.chunk or len(ids)

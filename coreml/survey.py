@@ -47,6 +47,7 @@ from manifests.identity import (
     file_identity,
     inventory,
     read_json,
+    relative_path,
     sha256_file,
     write_json,
 )
@@ -60,6 +61,7 @@ from pipeline.report import md_table, scatter_plot
 from pipeline.tokenizer import tokenizer_from_artifact
 
 FORMAT = "cmfdeploy.survey/1"
+FOLDER_FORMAT = "cmfdeploy.survey_folder/1"
 REPORT_NAME = "survey.json"
 ALL_RECIPES = tuple(RECIPES)
 DEPLOY_RULE = "the smallest package (bytes on disk) whose alignment gate passed"
@@ -92,11 +94,12 @@ def passed_gate_of(package_dir: Path, gate_dir: Path) -> dict:
     return manifest
 
 
-def fp32_gate(package_dir: Path, alignment_dir: Path) -> dict:
-    """The FP32 gate this survey stands on, as the compressed manifests and survey.json record it."""
+def fp32_gate(package_dir: Path, alignment_dir: Path, survey_dir: Path) -> dict:
+    """The FP32 gate this survey stands on, as the compressed manifests and survey.json record it
+    (its path relative to the survey folder)."""
     manifest = passed_gate_of(package_dir, alignment_dir)
     return {
-        "path": str(Path(alignment_dir).resolve()),
+        "path": relative_path(alignment_dir, survey_dir),
         "manifest_sha256": sha256_file(Path(alignment_dir) / MANIFEST_NAME),
         "report_sha256": sha256_file(Path(alignment_dir) / align.REPORT_NAME),
         "passed": True,
@@ -112,7 +115,8 @@ def bind_fp32_gate(compressed_dir: Path, gate: dict) -> None:
     """
     path = compressed_dir / MANIFEST_NAME
     manifest = read_json(path)
-    manifest["fp32_alignment"] = {k: gate[k] for k in ("path", "manifest_sha256", "report_sha256", "passed")}
+    manifest["fp32_alignment"] = {k: gate[k] for k in ("manifest_sha256", "report_sha256", "passed")}
+    manifest["fp32_alignment"]["path"] = f"../../{gate['path']}"  # from packages/<recipe>/ to the survey folder
     validate(manifest, where=str(path))
     write_json(path, manifest)
 
@@ -338,7 +342,7 @@ def run_survey(
     if source.format != package_manifest.COREML_FORMAT:
         raise SurveyError(f"{package_dir / MANIFEST_NAME}: field 'format' is {source.format!r}; "
                           f"a survey starts from an FP32 package ({package_manifest.COREML_FORMAT})")
-    gate = fp32_gate(package_dir, Path(fp32_alignment_dir))
+    gate = fp32_gate(package_dir, Path(fp32_alignment_dir), out_dir)
     fixtures = align.ReferenceFixtures(fixtures_dir)
     context = {
         "backend": backend,
@@ -361,7 +365,7 @@ def run_survey(
             "status": "complete",
             "source": artifact_source(package_dir, relative_to=out_dir),
             "fp32": {
-                "package": {"path": str(package_dir.resolve()), "kind": source["package"]["kind"],
+                "package": {"path": relative_path(package_dir, out_dir), "kind": source["package"]["kind"],
                             "manifest_sha256": sha256_file(package_dir / MANIFEST_NAME),
                             "size_bytes": source["package_bytes"]},
                 "gate": gate,
@@ -369,7 +373,7 @@ def run_survey(
                             "scores_sha256": baseline_run["scores_sha256"], "run": "scores/fp32"},
             },
             "backend": baseline_run["backend"],
-            "fixtures": fixtures.identity(),
+            "fixtures": fixtures.identity(relative_to=out_dir),
             "scoring_set": baseline_run["scoring_set"],
             "recipes": records,
             "deployed": {"recipe": deployed_recipe(records), "rule": DEPLOY_RULE},
@@ -380,7 +384,38 @@ def run_survey(
             package_manifest.ENVIRONMENT_PACKAGES))
         validate(survey, where=str(out_dir / REPORT_NAME))
         write_json(staging / REPORT_NAME, survey)
+        write_survey_manifest(staging, survey)
     return survey
+
+
+def write_survey_manifest(staging: Path, survey: dict) -> None:
+    """The survey folder's manifest.json, written last: every file (survey.json included), the
+    survey's source and its report, so `verify-artifact` walks a survey like any stage output."""
+    write_json(staging / MANIFEST_NAME, {
+        "format": FOLDER_FORMAT,
+        "status": "complete",
+        "source": survey["source"],
+        "report": {"path": REPORT_NAME, "sha256": sha256_file(staging / REPORT_NAME), "format": FORMAT},
+        "deployed": survey["deployed"]["recipe"],
+        "files": inventory(staging),
+        "environment": survey["environment"],
+    })
+
+
+def verify_survey(path: str | Path, hashes: bool = True):
+    """Verifier of a survey folder for `cmfdeploy verify-artifact`: its manifest's inventory,
+    survey.json (schema, and its own inventory), and every measured recipe's package and gate."""
+    from manifests.identity import Manifest, load_manifest
+
+    path = Path(path)
+    manifest = load_manifest(path, FOLDER_FORMAT)
+    check_files(path, manifest["files"], hashes=hashes)
+    survey = load_survey(path, hashes=False)  # its bytes were just checked through the manifest's inventory
+    measured = [r for r in survey["recipes"] if r["status"] == "measured"]
+    for record in measured:
+        package_manifest.verify_package(path / record["package"]["path"], hashes=False)
+        align.verify_alignment(path / "gates" / record["name"], hashes=False)
+    return Manifest(path, manifest)
 
 
 def load_survey(survey_dir: str | Path, hashes: bool = True) -> dict:

@@ -2,8 +2,6 @@
 
 import argparse
 
-from coreml.recipes import RECIPES
-
 
 def register(subparsers) -> None:
     survey = subparsers.add_parser("survey", help="compress a gated FP32 package by every recipe; gate and score each")
@@ -12,7 +10,9 @@ def register(subparsers) -> None:
     survey.add_argument("--fixtures", required=True, help="reference fixtures folder (index.json + logits.npz)")
     survey.add_argument("--items", required=True, help="scoring set (JSON lines)")
     survey.add_argument("-o", "--out", required=True, help="survey folder to create")
-    survey.add_argument("--recipes", nargs="+", choices=list(RECIPES), default=list(RECIPES))
+    # No argparse choices: run_survey names the known recipes when one is not, and listing
+    # them here would import coremltools into `--help`.
+    survey.add_argument("--recipes", nargs="+", help="recipes of coreml.recipes.RECIPES (default: all)")
     survey.add_argument("--backend", default="auto", help="package backend for gates and scoring")
     survey.add_argument("--mixed-budget-bytes", type=float,
                         help="byte budget of the mixed recipe (default: halfway between all-int4 and all-int8)")
@@ -33,7 +33,8 @@ def register(subparsers) -> None:
 def _survey(args: argparse.Namespace) -> int:
     from coreml.survey import run_survey
 
-    survey = run_survey(args.package, args.fp32_gate, args.fixtures, args.items, args.out, recipes=args.recipes,
+    survey = run_survey(args.package, args.fp32_gate, args.fixtures, args.items, args.out,
+                        **({"recipes": args.recipes} if args.recipes else {}),
                         force=args.force, backend=args.backend,
                         mixed_budget_bytes=args.mixed_budget_bytes)
     for record in survey["recipes"]:

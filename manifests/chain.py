@@ -6,21 +6,21 @@ difference. The table holds import paths, not functions, so verifying a bundle n
 imports Core ML.
 
 Every manifest's `source` is either an earlier artifact (`kind: artifact`, its folder by
-absolute `path` and by `relative_path` from the manifest's own folder, and the sha256 of
-its manifest.json) or the CMF the chain starts from (`kind: cmf`, its size, sha256,
-envelope hashes). The walk verifies each artifact, checks that the upstream manifest is
-byte-for-byte the one recorded, and re-hashes the CMF when it is still at its recorded
-path. An upstream is looked for at its relative path first, so a build tree moved or
-copied as a whole verifies within itself; then at its absolute path, so an artifact moved
-alone still reaches the upstream that stayed put.
+`relative_path` from the manifest's own folder, and the sha256 of its manifest.json) or the
+CMF the chain starts from (`kind: cmf`, its size, sha256, envelope hashes). The walk
+verifies each artifact, checks that the upstream manifest is byte-for-byte the one
+recorded, and re-hashes the CMF when it is still at its recorded path. Links are relative,
+so a build tree moved or copied as a whole verifies within itself, and an artifact copied
+elsewhere (a release) verifies on its own, its upstream reported as not available.
+Records made before links were relative also hold an absolute `path`, tried second.
 """
 
 import importlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from manifests.identity import MANIFEST_NAME, Manifest, check_file, read_json, sha256_file
+from manifests.identity import MANIFEST_NAME, Manifest, check_file, portable_name, read_json, sha256_file
 from pipeline.errors import IdentityError
 
 VERIFIERS = {
@@ -30,6 +30,19 @@ VERIFIERS = {
     "cmfdeploy.compressed/1": "coreml.manifest:verify_package",
     "cmfdeploy.release/1": "pipeline.release:verify_release",
     "cmfdeploy.scores/1": "pipeline.scoring:verify_scores",
+    "cmfdeploy.survey_folder/1": "coreml.survey:verify_survey",
+}
+# What each verifier checks beyond the file inventory, as `verify-artifact` reports it.
+CHECKS = {
+    "cmfdeploy.bundle/1": "the tokenizer record against tokenizer.json",
+    "cmfdeploy.coreml/1": "the tokenizer files against the record, and the record against its source's",
+    "cmfdeploy.compressed/1": "the tokenizer files against the record, and the record against its source's",
+    "cmfdeploy.alignment/1": "report, page and plot as recorded",
+    "cmfdeploy.release/1": ("every package against its manifest, every gate passed and of exactly its package, "
+                            "the compressed package's bindings to the FP32 package and gate, the survey's records, "
+                            "tokenizer/ against every package's tokenizer, metadata.json against the manifest"),
+    "cmfdeploy.scores/1": "scores and items as recorded",
+    "cmfdeploy.survey_folder/1": "survey.json against its schema and inventory, every measured package and gate",
 }
 
 
@@ -40,9 +53,15 @@ class Link:
     path: str
     format: str  # a manifest format, or "cmf"
     result: str  # "verified" or "not available: <why>"
+    checked: str = field(default="", compare=False)  # what "verified" covered, for people
 
     def __str__(self) -> str:
         return f"{self.format} {self.path}: {self.result}"
+
+    def relative_to(self, folder: str | Path) -> "Link":
+        """The same link with its path as `folder` may name it in a report that travels
+        (`manifests.identity.portable_name`)."""
+        return Link(portable_name(self.path, folder), self.format, self.result, self.checked)
 
 
 def verifier_for(format_name: str):
@@ -72,7 +91,9 @@ def verify_chain(path: str | Path, hashes: bool = True) -> list[Link]:
     # manifests can each contain the other's hash.
     while True:
         manifest = verify_artifact(current, hashes=hashes)
-        links.append(Link(str(current), manifest.format, "verified"))
+        checked = "; ".join(filter(None, (f"{len(manifest['files'])} files by {'sha256' if hashes else 'size'}",
+                                          CHECKS.get(manifest.format))))
+        links.append(Link(str(current), manifest.format, "verified", checked))
         source = manifest["source"]
         if source["kind"] == "cmf":
             links.append(_check_cmf_source(source, hashes))
@@ -92,8 +113,8 @@ def verify_chain(path: str | Path, hashes: bool = True) -> list[Link]:
 
 def upstream_path(current: str | Path, source: dict) -> Path:
     """Where the upstream artifact of `current` (an `artifact` source record) is now: at
-    `relative_path` from `current` when a manifest is there (the tree moved as a whole), else
-    at the absolute `path` (`current` moved alone).
+    `relative_path` from `current`, or at an older record's absolute `path` when nothing is at
+    the relative one. The result may hold no manifest (the upstream was not shipped along).
 
     A manifest at the relative path is taken even when it is not the recorded one: the
     chain's sha256 check then reports the mismatch instead of looking past it.
@@ -101,7 +122,7 @@ def upstream_path(current: str | Path, source: dict) -> Path:
     if "relative_path" in source:
         # Lexical join from the resolved folder, as `artifact_source` computed it.
         candidate = Path(os.path.normpath(Path(current).resolve() / source["relative_path"]))
-        if (candidate / MANIFEST_NAME).is_file():
+        if (candidate / MANIFEST_NAME).is_file() or "path" not in source:
             return candidate
     return Path(source["path"])
 

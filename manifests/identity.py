@@ -134,24 +134,43 @@ def _environment(packages: tuple[str, ...]) -> tuple[str, str, tuple[tuple[str, 
     return platform.python_version(), platform.platform(), tuple((name, version(name)) for name in packages)
 
 
+def relative_path(target: str | Path, folder: str | Path) -> str:
+    """`target` as a POSIX path relative to `folder`: how artifacts name each other, so that no
+    manifest or report names a path of the machine it was built on. Both are resolved, so the
+    relative path is the one the filesystem walks, symlinks included."""
+    return Path(os.path.relpath(Path(target).resolve(), Path(folder).resolve())).as_posix()
+
+
+def portable_name(target: str | Path, folder: str | Path) -> str:
+    """How a report names an input it does not walk to (the source CMF, the reference fixtures):
+    its path relative to `folder` when the two share a folder below the filesystem root (a build
+    tree beside its fixtures), else only its file name, which the recorded sha256 identifies:
+    a relative path that climbs to the root would spell out the build machine's layout."""
+    target, folder = Path(target).resolve(), Path(folder).resolve()
+    if Path(os.path.commonpath([target, folder])) == Path(target.anchor):
+        return target.name
+    return relative_path(target, folder)
+
+
 def artifact_source(artifact_dir: str | Path, relative_to: str | Path | None = None) -> dict:
     """The `source` record that binds a manifest to the finished artifact it was built from.
 
     `relative_to` is the folder the binding manifest will finally live in (not a staging
-    folder it is written in first). From it the record adds `relative_path`, by which
-    `manifests.chain` still finds the upstream once the whole tree has moved; `path` stays
-    absolute for an artifact moved alone.
+    folder it is written in first). From it the record holds `relative_path`, by which
+    `manifests.chain` finds the upstream wherever the whole tree has moved, and no absolute
+    path (an artifact copied to another machine must not carry the build machine's paths).
+    Without it (a record not yet placed) the record holds the absolute `path`.
     """
     artifact_dir = Path(artifact_dir)
     source = {
         "kind": "artifact",
         "format": load_manifest(artifact_dir)["format"],
-        "path": str(artifact_dir.resolve()),
         "manifest_sha256": sha256_file(artifact_dir / MANIFEST_NAME),
     }
-    if relative_to is not None:
-        # Both resolved, so the relative path is the one the filesystem walks, symlinks included.
-        source["relative_path"] = Path(os.path.relpath(source["path"], Path(relative_to).resolve())).as_posix()
+    if relative_to is None:
+        source["path"] = str(artifact_dir.resolve())
+    else:
+        source["relative_path"] = relative_path(artifact_dir, relative_to)
     return source
 
 

@@ -20,6 +20,7 @@ SCHEMA_FILES = {
     "cmfdeploy.compressed/1": "compressed.schema.json",
     "cmfdeploy.alignment/1": "alignment.schema.json",
     "cmfdeploy.survey/1": "survey.schema.json",
+    "cmfdeploy.survey_folder/1": "survey_folder.schema.json",
     "cmfdeploy.scores/1": "scores.schema.json",
     "cmfdeploy.release/1": "release.schema.json",
 }

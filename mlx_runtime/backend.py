@@ -51,4 +51,9 @@ class MlxBackend:
         return logits, snap
 
     def extend(self, snapshot: Snapshot, ids: np.ndarray) -> np.ndarray:
-        return self._run(self._ids(ids, snapshot.position), KVCache.restore(snapshot))
+        return self.advance(snapshot, ids)[0]
+
+    def advance(self, snapshot: Snapshot, ids: np.ndarray) -> tuple[np.ndarray, Snapshot]:
+        cache = KVCache.restore(snapshot)
+        logits = self._run(self._ids(ids, snapshot.position), cache)
+        return logits, cache.snapshot()

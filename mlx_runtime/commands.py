@@ -2,11 +2,7 @@
 
 import sys
 
-from pipeline.errors import CmfdeployError
-
-
-class GenerateError(CmfdeployError):
-    """A generate request that cannot be run as given."""
+from pipeline.generation import add_generation_arguments
 
 
 def register(subparsers) -> None:
@@ -15,13 +11,7 @@ def register(subparsers) -> None:
 
     g = commands.add_parser("generate", help="stream a completion, then prefill and decode tokens/s")
     g.add_argument("model", help="CMF file")
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--chat", action="store_true", help="wrap the prompt as one user turn of the chat template")
-    g.add_argument("--bos", action="store_true", help="prepend the BOS token to a plain prompt")
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=0)
+    add_generation_arguments(g)
     g.add_argument("--task", help="task mask to apply (name or id)")
     g.add_argument("--skill", help="skill id whose tensors replace the base's")
     g.set_defaults(func=_generate)
@@ -35,35 +25,20 @@ def register(subparsers) -> None:
 
 
 def _generate(args) -> int:
-    from pipeline.tokenizer import tokenizer_from_artifact
     from mlx_runtime.backend import load
-    from mlx_runtime.chat import chat_ids
-    from mlx_runtime.generate import Sampling, Stats, generate
+    from mlx_runtime.generate import generate
+    from pipeline.generation import GenerateError, Stats, prompt_ids, sampling_of, stream_text
+    from pipeline.tokenizer import tokenizer_from_artifact
 
     if args.max_tokens < 1:
         raise GenerateError(f"--max-tokens {args.max_tokens}: must be at least 1")
     tokenizer = tokenizer_from_artifact(args.model)
     model = load(args.model, task=args.task, skill=args.skill)
     print(model.report.format(), file=sys.stderr)
-    if args.chat:
-        prompt = chat_ids(tokenizer, [{"role": "user", "content": args.prompt}])
-    else:
-        prompt = tokenizer.encode(args.prompt, add_bos=args.bos)
     stats = Stats()
-    sampling = Sampling(args.temperature, args.top_p, args.seed)
-    tokens, shown = [], ""
-    for token in generate(model, prompt, max_tokens=args.max_tokens, sampling=sampling,
-                          eos_ids=tokenizer.eos_ids, stats=stats):
-        tokens.append(token)
-        text = tokenizer.decode(tokens)
-        # Hold back a partial UTF-8 sequence until its last byte arrives.
-        if not text.endswith("\ufffd"):
-            sys.stdout.write(text[len(shown):])
-            sys.stdout.flush()
-            shown = text
-    print()
-    print(f"prefill: {stats.prompt_tokens} tokens, {stats.prefill_tps:.1f} tokens/s; "
-          f"decode: {stats.generated} tokens, {stats.decode_tps:.1f} tokens/s", file=sys.stderr)
+    stream_text(generate(model, prompt_ids(tokenizer, args), max_tokens=args.max_tokens, sampling=sampling_of(args),
+                         eos_ids=tokenizer.eos_ids, stats=stats), tokenizer, sys.stdout)
+    print(stats.line(), file=sys.stderr)
     return 0
 
 

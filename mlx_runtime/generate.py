@@ -1,4 +1,5 @@
-"""Token generation: chunked prefill, greedy / temperature / top-p sampling with a seed, streaming.
+"""Token generation on MLX: chunked prefill, then decode steps that stay on the device; sampling,
+timing and prompts are the runtime-independent ones of `pipeline.generation`.
 
 Prompt chunks of `GEMM_MIN_TOKENS` or more run their projections as dense GEMMs over a
 transient expansion of each weight (see `weights.expanded_matmul`); shorter chunks and every
@@ -9,11 +10,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 
+from pipeline.generation import Sampling, Stats, sample
 from pipeline.models.errors import ContextOverflow
 from mlx_runtime.cache import KVCache
 from mlx_runtime.models import Model, forward
@@ -22,34 +23,6 @@ from mlx_runtime.models import Model, forward
 # (measured by benchmarks/mlx_bench.py on the CPU build).
 GEMM_MIN_TOKENS = 8
 PREFILL_CHUNK = 512
-
-
-@dataclass(frozen=True)
-class Sampling:
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    seed: int = 0
-
-
-@dataclass
-class Stats:
-    """Prefill: the prompt up to the first sampled token. Decode: every later token is one
-    step, timed as wall time from the first token to the last."""
-
-    prompt_tokens: int = 0
-    prefill_s: float = 0.0
-    generated: int = 0
-    decode_steps: int = 0
-    decode_s: float = 0.0
-    kv_bytes: int = 0  # the KV cache as allocated for prompt + max_tokens
-
-    @property
-    def prefill_tps(self) -> float:
-        return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
-
-    @property
-    def decode_tps(self) -> float:
-        return self.decode_steps / self.decode_s if self.decode_s else 0.0
 
 
 def prefill(model: Model, ids: np.ndarray, cache: KVCache, chunk: int = PREFILL_CHUNK) -> mx.array:
@@ -64,23 +37,6 @@ def prefill(model: Model, ids: np.ndarray, cache: KVCache, chunk: int = PREFILL_
         logits = forward(model, part, cache, gemm=part.size >= GEMM_MIN_TOKENS, last_only=last)
         mx.eval(logits)
     return logits
-
-
-def sample(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> int:
-    """One token from logits [vocab]: argmax, or softmax(logits / T) cut to the smallest set of
-    tokens whose probability reaches top_p (nucleus), renormalised."""
-    if sampling.temperature <= 0:
-        return int(np.argmax(logits))
-    z = logits.astype(np.float64) / sampling.temperature
-    p = np.exp(z - z.max())
-    p /= p.sum()
-    if sampling.top_p < 1.0:
-        order = np.argsort(-p, kind="stable")
-        keep = np.cumsum(p[order]) - p[order] < sampling.top_p  # the token that crosses top_p stays
-        cut = np.zeros_like(p)
-        cut[order[keep]] = p[order[keep]]
-        p = cut / cut.sum()
-    return int(rng.choice(p.size, p=p))
 
 
 def _tokens(model: Model, logits: mx.array, cache: KVCache, sampling: Sampling, rng: np.random.Generator,
@@ -120,12 +76,7 @@ def generate(model: Model, prompt: np.ndarray, *, max_tokens: int, sampling: Sam
     stats.prompt_tokens, stats.kv_bytes = prompt.size, cache.nbytes
     first = None
     for token in _tokens(model, logits, cache, sampling, np.random.default_rng(sampling.seed), max_tokens):
-        now = time.perf_counter()
-        if first is None:
-            first, stats.prefill_s = now, now - start
-        else:
-            stats.decode_steps, stats.decode_s = stats.decode_steps + 1, now - first
-        stats.generated += 1
+        first = stats.tick(start, first)
         yield token
         if token in eos_ids:
             return

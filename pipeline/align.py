@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from manifests.identity import file_identity, read_json, sha256_file
+from manifests.identity import file_identity, portable_name, read_json, sha256_file
 from pipeline.errors import CmfdeployError
 
 FORMAT = "cmfdeploy.alignment/1"
@@ -126,8 +126,10 @@ class ReferenceFixtures:
     def checkpoint_sha256(self) -> str:
         return self.index["checkpoint"]["sha256"]
 
-    def identity(self) -> dict:
-        return {"name": "reference-fixtures", "path": str(self.directory),
+    def identity(self, relative_to: str | Path | None = None) -> dict:
+        """`path` as `relative_to` may name it when given (reports that travel name no build path)."""
+        path = str(self.directory) if relative_to is None else portable_name(self.directory, relative_to)
+        return {"name": "reference-fixtures", "path": path,
                 "sha256": sha256_file(self.directory / "index.json"),
                 "logits": file_identity(self.npz_path),
                 "checkpoint_sha256": self.checkpoint_sha256}
@@ -398,6 +400,8 @@ def align_package(package_dir, fixtures_dir, out_dir, *, recipe: str = "fp32", b
         records, invariants = gate_chunk_kv(RUNNERS[kind](package), fixtures, tol, samples, pattern_tol, kind)
 
     passed = all(r["passed"] for r in records) and all(i["passed"] for i in invariants)
+    # Every path the gate records is relative to its own folder: gates ship in releases.
+    fixtures_identity = fixtures.identity(relative_to=out_dir)
     report = {
         "format": FORMAT,
         "passed": passed,
@@ -405,12 +409,12 @@ def align_package(package_dir, fixtures_dir, out_dir, *, recipe: str = "fp32", b
         "policy": policy,
         "candidate_backend": package.backend,
         "reference": {"backend": "torch-fp32 (frozen fixtures)", "source": {
-            "kind": "artifact", "format": "cmfdeploy.fixtures/1", "path": str(fixtures.directory),
-            "manifest_sha256": fixtures.identity()["sha256"]}},
-        "package": {"path": str(package_dir), "kind": kind,
+            "kind": "artifact", "format": "cmfdeploy.fixtures/1", "path": fixtures_identity["path"],
+            "manifest_sha256": fixtures_identity["sha256"]}},
+        "package": {"path": portable_name(package_dir, out_dir), "kind": kind,
                     "manifest_sha256": sha256_file(package_dir / MANIFEST_NAME)},
-        "fixtures": fixtures.identity(),
-        "chain": [str(link) for link in chain],
+        "fixtures": fixtures_identity,
+        "chain": [str(link.relative_to(out_dir)) for link in chain],
         "tolerance": tolerance_dict(tol),
         "invariant_tolerance": tolerance_dict(INVARIANT),
         "pattern_tolerance": tolerance_dict(pattern_tol),
@@ -426,7 +430,7 @@ def align_package(package_dir, fixtures_dir, out_dir, *, recipe: str = "fp32", b
             "format": FORMAT, "status": "complete", "passed": passed, "recipe": recipe, "policy": policy,
             "candidate_backend": package.backend,
             "source": artifact_source(package_dir, relative_to=out_dir),
-            "fixtures": fixtures.identity(),
+            "fixtures": fixtures_identity,
             "summary": report["summary"],
             "files": inventory(staging),
             "environment": environment(),
@@ -454,6 +458,6 @@ def require_passed(alignment_dir) -> dict:
     """The manifest of a passed gate, for stages that take a gated package as input."""
     manifest = verify_alignment(alignment_dir).data
     if not manifest["passed"]:
-        raise GateFailed(f"{alignment_dir}: the alignment gate of {manifest['source']['path']} did not pass; "
+        raise GateFailed(f"{alignment_dir}: the alignment gate of its package did not pass; "
                          "downstream stages refuse this package")
     return manifest

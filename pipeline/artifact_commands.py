@@ -43,6 +43,8 @@ def _verify_artifact(args) -> int:
 
     for link in verify_chain(args.artifact, hashes=not args.sizes_only):
         print(link)
+        if link.checked:
+            print(f"  checked: {link.checked}")
     return 0
 
 

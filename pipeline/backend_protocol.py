@@ -7,6 +7,9 @@ import numpy as np
 
 from pipeline.errors import CmfdeployError
 
+# What `open_backend` (pipeline.backends) accepts; here so the CLI lists them without torch.
+BACKENDS = ("auto", "torch", "coreml", "coreml-executor", "coreml-macos", "mlx")
+
 
 class BackendError(CmfdeployError):
     """An artifact no backend can open as asked, or input a backend cannot run."""
@@ -24,6 +27,10 @@ class Backend(Protocol):
 
     def extend(self, snapshot: object, ids: np.ndarray) -> np.ndarray:
         """Logits of ids run after the snapshot; the snapshot stays unchanged (branching)."""
+
+    def advance(self, snapshot: object, ids: np.ndarray) -> tuple[np.ndarray, object]:
+        """`extend`, and the snapshot after ids too (generation's decode step); the given
+        snapshot stays unchanged."""
 
 
 def validate_ids(ids, backend_name: str, vocab_size: int, context: int, offset: int = 0) -> np.ndarray:

@@ -3,6 +3,7 @@
     backend = open_backend("model.cmf")              # torch reference, FP32
     backend = open_backend("out/package")            # a folder with model.mlpackage: Core ML
     backend = open_backend("model.cmf", "mlx")       # the MLX runtime
+    backend = open_backend("dist/model-int8-b32")    # a release: the package it ships
 
 Each runtime implements the protocol in its own area; this module holds the torch one and
 imports the others only when asked for, so the reference path never needs coremltools or MLX.
@@ -14,12 +15,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline.backend_protocol import Backend, BackendError, validate_ids
+from pipeline.backend_protocol import BACKENDS, Backend, BackendError, validate_ids
 from pipeline.models import Decoder, KVCache, ModelArgs
 from pipeline.reference import load_reference
 
 PACKAGE_MARKER = "model.mlpackage"
-BACKENDS = ("auto", "torch", "coreml", "coreml-executor", "coreml-macos", "mlx")
+RELEASE_FORMAT = "cmfdeploy.release/1"
 # The torch cache is [layers, 1, kv, context, head_dim] and attention reads all of it, so the
 # default stays far below the long contexts some models declare; `context=` raises it.
 DEFAULT_TORCH_CONTEXT = 2048
@@ -60,22 +61,41 @@ class TorchBackend:
         logits = self.model.forward_cached(self._ids(ids), cache)
         return logits.numpy(), cache.snapshot()
 
-    @torch.no_grad()
     def extend(self, snapshot: KVCache, ids: np.ndarray) -> np.ndarray:
+        return self.advance(snapshot, ids)[0]
+
+    @torch.no_grad()
+    def advance(self, snapshot: KVCache, ids: np.ndarray) -> tuple[np.ndarray, KVCache]:
         branch = snapshot.snapshot()
-        return self.model.forward_cached(self._ids(ids, snapshot.position), branch).numpy()
+        logits = self.model.forward_cached(self._ids(ids, snapshot.position), branch)
+        return logits.numpy(), branch.snapshot()
+
+
+def release_package(path: Path) -> Path | None:
+    """The package folder a release folder runs as: the compressed package it ships (the
+    manifest's second package, by the release schema); None when `path` is not a release."""
+    from manifests.identity import MANIFEST_NAME, load_manifest
+
+    if not (path.is_dir() and (path / MANIFEST_NAME).is_file()) or (path / PACKAGE_MARKER).exists():
+        return None
+    manifest = load_manifest(path)
+    if manifest["format"] != RELEASE_FORMAT:
+        return None
+    return path / manifest["packages"][1]["path"]
 
 
 def open_backend(artifact: str | Path, backend: str = "auto", **options) -> Backend:
     """The backend for an artifact: a CMF file or bundle folder runs on torch ("auto"/"torch")
     or MLX ("mlx"); a folder holding model.mlpackage runs on Core ML ("auto"/"coreml", or
     "coreml-executor"/"coreml-macos" to pick the engine). `options` go to the backend:
-    torch takes task, skill, blend, temperature, context, chunk; Core ML takes chunk."""
+    torch takes task, skill, blend, temperature, context, chunk; Core ML takes chunk. A release
+    folder runs as the package it ships (`release_package`)."""
     path = Path(artifact)
     if backend not in BACKENDS:
         raise BackendError(f"{path}: backend {backend!r} is not one of {BACKENDS}")
     if not path.exists():
         raise BackendError(f"{path}: no such file or folder")
+    path = release_package(path) or path
     is_package = path.is_dir() and (path / PACKAGE_MARKER).exists()
     if is_package:
         if backend not in ("auto", "coreml", "coreml-executor", "coreml-macos"):

@@ -23,3 +23,7 @@ class OutputExists(CmfdeployError):
 
 class UnsupportedModel(CmfdeployError):
     """The model uses an architecture, layer type, tensor or dtype a stage cannot run."""
+
+
+class CmfdeployWarning(UserWarning):
+    """A caveat the project itself raises; the quiet CLI keeps these while it hides third-party warnings."""

@@ -1,14 +1,19 @@
-"""`cmfdeploy logits` and `cmfdeploy ppl`: one artifact, any backend."""
+"""`cmfdeploy logits`, `cmfdeploy ppl` and `cmfdeploy generate`: one artifact, any backend.
 
+The artifact is a CMF file, a bundle, a Core ML package folder or a release folder; text goes
+through the artifact's own tokenizer (packages and releases carry theirs).
+"""
+
+import sys
 from pathlib import Path
 
 import numpy as np
 
 from manifests.output import refuse_existing
-from pipeline.backends import BACKENDS, open_backend
+from pipeline.backend_protocol import BACKENDS
 from pipeline.cmf.commands import write_npz
 from pipeline.errors import CmfdeployError
-from pipeline.evaluate import perplexity
+from pipeline.generation import add_generation_arguments
 from pipeline.tokenizer import tokenizer_from_artifact
 
 
@@ -34,15 +39,23 @@ def register(subparsers) -> None:
     ppl.add_argument("--window", type=int, default=128, help="tokens per window, BOS included (default 128)")
     ppl.set_defaults(func=_ppl)
 
+    generate = subparsers.add_parser("generate", help="stream a completion from any artifact (a stateful or "
+                                     "chunk-KV package, a release, a CMF), then prefill and decode tokens/s")
+    _common(generate)
+    add_generation_arguments(generate)
+    generate.set_defaults(func=_generate)
+
 
 def _common(parser) -> None:
-    parser.add_argument("artifact", type=Path, help="CMF file, bundle folder or Core ML package folder")
+    parser.add_argument("artifact", type=Path, help="CMF file, bundle, Core ML package or release folder")
     parser.add_argument("--backend", choices=BACKENDS, default="auto")
     parser.add_argument("--task", help="CMF task mask (torch and mlx backends)")
     parser.add_argument("--skill", help="CMF skill id (torch and mlx backends)")
 
 
 def _backend(args, **options):
+    from pipeline.backends import open_backend  # torch: only once a command runs
+
     for key in ("task", "skill"):
         if getattr(args, key) is not None:
             options[key] = getattr(args, key)
@@ -79,9 +92,25 @@ def _logits(args) -> int:
 
 
 def _ppl(args) -> int:
+    from pipeline.evaluate import perplexity
+
     ids, bos_id = _text_ids(args.artifact, args.text)
     backend = _backend(args)
     result = perplexity(backend, ids, window=args.window, bos_id=bos_id)
     print(f"backend {backend.name}: {result.tokens} tokens in {result.windows} windows of {args.window}, "
           f"mean NLL {result.mean_nll:.6f} nats, perplexity {result.perplexity:.4f}")
+    return 0
+
+
+def _generate(args) -> int:
+    from pipeline.generation import Stats, generate, prompt_ids, sampling_of, stream_text
+
+    tokenizer = tokenizer_from_artifact(args.artifact)
+    backend = _backend(args)
+    print(f"{args.artifact}: generating on {backend.name}", file=sys.stderr)
+    stats = Stats()
+    stream_text(generate(backend, prompt_ids(tokenizer, args), max_tokens=args.max_tokens,
+                         sampling=sampling_of(args), eos_ids=tokenizer.eos_ids, stats=stats, where=str(args.artifact)),
+                tokenizer, sys.stdout)
+    print(stats.line(), file=sys.stderr)
     return 0

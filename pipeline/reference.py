@@ -22,7 +22,7 @@ from pipeline.bundle import WEIGHTS_NAME, verify_bundle
 from pipeline.cmf import open_cmf
 from pipeline.cmf.reader import CmfFile
 from pipeline.cmf.skills import skill_tensor_source
-from pipeline.errors import UnsupportedModel
+from pipeline.errors import CmfdeployWarning, UnsupportedModel
 from pipeline.models import ModelArgs, build_model
 from pipeline.models.errors import ModelConfigError
 
@@ -100,7 +100,7 @@ def task_mask(cmf: CmfFile, task: str | int):
     except KeyError as error:
         raise ModelConfigError(f"{cmf.path.name}: masks: {error.args[0]}") from None
     if mask.meta.get("quality") is None:
-        warnings.warn(f"{cmf.path.name}: task {mask.name!r} has no measured quality", stacklevel=2)
+        warnings.warn(f"{cmf.path.name}: task {mask.name!r} has no measured quality", CmfdeployWarning, stacklevel=2)
     return mask
 
 

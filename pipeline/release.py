@@ -4,20 +4,27 @@
 
     dist/<model>-<recipe>/
       manifest.json            cmfdeploy.release/1: inventory, packages, identity chain
-      RELEASE.md               interface, tolerances, gate backend, sizes, identity chain
+      metadata.json            the descriptor an app reads (kind, assets, compression, context length),
+                               after Apple's Core AI export bundles
+      RELEASE.md               how to load it on a Mac; interface, tolerances, gate backend, sizes, chain
+      tokenizer/               tokenizer.json and tokenizer_config.json (chat template, special ids)
       packages/<recipe>/       the compressed package (model.mlpackage + its manifest)
       packages/fp32-<kind>/    the FP32 package(s) it was made from / shipped beside it
       gates/<same names>/      each package's alignment folder (report, markdown, plot, manifest)
       survey/                  survey.json, survey.md, size_vs_error.png
 
 Every included package must have passed its gate, and each gate must be of exactly that
-package (by manifest sha256); anything else is refused before a byte is copied.
+package (by manifest sha256); anything else is refused before a byte is copied. Nothing in a
+release names a path of the machine that built it: artifacts name each other by relative
+paths, so a release copied anywhere verifies on its own (its link back to the build tree is
+then reported as not available).
 `verify_release` (registered for `cmfdeploy verify-artifact`) re-checks all of it offline:
 every file's sha256, every package against its own manifest, and every binding of the
 chain FP32 package -> compressed package -> its gate, plus the compressed package's
 binding to the FP32 gate and the survey's record of both.
 """
 
+import json
 import shutil
 from pathlib import Path
 
@@ -43,6 +50,8 @@ from pipeline.errors import CmfdeployError, IdentityError
 
 FORMAT = "cmfdeploy.release/1"
 SURVEY_FILES = (SURVEY_NAME, "survey.md", "size_vs_error.png")
+METADATA_NAME = "metadata.json"
+TOKENIZER_DIR = "tokenizer"
 
 
 class ReleaseError(CmfdeployError):
@@ -115,7 +124,9 @@ def make_release(
                            f"(measured: {sorted(n for n, r in records.items() if r['status'] == 'measured')})")
 
     fp32 = survey["fp32"]
-    included = [("fp32", f"fp32-{fp32['package']['kind']}", Path(fp32["package"]["path"]), Path(fp32["gate"]["path"])),
+    # The survey names its FP32 package and gate relative to its own folder.
+    included = [("fp32", f"fp32-{fp32['package']['kind']}", survey_dir / fp32["package"]["path"],
+                 survey_dir / fp32["gate"]["path"]),
                 ("deployed" if recipe == survey["deployed"]["recipe"] else "compressed", recipe,
                  survey_dir / record["package"]["path"], survey_dir / "gates" / recipe)]
     for package_dir, gate_dir in packages:
@@ -138,6 +149,7 @@ def make_release(
         (staging / "survey").mkdir()
         for file_name in SURVEY_FILES:
             shutil.copy2(survey_dir / file_name, staging / "survey" / file_name)
+        tokenizer = package_manifest.carry_tokenizer(checked[1][2].path, staging / TOKENIZER_DIR)
         manifest = {
             "format": FORMAT,
             "status": "incomplete",
@@ -152,8 +164,10 @@ def make_release(
             "survey": {"path": f"survey/{SURVEY_NAME}", "sha256": sha256_file(survey_dir / SURVEY_NAME),
                        "deployed_rule": survey["deployed"]["rule"]},
             "chain": identity_chain(survey, entries),
+            "tokenizer": tokenizer,
         }
         write_json(staging / MANIFEST_NAME, manifest)
+        write_json(staging / METADATA_NAME, release_metadata(manifest, record))
         (staging / "RELEASE.md").write_text(release_markdown(manifest, survey))
         files = inventory(staging)
         manifest.update(files=files, environment=environment(package_manifest.ENVIRONMENT_PACKAGES),
@@ -237,6 +251,8 @@ def verify_release(path: str | Path, hashes: bool = True) -> Manifest:
             compressed_manifest["source"]["manifest_sha256"], path / fp32["path"] / MANIFEST_NAME)
     _expect(path / compressed["path"] / MANIFEST_NAME, "fp32_alignment.report_sha256",
             compressed_manifest["fp32_alignment"]["report_sha256"], path / fp32["gate"]["path"] / align.REPORT_NAME)
+    _check_tokenizer(path, manifest)
+    _check_metadata(path, manifest)
     survey = read_json(path / manifest["survey"]["path"])
     record = next((r for r in survey["recipes"] if r["name"] == manifest["recipe"]), None)
     if record is None or record["status"] != "measured":
@@ -248,7 +264,149 @@ def verify_release(path: str | Path, hashes: bool = True) -> Manifest:
     return Manifest(path, manifest)
 
 
-# --- RELEASE.md ------------------------------------------------------------------------------------
+def _check_tokenizer(path: Path, manifest: dict) -> None:
+    """tokenizer/ holds the files the release's `tokenizer` record names, and every package
+    records that same identity (the bundle's)."""
+    record, where = manifest.get("tokenizer"), path / MANIFEST_NAME
+    if record is None:
+        return
+    _expect(where, "tokenizer.sha256", record["sha256"], path / TOKENIZER_DIR / package_manifest.TOKENIZER_JSON)
+    for entry in manifest["packages"]:
+        recorded = (read_json(path / entry["path"] / MANIFEST_NAME).get("tokenizer") or {}).get("sha256")
+        if recorded != record["sha256"]:
+            raise IdentityError(f"{where}: field 'tokenizer.sha256' is {record['sha256']}, but "
+                                f"{path / entry['path'] / MANIFEST_NAME} records tokenizer sha256 {recorded}")
+
+
+def _check_metadata(path: Path, manifest: dict) -> None:
+    """metadata.json is the descriptor these packages and this tokenizer give (its bytes are
+    in the inventory; this checks it says what the manifest says)."""
+    metadata_path = path / METADATA_NAME
+    if not metadata_path.is_file():
+        raise IdentityError(f"{path}: no {METADATA_NAME} (the release's descriptor)")
+    survey = read_json(path / manifest["survey"]["path"])
+    record = next(r for r in survey["recipes"] if r["name"] == manifest["recipe"])
+    if read_json(metadata_path) != json.loads(json.dumps(release_metadata(manifest, record))):
+        raise IdentityError(f"{metadata_path}: differs from what {path / MANIFEST_NAME} and the survey describe")
+
+
+# --- metadata.json and RELEASE.md -------------------------------------------------------------------
+
+
+def release_metadata(manifest: dict, record: dict) -> dict:
+    """The release's descriptor, in the spirit of Apple's Core AI export bundles (`metadata.json`
+    beside the model, the tokenizer saved in `tokenizer/`): what an app needs to load it."""
+    interface = manifest["interface"]
+    deployed = manifest["packages"][1]
+    return {
+        "kind": "causal-language-model",
+        "model": manifest["model"],
+        "context_length": interface["context"],
+        "minimum_deployment_target": interface["minimum_deployment_target"],
+        "assets": {
+            "model": f"{deployed['path']}/{interface['name']}",
+            "model_kind": interface["kind"],
+            "tokenizer": f"{TOKENIZER_DIR}/{package_manifest.TOKENIZER_JSON}",
+            "tokenizer_config": (f"{TOKENIZER_DIR}/{package_manifest.TOKENIZER_CONFIG}"
+                                 if (manifest.get("tokenizer") or {}).get("has_config") else None),
+            "packages": {e["name"]: {"path": f"{e['path']}/{interface['name']}", "kind": e["kind"], "role": e["role"]}
+                         for e in manifest["packages"]},
+        },
+        "compression": {"recipe": manifest["recipe"], "params": record["params"],
+                        "size_bytes": record["package"]["size_bytes"],
+                        "bytes_vs_fp32": record["package"]["bytes_vs_fp32"]},
+        "special_tokens": manifest["special_tokens"],
+    }
+
+
+def _python_snippet(manifest: dict) -> str:
+    """Load the shipped package and the tokenizer on a Mac and predict the next token."""
+    interface, recipe = manifest["interface"], manifest["recipe"]
+    kind = interface["kind"]
+    function = ', function_name="prefill"' if kind == "stateful" else ""
+    lines = [
+        "import json",
+        "",
+        "import coremltools as ct",
+        "import numpy as np",
+        "from tokenizers import Tokenizer",
+        "",
+        f'release = "dist/{manifest["model"]}-{recipe}"  # this folder',
+        'tokenizer = Tokenizer.from_file(f"{release}/tokenizer/tokenizer.json")',
+        'config = json.load(open(f"{release}/tokenizer/tokenizer_config.json"))',
+        f'model = ct.models.MLModel(f"{{release}}/packages/{recipe}/model.mlpackage"{function})',
+        'ids = tokenizer.encode("I was sent to", add_special_tokens=False).ids',
+        'if config.get("bos_token_id") is not None:',
+        '    ids = [config["bos_token_id"]] + ids',
+        'inputs = {"input_ids": np.array([ids], dtype=np.int32)}',
+    ]
+    if kind == "chunk_kv":
+        shape = next(f["shape"] for f in interface["inputs"] if f["name"] == "key_cache")
+        lines += [
+            f"cache = np.zeros({tuple(shape)}, dtype=np.float32)  # (layer, batch, kv_head, slot, head_dim)",
+            "inputs.update(position=np.array([0], dtype=np.int32), key_cache=cache, value_cache=cache)",
+            "out = model.predict(inputs)  # out['new_key_cache'], out['new_value_cache'] feed the next call",
+        ]
+    elif kind == "stateful":
+        lines += [
+            "state = model.make_state()  # the fp16 K/V cache; the decode function continues from it",
+            'inputs["position"] = np.array([0], dtype=np.int32)',
+            "out = model.predict(inputs, state=state)",
+        ]
+    else:
+        lines += ["out = model.predict(inputs)"]
+    lines += ['next_id = int(out["logits"][0, -1].argmax())', "print(tokenizer.decode(ids + [next_id]))"]
+    return "\n".join(lines)
+
+
+def _swift_sketch(manifest: dict) -> str:
+    release, recipe = f"dist/{manifest['model']}-{manifest['recipe']}", manifest["recipe"]
+    return "\n".join([
+        "import CoreML",
+        "import Tokenizers  // swift-transformers",
+        "",
+        f'let release = URL(fileURLWithPath: "{release}")',
+        'let tokenizer = try await AutoTokenizer.from(modelFolder: release.appendingPathComponent("tokenizer"))',
+        f'let package = release.appendingPathComponent("packages/{recipe}/model.mlpackage")',
+        "let model = try MLModel(contentsOf: try await MLModel.compileModel(at: package))",
+        'let ids = tokenizer.encode(text: "I was sent to")',
+        "let inputIds = try MLMultiArray(shape: [1, NSNumber(value: ids.count)], dataType: .int32)",
+        "for (i, id) in ids.enumerated() { inputIds[i] = NSNumber(value: id) }",
+        "// + the other inputs of the Interface table below (position, caches), zero-filled for a first call",
+        'let out = try await model.prediction(from: MLDictionaryFeatureProvider(dictionary: ["input_ids": inputIds]))',
+        'let logits = out.featureValue(for: "logits")!.multiArrayValue!  // [1, T, vocab]: argmax of the last row',
+    ])
+
+
+def usage_markdown(manifest: dict) -> list[str]:
+    """RELEASE.md's first section: the release as a Mac developer uses it."""
+    rel = f"dist/{manifest['model']}-{manifest['recipe']}"
+    return [
+        "## Use it",
+        "",
+        "Everything needed is in this folder: the package, the tokenizer (`tokenizer/`, with the chat "
+        "template and special ids in `tokenizer_config.json`) and `metadata.json`, which names the assets, the "
+        "compression and the context length. From the command line:",
+        "",
+        "```sh",
+        f'cmfdeploy generate {rel} --prompt "I was sent to" --max-tokens 32',
+        f"cmfdeploy score {rel} items.jsonl",
+        f"cmfdeploy verify-artifact {rel}",
+        "```",
+        "",
+        "In Python on a Mac (coremltools and `tokenizers`; Core ML prediction needs macOS):",
+        "",
+        "```python",
+        _python_snippet(manifest),
+        "```",
+        "",
+        "In Swift (Core ML's `MLModel` and swift-transformers' `Tokenizers`), a sketch **not compiled here**:",
+        "",
+        "```swift",
+        _swift_sketch(manifest),
+        "```",
+        "",
+    ]
 
 
 def release_markdown(manifest: dict, survey: dict) -> str:
@@ -273,6 +431,7 @@ def release_markdown(manifest: dict, survey: dict) -> str:
         f"compute precision {interface['compute_precision']}), compressed with recipe `{manifest['recipe']}` "
         f"({chosen}).",
         "",
+        *usage_markdown(manifest),
         "## Interface",
         "",
         md_table(["", "name", "dtype", "shape", "meaning"], features),

@@ -295,20 +295,22 @@ def read_run(run_dir: str | Path) -> list[ItemScores]:
             for r in rows]
 
 
-def score(artifact: str | Path, items_path: str | Path, out_dir: str | Path, *, backend: str = "auto",
-          tokenizer_from: str | Path | None = None, force: bool = False) -> tuple[Path, dict]:
+def score(artifact: str | Path, items_path: str | Path, out_dir: str | Path | None, *, backend: str = "auto",
+          tokenizer_from: str | Path | None = None, force: bool = False) -> tuple[Path | None, dict]:
     """Score a scoring set with one backend and write the run directory; (path, summary).
 
     The tokenizer comes from `tokenizer_from` (a CMF or a folder with tokenizer.json),
-    by default the artifact itself.
+    by default the artifact itself (packages and releases carry theirs). With `out_dir`
+    None nothing is written and the path is None.
     """
     from pipeline.backends import open_backend  # imports torch, which MLX-only scoring never needs
 
-    refuse_existing(out_dir, force)
+    if out_dir is not None:
+        refuse_existing(out_dir, force)
     items = load_items(items_path)
     tokenizer = tokenizer_from_artifact(tokenizer_from or artifact)
     runner = open_backend(artifact, backend)
     results = score_items(runner, tokenizer, items)
-    path = write_run(results, out_dir, artifact=artifact, backend_name=runner.name, items_path=items_path,
-                     force=force)
+    path = None if out_dir is None else write_run(results, out_dir, artifact=artifact, backend_name=runner.name,
+                                                  items_path=items_path, force=force)
     return path, summarize(results)

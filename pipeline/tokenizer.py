@@ -83,15 +83,22 @@ def load_tokenizer(tokenizer_json_bytes: bytes, tokenizer_config: dict | None, s
     )
 
 
+# Where an artifact folder keeps its tokenizer: beside its manifest (bundles, packages) or in a
+# `tokenizer/` folder beside the packages (releases, as Apple's Core AI export bundles do).
+TOKENIZER_FOLDERS = (".", "tokenizer")
+
+
 def tokenizer_from_artifact(path: str | Path) -> Tokenizer:
     """The tokenizer of a CMF file (vocab section + header block) or of an artifact folder
-    holding `tokenizer.json` and optionally `tokenizer_config.json` (a bundle, for one)."""
+    holding `tokenizer.json` and optionally `tokenizer_config.json` (a bundle or a package),
+    or holding them in `tokenizer/` (a release)."""
     path = Path(path)
     if path.is_dir():
-        vocab_path = path / "tokenizer.json"
-        if not vocab_path.is_file():
-            raise TokenizerError(f"{path}: no tokenizer.json in this folder")
-        config_path = path / "tokenizer_config.json"
+        folder = next((path / f for f in TOKENIZER_FOLDERS if (path / f / "tokenizer.json").is_file()), None)
+        if folder is None:
+            raise TokenizerError(f"{path}: no tokenizer.json in this folder or in its tokenizer/ folder")
+        vocab_path = folder / "tokenizer.json"
+        config_path = folder / "tokenizer_config.json"
         config = None
         if config_path.is_file():
             try:

@@ -327,7 +327,8 @@ def test_cli_bundle_and_verify_artifact(tmp_path, capsys):
     assert main(["bundle", str(cmf), "-o", str(tmp_path / "b"), "--task", "coding"]) == 0
     assert main(["verify-artifact", str(tmp_path / "b")]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[-2:] == [f"cmfdeploy.bundle/1 {tmp_path / 'b'}: verified", f"cmf {cmf}: verified"]
+    assert out[-3:] == [f"cmfdeploy.bundle/1 {tmp_path / 'b'}: verified",
+                        "  checked: 4 files by sha256; the tokenizer record against tokenizer.json", f"cmf {cmf}: verified"]
     _flip_last_byte(tmp_path / "b" / "weights.safetensors")
     assert main(["verify-artifact", str(tmp_path / "b")]) == 1
     assert capsys.readouterr().err.startswith("IdentityError: ")

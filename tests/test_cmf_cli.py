@@ -165,3 +165,20 @@ def test_subprocess_has_no_traceback():
     assert proc.returncode == 1
     assert proc.stderr.startswith("Bounds: corrupt_section_overflow.cmf: section 'masks'")
     assert "Traceback" not in proc.stderr
+
+
+def test_dump_writes_the_decodable_tensors_and_names_the_reserved_ones(tmp_path, capsys):
+    case = json.loads((VECTORS / "dtype_reserved_a.json").read_text())
+    out = tmp_path / "r.npz"
+    code, stdout, err = run(capsys, "dump", VECTORS / "dtype_reserved_a.cmf", "-o", out)
+    assert code == 0, err
+    decodable = [t for t in case["tensors"] if t["decodable"]]
+    with np.load(VECTORS / "dtype_reserved_a.expected.npz", allow_pickle=False) as want, \
+            np.load(out, allow_pickle=False) as got:
+        assert sorted(got.files) == sorted(t["npz_key"] for t in decodable) == sorted(want.files)
+        for key in want.files:
+            np.testing.assert_array_equal(got[key].view(np.uint32), want[key].view(np.uint32))
+    lines = stdout.splitlines()
+    assert lines[0] == f"{out}: {len(decodable)} tensors"
+    assert lines[1:] == [f"not decoded: {t['name']}: dtype {t['dtype_id']} ({t['dtype']}) is reserved and has no "
+                         "defined decoding" for t in case["tensors"] if not t["decodable"]]

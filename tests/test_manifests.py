@@ -264,7 +264,7 @@ def test_chain_follows_the_relative_path_of_a_tree_moved_as_a_whole(tmp_path, mo
     export_bundle(cmf, tmp_path / "build" / "bundle")
     source = _stage_over(tmp_path / "build" / "bundle", tmp_path / "build" / "stages" / "one")["source"]
     assert source["relative_path"] == "../../bundle"
-    assert source["path"] == str((tmp_path / "build" / "bundle").resolve())
+    assert "path" not in source  # no path of the build machine
 
     shutil.move(tmp_path / "build", tmp_path / "moved")
     links = verify_chain(tmp_path / "moved" / "stages" / "one")
@@ -280,20 +280,26 @@ def test_chain_follows_the_relative_path_of_a_tree_moved_as_a_whole(tmp_path, mo
         verify_chain(tmp_path / "moved" / "stages" / "one")
 
 
-def test_chain_of_an_artifact_moved_alone_finds_its_upstream_at_the_recorded_path(bundle, tmp_path, monkeypatch):
+def test_an_artifact_moved_alone_verifies_and_reports_its_upstream_not_available(bundle, tmp_path, monkeypatch):
     monkeypatch.setitem(VERIFIERS, "cmfdeploy.stage/1", f"{__name__}:_verify_stage")
     upstream = shutil.copytree(bundle.path, tmp_path / "bundle")
-    _stage_over(upstream, tmp_path / "stage")
+    manifest = _stage_over(upstream, tmp_path / "stage")
     (tmp_path / "away").mkdir()
     shutil.move(tmp_path / "stage", tmp_path / "away" / "stage")  # ../bundle from here is not there
     links = verify_chain(tmp_path / "away" / "stage")
     assert [(link.path, link.result) for link in links] == [
-        (str(tmp_path / "away" / "stage"), "verified"), (str(upstream.resolve()), "verified"),
-        (bundle["source"]["path"], "verified")]
+        (str(tmp_path / "away" / "stage"), "verified"),
+        (str((tmp_path / "away" / "bundle").resolve()), "not available: no manifest at the recorded path")]
 
+    # A record made before links were relative also holds the absolute path, tried second.
+    stage = tmp_path / "away" / "stage"
+    write_json(stage / MANIFEST_NAME, {**manifest, "source": {**manifest["source"], "path": str(upstream.resolve())}})
+    links = verify_chain(stage)
+    assert [(link.path, link.result) for link in links] == [
+        (str(stage), "verified"), (str(upstream.resolve()), "verified"), (bundle["source"]["path"], "verified")]
     write_json(upstream / MANIFEST_NAME, {**read_json(upstream / MANIFEST_NAME), "license": "edited"})
     with pytest.raises(IdentityError, match="source.manifest_sha256"):
-        verify_chain(tmp_path / "away" / "stage")
+        verify_chain(stage)
 
 
 def test_verify_artifact_refuses_a_format_without_verifier(tmp_path):

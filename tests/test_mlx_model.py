@@ -23,7 +23,7 @@ from pipeline.models.hf_config import arch_from_hf_config
 from pipeline.reference import load_reference
 from pipeline.tokenizer import load_tokenizer
 from mlx_runtime.backend import MlxBackend
-from mlx_runtime.chat import CHATML, ChatTemplateError, render_chat
+from pipeline.chat import CHATML, ChatTemplateError, render_chat
 from mlx_runtime.generate import Sampling, Stats, generate, sample
 from mlx_runtime.models import forward, load_model
 

@@ -18,7 +18,7 @@ from pipeline.importers.gguf import import_gguf
 from pipeline.importers.quant_policy import QuantPolicy
 from pipeline.tokenizer import tokenizer_from_artifact
 from mlx_runtime.backend import MlxBackend
-from mlx_runtime.chat import chat_ids
+from pipeline.chat import chat_ids
 from mlx_runtime.generate import generate
 
 pytestmark = pytest.mark.slow

@@ -139,3 +139,127 @@ def test_release_refuses_unmeasured_recipes_and_existing_output(survey, release,
         make_release(survey.path, release.path.parent)
     assert main(["release", str(survey.path), "-o", str(release.path.parent)]) == 1
     assert capsys.readouterr().err.startswith("OutputExists: ")
+
+
+# --- a release is a thing you copy to another machine ------------------------------------------
+
+
+def _json_strings(value):
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield key
+            yield from _json_strings(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _json_strings(item)
+
+
+def test_nothing_in_a_release_names_a_path_of_the_build_machine(release, survey, tmp_path_factory):
+    build_roots = {str(tmp_path_factory.getbasetemp().resolve()), str(FIXTURE_REFERENCE.parent.parent.resolve())}
+    texts = [p for p in release.path.rglob("*") if p.suffix in (".json", ".md")]
+    assert {p.name for p in texts} >= {"manifest.json", "metadata.json", "RELEASE.md", "survey.md", "alignment.json",
+                                       "alignment.md", "survey.json", "tokenizer_config.json"}
+    for path in texts:
+        text = path.read_text()
+        for root in build_roots:
+            assert root not in text, f"{path.relative_to(release.path)} names {root}"
+        if path.suffix == ".json":
+            absolute = [s for s in _json_strings(json.loads(text)) if s.startswith("/")]
+            assert absolute == [], f"{path.relative_to(release.path)}: {absolute}"
+    # The survey page's first line names the FP32 package relative to the survey folder.
+    survey_md = (release.path / "survey" / "survey.md").read_text().splitlines()
+    first = next(line for line in survey_md if line.startswith("- FP32 package"))
+    assert (survey.path / first.split("`")[1]).resolve() == survey.package.resolve()
+
+
+@pytest.fixture(scope="module")
+def relocated(release, tmp_path_factory):
+    """The release copied alone to a folder that shares no ancestry with the build tree but /tmp,
+    at another depth, so no relative link can reach the build tree."""
+    copy = tmp_path_factory.mktemp("elsewhere") / "a" / "b" / release.path.name
+    shutil.copytree(release.path, copy)
+    return copy
+
+
+def test_a_relocated_release_verifies_everything_inside_it(relocated, capsys):
+    links = verify_chain(relocated)
+    assert [(link.format, link.result.split(":")[0]) for link in links] == [
+        ("cmfdeploy.release/1", "verified"), ("cmfdeploy.compressed/1", "not available")]
+    assert main(["verify-artifact", str(relocated)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"cmfdeploy.release/1 {relocated}: verified"
+    # It names what it checked: every file, the packages, gates, tokenizer and descriptor.
+    files = len(read_json(relocated / "manifest.json")["files"])
+    assert out[1].startswith(f"  checked: {files} files by sha256; every package against its manifest")
+    assert "tokenizer/" in out[1] and "metadata.json" in out[1]
+    assert out[2].startswith("cmfdeploy.compressed/1 ") and out[2].endswith("not available: no manifest at the recorded path")
+
+
+def test_a_relocated_release_carries_its_tokenizer_and_describes_itself(release, relocated):
+    deployed = relocated / "packages" / release["recipe"]
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (relocated / "tokenizer" / name).read_bytes() == (deployed / name).read_bytes()
+    assert release["tokenizer"] == read_json(deployed / "manifest.json")["tokenizer"]
+    metadata = read_json(relocated / "metadata.json")
+    assert metadata["context_length"] == release["interface"]["context"] == 128
+    assert metadata["compression"]["recipe"] == release["recipe"]
+    for asset in ("model", "tokenizer", "tokenizer_config"):
+        assert (relocated / metadata["assets"][asset]).exists()
+    edited = dict(metadata, context_length=4096)
+    (relocated / "metadata.json").write_text(json.dumps(edited))
+    with pytest.raises(IdentityError, match="metadata.json"):
+        verify_release(relocated)
+    (relocated / "metadata.json").write_text(json.dumps(metadata, sort_keys=True, indent=2) + "\n")
+    verify_release(relocated)
+
+
+def test_text_commands_run_on_a_relocated_release_with_text_alone(release, relocated, survey, tmp_path, capsys):
+    from pipeline.backends import open_backend
+    from pipeline.generation import generate
+    from pipeline.tokenizer import tokenizer_from_artifact
+
+    deployed = relocated / "packages" / release["recipe"]
+    tokenizer = tokenizer_from_artifact(relocated)
+    prompt = tokenizer.encode("I was sent to", add_bos=True)
+    assert main(["generate", str(relocated), "--prompt", "I was sent to", "--bos", "--max-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    assert out == tokenizer.decode(list(generate(open_backend(deployed), prompt, max_tokens=8))) + "\n"
+
+    (tmp_path / "t.txt").write_text("I was sent to a middle school in the country.")
+    assert main(["ppl", str(relocated), "--text", str(tmp_path / "t.txt")]) == 0
+    assert main(["ppl", str(deployed), "--text", str(tmp_path / "t.txt")]) == 0
+    release_line, package_line = capsys.readouterr().out.splitlines()
+    assert release_line == package_line  # the release runs as the package it ships
+    assert main(["logits", str(relocated), "--text", str(tmp_path / "t.txt"), "-o", str(tmp_path / "x.npz")]) == 0
+    assert main(["score", str(relocated), str(survey.items)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith(f"{relocated}: 8 items, top-1 accuracy")
+
+
+def test_the_release_page_shows_how_to_load_package_and_tokenizer_on_a_mac(release):
+    text = (release.path / "RELEASE.md").read_text()
+    python = text.split("```python\n")[1].split("```")[0]
+    compile(python, "RELEASE.md", "exec")  # prediction itself needs macOS
+    assert "ct.models.MLModel(" in python and "Tokenizer.from_file(" in python
+    assert f"packages/{release['recipe']}/model.mlpackage" in python and "tokenizer/tokenizer.json" in python
+    assert "key_cache=cache" in python  # the deployed package is chunk-KV: its caches are inputs
+    assert "```swift\n" in text and "not compiled here" in text
+    assert f"cmfdeploy score dist/{release.path.name} items.jsonl" in text
+
+
+def test_verify_artifact_checks_a_survey_folder_and_names_what_it_checked(survey, tmp_path, capsys):
+    assert main(["verify-artifact", str(survey.path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"cmfdeploy.survey_folder/1 {survey.path}: verified"
+    files = len(read_json(survey.path / "manifest.json")["files"])
+    assert out[1] == (f"  checked: {files} files by sha256; survey.json against its schema and inventory, "
+                      "every measured package and gate")
+    assert [line.split(" ")[0] for line in out if not line.startswith(" ")] == [
+        "cmfdeploy.survey_folder/1", "cmfdeploy.coreml/1", "cmfdeploy.bundle/1", "cmf"]
+    copy = tmp_path / "survey"
+    shutil.copytree(survey.path, copy)
+    report = copy / "survey.json"
+    report.write_text(report.read_text().replace('"deployed"', '"deployed" ', 1))
+    assert main(["verify-artifact", str(copy)]) == 1
+    assert "survey.json" in capsys.readouterr().err

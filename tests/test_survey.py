@@ -13,7 +13,7 @@ from conftest import FIXTURE_REFERENCE
 
 from coreml.package import open_package
 from coreml.survey import ForeignGate, SurveyError, load_survey, run_survey
-from manifests.chain import verify_chain
+from manifests.chain import upstream_path, verify_chain
 from manifests.identity import read_json, sha256_file
 from pipeline.align import GateFailed, ReferenceFixtures
 from pipeline.backends import open_backend
@@ -114,7 +114,7 @@ def test_gate_error_is_the_packages_real_error_against_the_fixture_logits(survey
 def test_scoring_effects_match_an_independent_recount(survey):
     baseline = read_run(survey.path / "scores" / "fp32")
     # The FP32 package ranks as the torch reference does (independent runtime, same bundle).
-    bundle = Path(read_json(survey.package / "manifest.json")["source"]["path"])
+    bundle = upstream_path(survey.package, read_json(survey.package / "manifest.json")["source"])
     reference = score_items(open_backend(bundle), tokenizer_from_artifact(bundle), load_items(survey.items))
     assert max(np.abs(a.scores - b.scores).max() for a, b in zip(baseline, reference)) < 1e-3
     for name in MEASURED:
@@ -159,7 +159,7 @@ def _chain(path: Path) -> list[tuple[str, str, str]]:
 
 
 def test_nested_gates_and_scores_chain_back_to_the_source_cmf(survey):
-    bundle = read_json(survey.package / "manifest.json")["source"]["path"]
+    bundle = str(upstream_path(survey.package, read_json(survey.package / "manifest.json")["source"]))
     cmf = read_json(Path(bundle) / "manifest.json")["source"]["path"]
     upstream = [str(survey.package.resolve()), bundle, cmf]
     for name in MEASURED:
@@ -176,7 +176,7 @@ def test_nested_gates_and_scores_chain_back_to_the_source_cmf(survey):
 def test_verify_artifact_on_a_scoring_run(survey, tmp_path, capsys):
     run = survey.path / "scores" / "int8-b32"
     assert main(["verify-artifact", str(run)]) == 0
-    lines = capsys.readouterr().out.splitlines()
+    lines = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("  checked: ")]
     assert lines[0] == f"cmfdeploy.scores/1 {run}: verified" and len(lines) == 5
     assert all(line.endswith(": verified") for line in lines)
 

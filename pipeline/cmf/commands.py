@@ -47,7 +47,8 @@ def register(subparsers) -> None:
     p.add_argument("--force", action="store_true", help="replace an existing .sig")
     p.set_defaults(func=_sign)
 
-    p = subparsers.add_parser("dump", help="decode tensors to float32 arrays in an .npz")
+    p = subparsers.add_parser("dump", help="decode tensors to float32 arrays in an .npz (tensors of reserved "
+                              "dtypes, which have no defined decoding, are listed instead)")
     p.add_argument("file")
     p.add_argument("-o", "--output", required=True)
     p.add_argument("--tensor", action="append", help="only this tensor (repeatable)")
@@ -174,8 +175,15 @@ def _dump(args) -> int:
         missing = [n for n in names if n not in source]
         if missing:
             raise Parse(f"{cmf.path.name}: no tensor named {', '.join(map(repr, missing))}")
-        write_npz(out, ((name, cmf.decode(source[name])) for name in names))
-    print(f"{out}: {len(names)} tensors")
+        # A reserved dtype opens and verifies (spec) but has no decoding: listed, not fatal.
+        dtypes = {name: cmf.tensors[source[name]].dtype for name in names}
+        decodable = [name for name in names if dtypes[name].decodable]
+        write_npz(out, ((name, cmf.decode(source[name])) for name in decodable))
+    print(f"{out}: {len(decodable)} tensors")
+    for name in names:
+        if not dtypes[name].decodable:
+            print(f"not decoded: {name}: dtype {dtypes[name].id} ({dtypes[name].name}) is reserved and has no "
+                  "defined decoding")
     return 0
 
 
