@@ -16,6 +16,8 @@ from manifests.output import staged_file
 from pipeline.errors import IdentityError
 
 MANIFEST_NAME = "manifest.json"
+# A detached signature over the manifest (manifests.signing); it cannot be in the inventory it signs.
+SIGNATURE_NAME = MANIFEST_NAME + ".sig"
 
 @dataclass(frozen=True)
 class Manifest:
@@ -198,7 +200,7 @@ def check_files(root: str | Path, recorded: dict[str, dict], hashes: bool = True
     for name in recorded:
         resolve_inside(root, name)
     present = {path.relative_to(root).as_posix() for path in root.rglob("*") if not path.is_dir()}
-    present.discard(MANIFEST_NAME)
+    present -= {MANIFEST_NAME, SIGNATURE_NAME}
     unexpected = sorted(present - recorded.keys())
     if unexpected:
         raise IdentityError(f"{root}: unexpected file {unexpected[0]!r} (not in the manifest's 'files')")

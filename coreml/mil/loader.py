@@ -241,10 +241,12 @@ def mil_dtype(code: int, where: str) -> MilDType:
     return DTYPES[code]
 
 
-def _tensor_spec(vt: MIL_pb2.ValueType, where: str) -> TensorSpec | None:
+def tensor_spec(vt: MIL_pb2.ValueType, where: str) -> TensorSpec | None:
     kind = vt.WhichOneof("type")
     if kind == "stateType":
-        inner = _tensor_spec(vt.stateType.wrappedType, where)
+        inner = tensor_spec(vt.stateType.wrappedType, where)
+        if inner is None:
+            raise MilError(f"{where}: state type does not wrap a tensor")
         return TensorSpec(inner.dtype, inner.shape, is_state=True)
     if kind != "tensorType":
         return None
@@ -272,7 +274,7 @@ class _ValueReader:
     def _immediate(self, vt: MIL_pb2.ValueType, iv, where: str):
         kind = iv.WhichOneof("value")
         if kind == "tensor":
-            spec = _tensor_spec(vt, where)
+            spec = tensor_spec(vt, where)
             if spec is None:
                 raise MilError(f"{where}: immediate tensor without a tensor type")
             return _tensor_value(iv.tensor, spec, where)
@@ -289,7 +291,7 @@ class _ValueReader:
         raise MilError(f"{where}: immediate value kind {kind!r} is not supported")
 
     def _blob(self, v: MIL_pb2.Value, where: str) -> np.ndarray:
-        spec = _tensor_spec(v.type, where)
+        spec = tensor_spec(v.type, where)
         if spec is None or None in spec.shape:
             raise MilError(f"{where}: blob value needs a tensor type of fixed shape")
         name, offset = v.blobFileValue.fileName, v.blobFileValue.offset
@@ -352,13 +354,13 @@ def _block(pb: MIL_pb2.Block, reader: _ValueReader, where: str) -> Block:
             Operation(
                 type=op.type,
                 inputs=inputs,
-                outputs=tuple((o.name, _tensor_spec(o.type, at)) for o in op.outputs),
+                outputs=tuple((o.name, tensor_spec(o.type, at)) for o in op.outputs),
                 attributes=attributes,
                 blocks=tuple(_block(b, reader, at) for b in op.blocks),
             )
         )
     return Block(
-        inputs=tuple((i.name, _tensor_spec(i.type, where)) for i in pb.inputs),
+        inputs=tuple((i.name, tensor_spec(i.type, where)) for i in pb.inputs),
         outputs=tuple(pb.outputs),
         operations=tuple(ops),
     )
@@ -409,7 +411,7 @@ def load_program(package: str | Path) -> Program:
         functions[name] = Function(
             name=name,
             opset=fn.opset,
-            inputs=tuple((i.name, _tensor_spec(i.type, where)) for i in fn.inputs),
+            inputs=tuple((i.name, tensor_spec(i.type, where)) for i in fn.inputs),
             block=_block(fn.block_specializations[fn.opset], reader, where),
             spec_inputs=tuple(feature_spec(f, where) for f in fd.input),
             spec_outputs=tuple(feature_spec(f, where) for f in fd.output),
