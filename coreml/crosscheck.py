@@ -12,6 +12,7 @@ The program is read from its protobuf with `coreml.mil.loader` (weights are not 
 each blob's 64-byte header is).
 """
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -159,13 +160,14 @@ def _features(claims: _Claims, kind: str, claimed: list, stated: dict, dims: dic
     for feature in claimed:
         name, spec = feature["name"], stated[feature["name"]]
         at = f"{prefix}[{name}]"
-        dtype = _dtype_name(spec.dtype) if spec.dtype is not None else _dtype_name(results[name].dtype)
-        claims.same(f"{at}.dtype", feature["dtype"], dtype)
+        # An output's description may leave its dtype open; the returned variable states it.
+        result = None if results is None else results[name]
+        dtype = spec.dtype if spec.dtype is not None or result is None else result.dtype
+        claims.same(f"{at}.dtype", feature["dtype"], _dtype_name(dtype))
         if results is None:  # inputs and states: the description carries shape and range
             shape = _claimed_dims(claims, f"{at}.shape", feature["shape"], dims, flexible_as_range=True)
             claims.same(f"{at}.shape (function {function})", shape, _input_dims(spec))
         else:  # outputs: the returned variable's type; an unknown dimension is the flexible one
-            result = results[name]
             stated_shape = None if result is None else ["flexible" if d is None else d for d in result.shape]
             shape = _claimed_dims(claims, f"{at}.shape", feature["shape"], dims, flexible_as_range=False)
             claims.same(f"{at}.shape (function {function})", shape, stated_shape)
@@ -190,7 +192,8 @@ def _context(claims: _Claims, block: dict, architecture: dict) -> None:
             if lo != hi]
     if tops:
         claims.same("package.context", block["context"], max(tops), "the largest flexible input range of the program")
-    expected = [architecture["num_layers"], 1, architecture["num_kv_heads"], block["context"], architecture["head_dim"]]
+    expected = [architecture.get("num_layers"), 1, architecture.get("num_kv_heads"), block["context"],
+                architecture.get("head_dim")]
     for function in program.functions.values():
         for name, spec in {**function.inputs, **function.states}.items():
             if name in CACHE_FEATURES:
@@ -198,7 +201,7 @@ def _context(claims: _Claims, block: dict, architecture: dict) -> None:
                             f"architecture.head_dim] of {name}", expected, list(spec.shape))
         logits = function.results.get("logits")
         if logits is not None and logits.shape:
-            claims.same("architecture.vocab_size", architecture["vocab_size"], logits.shape[-1],
+            claims.same("architecture.vocab_size", architecture.get("vocab_size"), logits.shape[-1],
                         "the program's logits")
 
 
@@ -243,8 +246,7 @@ def _blob_headers(claims: _Claims) -> None:
         if file_name not in files:
             files[file_name] = BlobStorage(blob_file(claims.program.spec_path.parent, file_name, at))
         entry = files[file_name].entry(offset, spec.dtype)
-        count = int(np.prod(spec.shape, dtype=np.int64))
-        need = (count * spec.dtype.nbits + 7) // 8
+        need = (math.prod(spec.shape) * spec.dtype.nbits + 7) // 8
         if entry.size != need:
             raise MilError(f"{at}: blob at {file_name} @ {offset} holds {entry.size} bytes; "
                            f"a {spec.dtype.name} tensor of shape {list(spec.shape)} needs {need}")

@@ -114,6 +114,15 @@ def resolve_inside(root: str | Path, name: str) -> Path:
     return resolved
 
 
+def is_recorded_file(path: str | Path) -> bool:
+    """Whether a path a manifest records names a file here; a name the OS cannot even look
+    up (too long, a NUL byte) names none."""
+    try:
+        return Path(path).is_file()
+    except (OSError, ValueError):
+        return False
+
+
 def environment(packages: tuple[str, ...] = ("cmfdeploy", "numpy", "safetensors", "torch", "tokenizers", "gguf")) -> dict:
     """Interpreter, platform and the versions of the packages that shaped an artifact."""
     python, system, versions = _environment(packages)

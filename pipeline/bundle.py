@@ -46,6 +46,7 @@ from manifests.identity import (
     environment,
     inventory,
     load_manifest,
+    is_recorded_file,
     read_json,
     sha256_bytes,
     write_json,
@@ -177,7 +178,7 @@ def _cross_check(path: Path, manifest: dict) -> None:
         raise IdentityError(f"{path / MANIFEST_NAME}: field 'parameter_count' is {manifest['parameter_count']}, "
                             f"but the header of {weights} holds {sum(math.prod(s) for s in shapes.values())}")
     source = Path(manifest["source"]["path"])
-    if not source.is_file():
+    if not is_recorded_file(source):
         _check_tensor_set(weights, config, shapes)
         return
     with open_cmf(source) as cmf:
@@ -232,14 +233,16 @@ def safetensors_header(path: Path) -> dict[str, tuple[int, ...]]:
             raise IdentityError(f"{path}: header is not valid JSON ({error})") from None
     if not isinstance(header, dict):
         raise IdentityError(f"{path}: header is {type(header).__name__}, not an object")
-    header.pop("__metadata__", None)
+    metadata = header.pop("__metadata__", {})
+    if not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+        raise IdentityError(f"{path}: header __metadata__ is {metadata!r}, not an object of strings")
     shapes, ranges = {}, []
     for name, entry in header.items():
         where = f"{path}: tensor {name!r}"
         if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
             raise IdentityError(f"{where}: entry {entry!r} is not {{dtype, shape, data_offsets}}")
         dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-        if dtype not in SAFETENSORS_ITEMSIZE:
+        if not isinstance(dtype, str) or dtype not in SAFETENSORS_ITEMSIZE:
             raise IdentityError(f"{where}: dtype {dtype!r}; a bundle holds {sorted(SAFETENSORS_ITEMSIZE)} only")
         if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
             raise IdentityError(f"{where}: shape {shape!r} is not a list of sizes")

@@ -11,6 +11,7 @@ followed by the 64-byte aligned raw data. Sub-byte types are packed LSB first.
 from __future__ import annotations
 
 import json
+import math
 import mmap
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -147,7 +148,7 @@ def unpack_subbyte(packed: np.ndarray, nbits: int, count: int, signed: bool) -> 
 
 
 def _from_bytes(raw: bytes | memoryview | np.ndarray, dtype: MilDType, shape: tuple[int, ...], where: str):
-    count = int(np.prod(shape, dtype=np.int64))
+    count = math.prod(shape)  # Python ints: a crafted shape must not wrap around int64
     buf = np.frombuffer(raw, dtype=np.uint8)
     if dtype.numpy == np.object_:
         raise MilError(f"{where}: {dtype.name} tensors cannot be stored as raw bytes")
@@ -237,7 +238,8 @@ def blob_file(model_dir: Path, name: str, where: str) -> Path:
 
 def mil_dtype(code: int, where: str) -> MilDType:
     if code not in DTYPES:
-        raise MilError(f"{where}: data type {MIL_pb2.DataType.Name(code)} is not supported")
+        name = MIL_pb2.DataType.Name(code) if code in MIL_pb2.DataType.values() else f"code {code}"
+        raise MilError(f"{where}: data type {name} is not supported")
     return DTYPES[code]
 
 
@@ -308,11 +310,12 @@ def _tensor_value(tv: MIL_pb2.TensorValue, spec: TensorSpec, where: str) -> np.n
     kind = tv.WhichOneof("value")
     if kind == "bytes":
         return _from_bytes(tv.bytes.values, spec.dtype, shape, where).copy()
+    values = () if kind is None else getattr(tv, kind).values
+    # Checked before any array is made: a crafted shape must neither fail a reshape nor allocate.
+    if len(values) != math.prod(shape):
+        raise MilError(f"{where}: immediate {spec.dtype.name} tensor of shape {shape} holds {len(values)} values")
     if kind == "strings":
-        return np.array(list(tv.strings.values), dtype=object).reshape(shape)
-    if kind is None:
-        return np.zeros(shape, spec.dtype.numpy)
-    values = getattr(tv, kind).values
+        return np.array(list(values), dtype=object).reshape(shape)
     return np.array(values, dtype=spec.dtype.numpy).reshape(shape)
 
 
