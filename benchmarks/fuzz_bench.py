@@ -1,6 +1,6 @@
 """Seeded mutation fuzzing of every reader beyond CMF, at scale: counts per reader.
 
-Builds the default fixture's bundle and chunk-KV package in a temporary folder, then runs
+Builds the default fixture's bundle, chunk-KV package and its gate in a temporary folder, then runs
 `--cases` mutants (default 1,000) per reader of tests/_fuzz_targets.py, each in a forked,
 memory-capped child with a per-mutant alarm (tests/_fuzz.py), and prints per reader the
 mutants, typed errors, clean reads and defects (anything else: another exception, a hang,
@@ -34,6 +34,7 @@ def main() -> int:
     args = parser.parse_args()
 
     from coreml.convert import export_coreml
+    from pipeline.align import align_package
     from pipeline.bundle import export_bundle
 
     defects = 0
@@ -42,10 +43,12 @@ def main() -> int:
         bundle = export_bundle(ROOT / "fixtures" / "botchan-llama-1m.cmf", tmp / "bundle").path
         packages = tmp / "coreml"
         export_coreml(bundle, packages, kinds=("chunk_kv",))
+        align_package(packages / "chunk_kv", ROOT / "fixtures" / "reference", tmp / "gate")
+        artifacts = {"bundle": bundle, "package": packages / "chunk_kv", "gate": tmp / "gate"}
         for reader in args.readers:
             work = tmp / "work" / reader
             work.mkdir(parents=True)
-            mutate, exercise = TARGETS[reader](packages, bundle, work)
+            mutate, exercise = TARGETS[reader](artifacts, work)
             start = time.perf_counter()
             tally = fuzz(reader, args.cases, zlib.crc32(reader.encode()) + args.seed, mutate, exercise)
             print(f"{tally.line()} ({time.perf_counter() - start:.1f} s)", flush=True)

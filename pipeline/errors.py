@@ -23,3 +23,11 @@ class OutputExists(CmfdeployError):
 
 class UnsupportedModel(CmfdeployError):
     """The model uses an architecture, layer type, tensor or dtype a stage cannot run."""
+
+
+class OutputBusy(CmfdeployError):
+    """Another run is writing the same output right now."""
+
+
+class OutputWriteFailed(CmfdeployError):
+    """The output could not be written (disk full, quota, I/O error); nothing was replaced."""

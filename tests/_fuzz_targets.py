@@ -6,7 +6,7 @@ valid artifact: `target(artifact_dir, work_dir) -> (mutate, exercise)` for `_fuz
     weight_bin   weight.bin: the storage header and every blob_metadata field, and raw bytes
     safetensors  a bundle's safetensors header (length prefix, JSON structure, raw bytes); a
                  header our reader accepts must read the same in the safetensors library
-    bundle_manifest, package_manifest
+    bundle_manifest, package_manifest, gate_manifest
                  manifest.json: types, missing and added keys, '..' and absolute paths, raw
                  JSON bytes, and recorded files swapped for symlinks to outside copies
 
@@ -252,10 +252,12 @@ def manifest_target(artifact: Path, work: Path):
     return mutate, exercise
 
 
+# Each target from the artifacts {"bundle", "package" (chunk-KV), "gate" (its alignment)} and a work folder.
 TARGETS = {
-    "mlmodel": lambda packages, bundle, work: mlmodel(packages / "chunk_kv", work),
-    "weight_bin": lambda packages, bundle, work: weight_bin(packages / "chunk_kv", work),
-    "safetensors": lambda packages, bundle, work: safetensors(bundle, work),
-    "bundle_manifest": lambda packages, bundle, work: manifest_target(bundle, work),
-    "package_manifest": lambda packages, bundle, work: manifest_target(packages / "chunk_kv", work),
+    "mlmodel": lambda artifacts, work: mlmodel(artifacts["package"], work),
+    "weight_bin": lambda artifacts, work: weight_bin(artifacts["package"], work),
+    "safetensors": lambda artifacts, work: safetensors(artifacts["bundle"], work),
+    "bundle_manifest": lambda artifacts, work: manifest_target(artifacts["bundle"], work),
+    "package_manifest": lambda artifacts, work: manifest_target(artifacts["package"], work),
+    "gate_manifest": lambda artifacts, work: manifest_target(artifacts["gate"], work),
 }

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _fuzz import HANG_SECONDS, deadline, interesting
+from _fuzz import HANG_SECONDS, deadline, interesting, mutate_bytes
 
 from pipeline.cmf import Masks, TaskMask, open_cmf, verify_cmf, write_cmf
 from pipeline.cmf.errors import CmfError
@@ -87,15 +87,9 @@ def mutate(data: bytes, rng: np.random.Generator) -> tuple[bytes, str]:
             bits = 8 * struct.calcsize(fmt)
             struct.pack_into(fmt, buf, off, value % (1 << bits))
 
-    kind = int(rng.integers(7))
-    if kind == 0:
-        positions = rng.integers(0, size, int(rng.integers(1, 5)))
-        for pos in positions:
-            buf[pos] ^= int(rng.integers(1, 256))
-        return bytes(buf), f"flip {positions.tolist()}"
-    if kind == 1:
-        cut = int(rng.integers(0, size))
-        return bytes(buf[:cut]), f"truncate to {cut}"
+    kind = int(rng.integers(6))
+    if kind < 2:  # flips, truncation, insertion, a random integer overwritten
+        return mutate_bytes(data, rng)
     if kind == 2:
         off = 0x10 + 8 * int(rng.integers(14))
         value = interesting(struct.unpack_from("<Q", data, off)[0], size, rng)
@@ -113,16 +107,12 @@ def mutate(data: bytes, rng: np.random.Generator) -> tuple[bytes, str]:
         value = interesting(struct.unpack_from("<Q", data, off)[0] if off + 8 <= size else 0, size, rng)
         put(off, "<Q", value)
         return bytes(buf), f"directory prefix at {off:#x} = {value:#x}"
-    if kind == 5:
-        # u32 fields of the masks/index prefixes and the sparse-index entries.
-        sec_off = env[12] if rng.integers(2) else env[16]
-        off = sec_off + 4 * int(rng.integers(6))
-        value = interesting(struct.unpack_from("<I", data, off)[0] if off + 4 <= size else 0, size, rng)
-        put(off, "<I", value)
-        return bytes(buf), f"section u32 at {off:#x} = {value % 2**32:#x}"
-    extra = rng.integers(0, 256, int(rng.integers(1, 5000)), dtype=np.uint8).tobytes()
-    at = int(rng.integers(0, size))
-    return bytes(buf[:at] + extra + buf[at:]), f"insert {len(extra)} bytes at {at}"
+    # Kind 5 (and 3 without records): u32 fields of the masks/index prefixes and the sparse-index entries.
+    sec_off = env[12] if rng.integers(2) else env[16]
+    off = sec_off + 4 * int(rng.integers(6))
+    value = interesting(struct.unpack_from("<I", data, off)[0] if off + 4 <= size else 0, size, rng)
+    put(off, "<I", value)
+    return bytes(buf), f"section u32 at {off:#x} = {value % 2**32:#x}"
 
 
 @pytest.mark.parametrize("base", ["writer", *BASES])

@@ -25,10 +25,14 @@ REFERENCE = ROOT / "fixtures" / "reference"
 def _copy(artifact: Path, tmp_path: Path, edit_manifest) -> Path:
     copy = tmp_path / artifact.name
     shutil.copytree(artifact, copy)
-    manifest = read_json(copy / MANIFEST_NAME)
-    edit_manifest(manifest)
-    write_json(copy / MANIFEST_NAME, manifest)
+    _rewrite_manifest(copy, edit_manifest)
     return copy
+
+
+def _rewrite_manifest(folder: Path, edit) -> None:
+    manifest = read_json(folder / MANIFEST_NAME)
+    edit(manifest)
+    write_json(folder / MANIFEST_NAME, manifest)
 
 
 def _context_64(m):
@@ -95,9 +99,8 @@ def test_a_blob_header_that_disagrees_with_the_program_is_refused(fixture_packag
     data = bytearray(weights.read_bytes())
     data[64 + 4] = 1  # the first blob_metadata's dtype: fp32 (2) -> fp16 (1)
     weights.write_bytes(bytes(data))
-    manifest = read_json(copy / MANIFEST_NAME)
-    manifest["files"]["model.mlpackage/Data/com.apple.CoreML/weights/weight.bin"] = file_identity(weights)
-    write_json(copy / MANIFEST_NAME, manifest)
+    _rewrite_manifest(copy, lambda m: m["files"].update(
+        {"model.mlpackage/Data/com.apple.CoreML/weights/weight.bin": file_identity(weights)}))
     with pytest.raises(IdentityError, match=r"program cannot be read: .*mil_dtype is 1, the program declares fp32"):
         verify_package(copy)
 
@@ -126,10 +129,12 @@ def _bundle_copy(bundle: Path, tmp_path: Path, edit_config, edit_manifest=lambda
     config = read_json(copy / "config.json")
     edit_config(config)
     write_json(copy / "config.json", config)
-    manifest = read_json(copy / MANIFEST_NAME)
-    manifest["files"]["config.json"] = file_identity(copy / "config.json")
-    edit_manifest(manifest)
-    write_json(copy / MANIFEST_NAME, manifest)
+
+    def edit(manifest):
+        manifest["files"]["config.json"] = file_identity(copy / "config.json")
+        edit_manifest(manifest)
+
+    _rewrite_manifest(copy, edit)
     return copy
 
 
@@ -174,10 +179,27 @@ def test_a_bundle_header_that_disagrees_with_the_source_cmf_is_refused(fixture_b
                                         b'"model.norm.weight":{"dtype":"F32","shape":[2,64]', 1)
     assert header.endswith(b" ")
     weights.write_bytes(data[:8] + header[:-1] + data[8 + length:])
-    manifest = read_json(copy / MANIFEST_NAME)
-    manifest["files"]["weights.safetensors"] = file_identity(weights)
-    write_json(copy / MANIFEST_NAME, manifest)
+    _rewrite_manifest(copy, lambda m: m["files"].update({"weights.safetensors": file_identity(weights)}))
     assert safetensors_header(weights)["model.norm.weight"] == (2, 64)
     with pytest.raises(IdentityError, match=r"tensor 'model.norm.weight' has shape \[2, 64\], the source CMF .* "
                                             r"says \[128\]"):
         verify_bundle(copy)
+
+
+# --- gates -----------------------------------------------------------------------------------
+
+
+def test_a_gate_manifest_whose_verdict_or_summary_differs_from_its_report_is_refused(fixture_packages, tmp_path):
+    from pipeline.align import align_package, verify_alignment
+
+    gate = tmp_path / "gate"
+    align_package(fixture_packages / "stateless", REFERENCE, gate)
+    verify_alignment(gate)
+    (tmp_path / "copies").mkdir()
+    for edit, message in ((lambda m: m["summary"].update(max_abs=0.0), r"field 'summary' is .*'max_abs': 0.0"),
+                          (lambda m: m.update(recipe="int8-b32"), r"field 'recipe' is 'int8-b32', but .*alignment.json "
+                                                                   r"says 'fp32'")):
+        copy = _copy(gate, tmp_path / "copies", edit)
+        with pytest.raises(IdentityError, match=message):
+            verify_alignment(copy)
+        shutil.rmtree(copy)

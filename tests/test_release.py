@@ -120,6 +120,26 @@ def test_verify_release_catches_a_rebound_package_manifest_even_with_a_matching_
         verify_release(copy)
 
 
+def test_verify_release_refuses_numbers_the_release_or_survey_copied_wrongly(release, tmp_path):
+    """Rewritten with their hashes, so only the comparison with the gate's own report catches them."""
+    copy = _tampered_copy(release, tmp_path)
+    name, recipe = "survey/survey.json", release["recipe"]
+    survey = read_json(copy / name)
+    next(r for r in survey["recipes"] if r["name"] == recipe)["gate"]["max_abs"] = 0.0
+    (copy / name).write_text(json.dumps(survey))
+    outer = read_json(copy / "manifest.json")
+    outer["files"][name] = {"bytes": (copy / name).stat().st_size, "sha256": sha256_file(copy / name)}
+    outer["survey"]["sha256"] = sha256_file(copy / name)
+    (copy / "manifest.json").write_text(json.dumps(outer))
+    with pytest.raises(IdentityError, match=rf"survey.json: field 'recipes\[{recipe}\].gate.max_abs' is 0.0, but "
+                                            rf".*gates/{recipe}/alignment.json says"):
+        verify_release(copy)
+    outer["packages"][0]["gate"]["tolerance"]["atol"] = 1.0
+    (copy / "manifest.json").write_text(json.dumps(outer))
+    with pytest.raises(IdentityError, match=r"field 'packages/0/gate.tolerance' is .*'atol': 1.0"):
+        verify_release(copy)
+
+
 def test_release_refuses_a_package_whose_gate_failed(survey, tmp_path):
     gate = failed_gate(survey.path)
     with pytest.raises(GateFailed, match=f"{gate}.*did not pass"):
