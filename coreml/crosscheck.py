@@ -228,15 +228,17 @@ def _weights(claims: _Claims, manifest: dict) -> None:
     for name in manifest["package"].get("weights", {}):
         entry = selection.get(name)
         if entry is not None and entry["compressed"]:
-            var, op = entry["compressed_as"], entry["op"]
+            var, op = entry.get("compressed_as"), entry.get("op")
             at = f"selection.weights[{name}]"
         else:
             var, op, at = name, "const", f"package.weights[{name}]"
+        if not isinstance(var, str):
+            raise IdentityError(f"{claims.where}: field '{at}.compressed_as' is {var!r}, not a variable name")
         stated_op, spec = _producer(claims, var)
         claims.same(f"{at} (producer of {var})", op, stated_op)
         claims.same(f"{at} (dtype of {var})", "float32", _dtype_name(spec.dtype) if spec else None)
         if entry is not None:
-            claims.same(f"{at}.shape", entry["shape"], list(spec.shape) if spec else None)
+            claims.same(f"{at}.shape", entry.get("shape"), list(spec.shape) if spec else None)
 
 
 def _blob_headers(claims: _Claims) -> None:
