@@ -12,11 +12,9 @@ last, so a manifest without it names a package that was never finished.
 """
 
 import shutil
-from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 
-import coremltools as ct
 
 from manifests.identity import (
     MANIFEST_NAME,
@@ -51,21 +49,9 @@ def source_digest(paths: Iterable[Path]) -> dict:
 
 def op_histogram(mlpackage: Path) -> dict[str, dict[str, int]]:
     """Per function of the saved program: op type -> count, nested blocks included."""
-    spec = ct.utils.load_spec(str(mlpackage))
+    from coreml import crosscheck
 
-    def ops(block):
-        for op in block.operations:
-            yield op.type
-            for inner in op.blocks:
-                yield from ops(inner)
-
-    histogram = {}
-    for name, function in spec.mlProgram.functions.items():
-        counts = Counter()
-        for block in function.block_specializations.values():
-            counts.update(ops(block))
-        histogram[name] = dict(sorted(counts.items()))
-    return histogram
+    return crosscheck.op_histogram(crosscheck.read_program(mlpackage))
 
 
 def package_bytes(mlpackage: Path) -> int:
@@ -149,7 +135,10 @@ def write_package_manifest(package_dir: Path, fields: dict) -> Manifest:
 
 def verify_package(path: str | Path, hashes: bool = True) -> Manifest:
     """A Core ML or compressed package directory whose manifest is complete, valid against
-    its schema, and whose files are exactly the recorded ones; else IdentityError."""
+    its schema, whose files are exactly the recorded ones, and whose every claim the saved
+    program states too agrees with it (`coreml.crosscheck`); else IdentityError."""
+    from coreml.crosscheck import check_package
+
     path = Path(path)
     manifest = load_manifest(path)
     if manifest["format"] not in (COREML_FORMAT, COMPRESSED_FORMAT):
@@ -159,4 +148,5 @@ def verify_package(path: str | Path, hashes: bool = True) -> Manifest:
         )
     check_files(path, manifest["files"], hashes=hashes)
     check_tokenizer(path, manifest)
+    check_package(path, manifest)
     return Manifest(path, manifest)

@@ -26,6 +26,8 @@ def register(subparsers) -> None:
     release.add_argument("--package", nargs=2, action="append", default=[], metavar=("PACKAGE", "GATE"),
                          help="a further FP32 package and its passed alignment folder (repeatable)")
     release.add_argument("--name", help="model name (default: the source CMF's file stem)")
+    release.add_argument("--sign", metavar="KEY",
+                         help="Ed25519 private key (PEM or 32 raw bytes): sign the release manifest")
     release.add_argument("--force", action="store_true", help="replace an existing output")
     release.set_defaults(func=_release)
 
@@ -53,6 +55,6 @@ def _release(args: argparse.Namespace) -> int:
     from pipeline.release import make_release
 
     manifest = make_release(args.survey, args.out, recipe=args.recipe, packages=[tuple(p) for p in args.package],
-                            name=args.name, force=args.force)
+                            name=args.name, force=args.force, sign_key=args.sign)
     print(f"{manifest.path}: {len(manifest['files'])} files, {manifest['inventory']['total_bytes']} bytes")
     return 0

@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from manifests.identity import MANIFEST_NAME, Manifest, check_file, portable_name, read_json, sha256_file
+from manifests.identity import MANIFEST_NAME, Manifest, check_file, is_recorded_file, portable_name, read_json, sha256_file
 from pipeline.errors import IdentityError
 
 VERIFIERS = {
@@ -65,7 +65,7 @@ class Link:
 
 
 def verifier_for(format_name: str):
-    target = VERIFIERS.get(format_name)
+    target = VERIFIERS.get(format_name) if isinstance(format_name, str) else None
     if target is None:
         raise IdentityError(f"no verifier for manifest format {format_name!r}; known formats: {sorted(VERIFIERS)}")
     module, function = target.split(":")
@@ -99,7 +99,7 @@ def verify_chain(path: str | Path, hashes: bool = True) -> list[Link]:
             links.append(_check_cmf_source(source, hashes))
             return links
         upstream = upstream_path(current, source)
-        if not (upstream / MANIFEST_NAME).is_file():
+        if not is_recorded_file(upstream / MANIFEST_NAME):
             links.append(Link(str(upstream), source["format"], "not available: no manifest at the recorded path"))
             return links
         digest = sha256_file(upstream / MANIFEST_NAME)
@@ -122,7 +122,7 @@ def upstream_path(current: str | Path, source: dict) -> Path:
     if "relative_path" in source:
         # Lexical join from the resolved folder, as `artifact_source` computed it.
         candidate = Path(os.path.normpath(Path(current).resolve() / source["relative_path"]))
-        if (candidate / MANIFEST_NAME).is_file() or "path" not in source:
+        if is_recorded_file(candidate / MANIFEST_NAME) or "path" not in source:
             return candidate
     return Path(source["path"])
 
@@ -131,8 +131,12 @@ def _check_cmf_source(source: dict, hashes: bool) -> Link:
     path = Path(source["path"])
     files = source.get("shards") or [{"file": source["file"], "bytes": source["bytes"], "sha256": source["sha256"]}]
     for entry in files:
-        file = path.with_name(entry["file"])
-        if not file.is_file():
+        name = entry["file"]
+        # A shard sits beside the first file: a plain name, nothing that walks elsewhere.
+        if not path.name or not name or "/" in name or "\0" in name or name in (".", ".."):
+            raise IdentityError(f"source CMF record: field 'file' is {name!r}, not a file name beside 'path' {path}")
+        file = path.with_name(name)
+        if not is_recorded_file(file):
             return Link(str(path), "cmf", f"not available: {file} is not there")
         check_file(file, entry, hashes, where=f"source CMF {file}")
     return Link(str(path), "cmf", "verified" if hashes else "verified (sizes only)")

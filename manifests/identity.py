@@ -16,6 +16,8 @@ from manifests.output import staged_file
 from pipeline.errors import IdentityError
 
 MANIFEST_NAME = "manifest.json"
+# A detached signature over the manifest (manifests.signing); it cannot be in the inventory it signs.
+SIGNATURE_NAME = MANIFEST_NAME + ".sig"
 
 @dataclass(frozen=True)
 class Manifest:
@@ -110,6 +112,15 @@ def resolve_inside(root: str | Path, name: str) -> Path:
     if not resolved.is_relative_to(base):
         raise IdentityError(f"{root}: recorded name {name!r} resolves outside the artifact, to {resolved}")
     return resolved
+
+
+def is_recorded_file(path: str | Path) -> bool:
+    """Whether a path a manifest records names a file here; a name the OS cannot even look
+    up (too long, a NUL byte) names none."""
+    try:
+        return Path(path).is_file()
+    except (OSError, ValueError):
+        return False
 
 
 def environment(packages: tuple[str, ...] = ("cmfdeploy", "numpy", "safetensors", "torch", "tokenizers", "gguf")) -> dict:
@@ -217,7 +228,7 @@ def check_files(root: str | Path, recorded: dict[str, dict], hashes: bool = True
     for name in recorded:
         resolve_inside(root, name)
     present = {path.relative_to(root).as_posix() for path in root.rglob("*") if not path.is_dir()}
-    present.discard(MANIFEST_NAME)
+    present -= {MANIFEST_NAME, SIGNATURE_NAME}
     unexpected = sorted(present - recorded.keys())
     if unexpected:
         raise IdentityError(f"{root}: unexpected file {unexpected[0]!r} (not in the manifest's 'files')")

@@ -12,9 +12,18 @@ and the parent after it, so a crash cannot leave the final name pointing at empt
 An existing output is refused with OutputExists unless `force`; with `force` it is moved
 aside first and removed only once the new one is in place (and put back if that rename
 fails), so the final name never holds a half-written output.
+
+Two runs writing the same output at once: `staged_output` holds an exclusive lock on a
+hidden `.<name>.lock` beside the output from the first staged byte to the rename, and a
+second run that finds it held fails at once with OutputBusy (the first one wins; the output
+is only ever one run's). The lock is an flock, so a killed run never leaves it held. A write
+that fails (a full disk, a quota) raises OutputWriteFailed naming the output; the staging
+folder is removed and an old output is left as it was.
 """
 
 import contextlib
+import errno
+import fcntl
 import os
 import secrets
 import shutil
@@ -22,7 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from pipeline.errors import OutputExists
+from pipeline.errors import OutputBusy, OutputExists, OutputWriteFailed
 
 
 def refuse_existing(path: str | os.PathLike, force: bool) -> None:
@@ -61,20 +70,54 @@ def staged_file(path: str | os.PathLike) -> Iterator[BinaryIO]:
 
 
 @contextlib.contextmanager
+def output_lock(out_dir: Path) -> Iterator[None]:
+    """Hold the exclusive lock of `out_dir`, or raise OutputBusy when another run holds it."""
+    lock_path = out_dir.with_name(f".{out_dir.name}.lock")
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            # A holder unlinks the file as it lets go: a lock won on that unlinked file
+            # guards nothing, so it must still be the file at the path.
+            held = os.fstat(fd).st_ino == os.stat(lock_path).st_ino
+        except (BlockingIOError, FileNotFoundError):
+            held = False
+        if not held:
+            raise OutputBusy(f"{out_dir}: another run is writing it now (lock {lock_path}); "
+                             "wait for it to finish, or write elsewhere")
+        try:
+            yield
+        finally:
+            lock_path.unlink(missing_ok=True)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
 def staged_output(out_dir: str | os.PathLike, force: bool) -> Iterator[Path]:
     """Yield a temporary sibling folder of `out_dir`; on success move it into place."""
     out_dir = Path(out_dir)
     refuse_existing(out_dir, force)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = _sibling(out_dir, "partial")
-    staging.mkdir()
-    try:
-        yield staging
-        _fsync_tree(staging)
-        _move_into_place(staging, out_dir, force)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    with output_lock(out_dir):
+        staging = _sibling(out_dir, "partial")
+        staging.mkdir()
+        try:
+            yield staging
+            _fsync_tree(staging)
+            _move_into_place(staging, out_dir, force)
+        except OSError as error:
+            shutil.rmtree(staging, ignore_errors=True)
+            if error.errno not in NO_SPACE:
+                raise
+            raise OutputWriteFailed(f"{out_dir}: writing the output failed ({error.strerror}: {error.filename}); "
+                                    "nothing was replaced") from error
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+
+
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 def _fsync(path: Path) -> None:

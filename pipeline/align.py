@@ -446,11 +446,14 @@ def align_package(package_dir, fixtures_dir, out_dir, *, recipe: str = "fp32", b
 
 def verify_alignment(path, hashes: bool = True):
     """Verifier for `cmfdeploy verify-artifact`: files intact and the gate passed."""
-    from manifests.identity import Manifest, check_files, load_manifest
+    from manifests.copied import check_copied
+    from manifests.identity import MANIFEST_NAME, Manifest, check_files, load_manifest, read_json
 
     path = Path(path)
     manifest = load_manifest(path, FORMAT)
     check_files(path, manifest["files"], hashes=hashes)
+    check_copied(path / MANIFEST_NAME, "", manifest, read_json(path / REPORT_NAME), path / REPORT_NAME,
+                 keys=("passed", "recipe", "policy", "candidate_backend", "fixtures", "summary"))
     return Manifest(path, manifest)
 
 

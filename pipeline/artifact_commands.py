@@ -15,6 +15,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("verify-artifact", help="verify a stage output and its chain back to the source CMF")
     p.add_argument("artifact")
     p.add_argument("--sizes-only", action="store_true", help="check sizes, skip sha256 (fast)")
+    p.add_argument("--pubkey", help="Ed25519 public key (hex, or a PEM/hex file): the artifact's manifest "
+                                    "must carry a valid signature by it (manifest.json.sig)")
     p.set_defaults(func=_verify_artifact)
 
     for command, source, help_text, func in (
@@ -40,11 +42,19 @@ def _bundle(args) -> int:
 
 def _verify_artifact(args) -> int:
     from manifests.chain import verify_chain
+    from manifests.signing import check_manifest_signature, public_key_bytes
 
+    # With a key, authenticity comes first: a rewritten manifest is a signature failure,
+    # whatever its content would say.
+    if args.pubkey is not None:
+        pubkey = public_key_bytes(args.pubkey)
+        signature = check_manifest_signature(args.artifact, pubkey)
     for link in verify_chain(args.artifact, hashes=not args.sizes_only):
         print(link)
         if link.checked:
             print(f"  checked: {link.checked}")
+    if args.pubkey is not None:
+        print(f"signature {signature}: verified, by {pubkey.hex()}")
     return 0
 
 

@@ -45,7 +45,9 @@ from manifests.identity import (
     cmf_source,
     environment,
     inventory,
+    is_recorded_file,
     load_manifest,
+    read_json,
     sha256_bytes,
     write_json,
 )
@@ -145,7 +147,120 @@ def verify_bundle(path: str | os.PathLike, hashes: bool = True) -> Manifest:
         recorded = manifest["files"].get("tokenizer.json")
         if recorded is None or recorded["sha256"] != tokenizer["sha256"]:
             raise IdentityError(f"{path / MANIFEST_NAME}: field 'tokenizer.sha256' does not match files['tokenizer.json']")
+    _cross_check(path, manifest)
     return Manifest(path, manifest)
+
+
+# -- cross-checks: what the manifest and config claim against what the files say
+
+
+def _first_difference(where: Path, field_prefix: str, claimed: dict, actual: dict, what: str) -> None:
+    for key in sorted(set(claimed) | set(actual)):
+        if claimed.get(key) != actual.get(key):
+            raise IdentityError(f"{where}: field '{field_prefix}{key}' is {claimed.get(key)!r}, "
+                                f"but {what} says {actual.get(key)!r}")
+
+
+def _cross_check(path: Path, manifest: dict) -> None:
+    """config.json against the manifest's architecture, and the safetensors header against
+    the tensors the bundle must hold. With the source CMF still at its recorded path, both
+    are compared with the CMF itself (its header blocks; its directory through the same
+    plan the export follows). Without it, the tensor set is derived from config.json by the
+    model family's own weight ledger."""
+    where, weights = path / "config.json", path / WEIGHTS_NAME
+    config = read_json(where)
+    arch = config.get("arch")
+    if not isinstance(arch, dict):
+        raise IdentityError(f"{where}: field 'arch' is {arch!r}, not an object")
+    _first_difference(where, "arch.", arch, manifest["architecture"], f"{path / MANIFEST_NAME} architecture")
+    shapes = safetensors_header(weights)
+    if sum(math.prod(s) for s in shapes.values()) != manifest["parameter_count"]:
+        raise IdentityError(f"{path / MANIFEST_NAME}: field 'parameter_count' is {manifest['parameter_count']}, "
+                            f"but the header of {weights} holds {sum(math.prod(s) for s in shapes.values())}")
+    source = Path(manifest["source"]["path"])
+    if not is_recorded_file(source):
+        _check_tensor_set(weights, config, shapes)
+        return
+    with open_cmf(source) as cmf:
+        header = {k: cmf.header[k] for k in CONFIG_KEYS if cmf.header.get(k)}
+        _first_difference(where, "arch.", arch, header.get("arch") or {}, f"the source CMF {source}")
+        _first_difference(where, "", config, header, f"the source CMF {source}")
+        skill = (manifest["applied"]["skill"] or {}).get("id")
+        expected = {name: tuple(cmf.tensors[entry].shape) for name, entry in _plan(cmf, skill).entries}
+    missing, extra = sorted(expected.keys() - shapes.keys()), sorted(shapes.keys() - expected.keys())
+    if missing or extra:
+        raise IdentityError(f"{weights}: the header lacks tensors {missing[:5]} and holds extra {extra[:5]}, "
+                            f"against the source CMF {source}")
+    for name, shape in expected.items():
+        if shapes[name] != shape:
+            raise IdentityError(f"{weights}: tensor {name!r} has shape {list(shapes[name])}, "
+                                f"the source CMF {source} says {list(shape)}")
+
+
+def _check_tensor_set(weights: Path, config: dict, shapes: dict[str, tuple]) -> None:
+    """The safetensors header holds exactly the tensors the config's model family takes, in
+    their shapes: derived by building the reference decoder over shape-only (meta) tensors,
+    so the family's own weight ledger names what is missing, extra or wrongly shaped."""
+    import torch
+
+    from pipeline.models import ModelArgs, build_model
+
+    try:
+        args = ModelArgs.from_header(config, source=str(weights.with_name("config.json")))
+        build_model(args, {n: torch.empty(s, device="meta") for n, s in shapes.items()}, source=str(weights))
+    except CmfdeployError as error:
+        raise IdentityError(f"{weights}: the header disagrees with the tensors config.json derives: {error}") from None
+
+
+# The header is JSON text before the data; real ones are kilobytes to a few MB (SmolLM2: 20 kB).
+HEADER_LIMIT = 100 << 20
+SAFETENSORS_ITEMSIZE = {"F32": 4}
+
+
+def safetensors_header(path: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape from a bundle's safetensors header, every entry checked: F32,
+    its byte range exactly its shape's size, the ranges back to back and ending at the end
+    of the file. Anything else is an IdentityError naming the file and the entry."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+        if not 0 <= length <= min(size - 8, HEADER_LIMIT):
+            raise IdentityError(f"{path}: header length {length} does not fit a {size}-byte file")
+        try:
+            header = json.loads(f.read(length))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise IdentityError(f"{path}: header is not valid JSON ({error})") from None
+    if not isinstance(header, dict):
+        raise IdentityError(f"{path}: header is {type(header).__name__}, not an object")
+    metadata = header.pop("__metadata__", {})
+    if not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+        raise IdentityError(f"{path}: header __metadata__ is {metadata!r}, not an object of strings")
+    shapes, ranges = {}, []
+    for name, entry in header.items():
+        where = f"{path}: tensor {name!r}"
+        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+            raise IdentityError(f"{where}: entry {entry!r} is not {{dtype, shape, data_offsets}}")
+        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if not isinstance(dtype, str) or dtype not in SAFETENSORS_ITEMSIZE:
+            raise IdentityError(f"{where}: dtype {dtype!r}; a bundle holds {sorted(SAFETENSORS_ITEMSIZE)} only")
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+            raise IdentityError(f"{where}: shape {shape!r} is not a list of sizes")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+            raise IdentityError(f"{where}: data_offsets {offsets!r} is not two integers")
+        if offsets[1] - offsets[0] != SAFETENSORS_ITEMSIZE[dtype] * math.prod(shape):
+            raise IdentityError(f"{where}: data_offsets {offsets} span {offsets[1] - offsets[0]} bytes, "
+                                f"shape {shape} of {dtype} needs {SAFETENSORS_ITEMSIZE[dtype] * math.prod(shape)}")
+        shapes[name] = tuple(shape)
+        ranges.append((offsets[0], offsets[1], name))
+    end = 0
+    for start, stop, name in sorted(ranges):
+        if start != end:
+            raise IdentityError(f"{path}: tensor {name!r} starts at data byte {start}, expected {end} (a gap or overlap)")
+        end = stop
+    if 8 + length + end != size:
+        raise IdentityError(f"{path}: the tensors end at byte {8 + length + end}, the file has {size}")
+    return shapes
 
 
 # -- planning: which tensors, from where, under which name

@@ -27,3 +27,11 @@ class UnsupportedModel(CmfdeployError):
 
 class CmfdeployWarning(UserWarning):
     """A caveat the project itself raises; the quiet CLI keeps these while it hides third-party warnings."""
+
+
+class OutputBusy(CmfdeployError):
+    """Another run is writing the same output right now."""
+
+
+class OutputWriteFailed(CmfdeployError):
+    """The output could not be written (disk full, quota, I/O error); nothing was replaced."""

@@ -45,8 +45,10 @@ from manifests.identity import (
     write_json,
 )
 from manifests.output import staged_output
+from manifests.signing import sign_manifest
 from pipeline import align
 from pipeline.errors import CmfdeployError, IdentityError
+from pipeline.release_copies import check_release_copies
 
 FORMAT = "cmfdeploy.release/1"
 SURVEY_FILES = (SURVEY_NAME, "survey.md", "size_vs_error.png")
@@ -106,11 +108,13 @@ def make_release(
     packages: list[tuple[str | Path, str | Path]] = (),
     name: str | None = None,
     force: bool = False,
+    sign_key: str | Path | None = None,
 ) -> Manifest:
     """Pack the survey's deployed recipe (or `recipe`) into `out_root/<model>-<recipe>/`.
 
     `packages` adds further FP32 packages (e.g. the stateless one), each with its passed
-    alignment folder. Returns the release manifest.
+    alignment folder. `sign_key` (an Ed25519 private key file) adds a detached signature
+    over the release manifest (`manifests.signing`). Returns the release manifest.
     """
     survey_dir = Path(survey_dir)
     survey = load_survey(survey_dir)
@@ -175,6 +179,8 @@ def make_release(
                         status="complete")
         write_json(staging / MANIFEST_NAME, manifest)
         verify_release(staging)  # the copies are what the sources were
+        if sign_key is not None:
+            sign_manifest(staging, sign_key)
     return Manifest(out_dir, manifest)
 
 
@@ -261,6 +267,7 @@ def verify_release(path: str | Path, hashes: bool = True) -> Manifest:
             record["package"]["manifest_sha256"], path / compressed["path"] / MANIFEST_NAME)
     _expect(path / manifest["survey"]["path"], f"recipes[{manifest['recipe']}].gate.report.sha256",
             record["gate"]["report"]["sha256"], path / compressed["gate"]["path"] / align.REPORT_NAME)
+    check_release_copies(path, manifest, survey, record)
     return Manifest(path, manifest)
 
 

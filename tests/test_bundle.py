@@ -313,7 +313,9 @@ def test_a_killed_export_leaves_nothing_that_looks_complete(tmp_path):
     assert 0 < weights_size < full_size, "the kill did not land while the weights were being written"
 
     assert not out.exists()
-    (leftover,) = out.parent.iterdir()
+    (leftover,) = out.parent.glob(".b.*.partial")
+    # Besides it only the killed run's lock file, which no process holds any more.
+    assert sorted(p.name for p in out.parent.iterdir()) == sorted([leftover.name, ".b.lock"])
     assert read_json(leftover / MANIFEST_NAME)["status"] == "incomplete"
     assert (leftover / "weights.safetensors").stat().st_size < full_size + 8
     with pytest.raises(IdentityError, match="not finished"):

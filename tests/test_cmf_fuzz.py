@@ -4,14 +4,13 @@ Nothing else may escape (no IndexError, MemoryError, struct.error, ...), nothing
 hang, and every single-byte flip of the hashed regions is caught by open or verify.
 """
 
-import signal
 import struct
 import zlib
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pytest
+from _fuzz import HANG_SECONDS, deadline, interesting, mutate_bytes
 
 from pipeline.cmf import Masks, TaskMask, open_cmf, verify_cmf, write_cmf
 from pipeline.cmf.errors import CmfError
@@ -19,25 +18,9 @@ from pipeline.cmf.skills import add_skill
 
 VECTORS = Path("/work/shared/cmf-conformance")
 CASES_PER_BASE = 500
-HANG_SECONDS = 10
 ARCH = {"arch_name": "llama", "hidden_size": 32, "intermediate_size": 37, "num_layers": 2, "num_attention_heads": 3}
-U64_INTERESTING = [0, 1, 63, 64, 4095, 4096, 2**31, 2**32 - 1, 2**32, 2**60, 2**63, 2**64 - 64, 2**64 - 1]
 # Directory record fields: (offset inside the 56-byte record, struct format).
 RECORD_FIELDS = [(0, "<I"), (4, "<H"), (6, "<B"), (7, "<B"), *((8 + 4 * k, "<I") for k in range(6)), (32, "<Q"), (40, "<Q")]
-
-
-@contextmanager
-def deadline(seconds: int, what: str):
-    def hang(signum, frame):
-        raise TimeoutError(f"{what}: no result after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, hang)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def exercise(path: Path) -> None:
@@ -104,52 +87,32 @@ def mutate(data: bytes, rng: np.random.Generator) -> tuple[bytes, str]:
             bits = 8 * struct.calcsize(fmt)
             struct.pack_into(fmt, buf, off, value % (1 << bits))
 
-    def interesting(old: int) -> int:
-        choice = rng.integers(4)
-        if choice == 0:
-            return int(rng.choice(U64_INTERESTING))
-        if choice == 1:
-            return old + int(rng.integers(-4096, 4097))
-        if choice == 2:
-            return int(rng.integers(0, size + 1))
-        return old ^ (1 << int(rng.integers(64)))
-
-    kind = int(rng.integers(7))
-    if kind == 0:
-        positions = rng.integers(0, size, int(rng.integers(1, 5)))
-        for pos in positions:
-            buf[pos] ^= int(rng.integers(1, 256))
-        return bytes(buf), f"flip {positions.tolist()}"
-    if kind == 1:
-        cut = int(rng.integers(0, size))
-        return bytes(buf[:cut]), f"truncate to {cut}"
+    kind = int(rng.integers(6))
+    if kind < 2:  # flips, truncation, insertion, a random integer overwritten
+        return mutate_bytes(data, rng)
     if kind == 2:
         off = 0x10 + 8 * int(rng.integers(14))
-        value = interesting(struct.unpack_from("<Q", data, off)[0])
+        value = interesting(struct.unpack_from("<Q", data, off)[0], size, rng)
         put(off, "<Q", value)
         return bytes(buf), f"envelope u64 at {off:#x} = {value % 2**64:#x}"
     if kind == 3 and count:
         rec = dir_off + 16 + 56 * int(rng.integers(min(count, 1 << 20)))
         field, fmt = RECORD_FIELDS[int(rng.integers(len(RECORD_FIELDS)))]
         old = struct.unpack_from(fmt, data, rec + field)[0] if rec + field + 8 <= size else 0
-        value = interesting(old)
+        value = interesting(old, size, rng)
         put(rec + field, fmt, value)
         return bytes(buf), f"record field at {rec + field:#x} = {value:#x}"
     if kind == 4:
         off = dir_off + 8 * int(rng.integers(2))
-        value = interesting(struct.unpack_from("<Q", data, off)[0] if off + 8 <= size else 0)
+        value = interesting(struct.unpack_from("<Q", data, off)[0] if off + 8 <= size else 0, size, rng)
         put(off, "<Q", value)
         return bytes(buf), f"directory prefix at {off:#x} = {value:#x}"
-    if kind == 5:
-        # u32 fields of the masks/index prefixes and the sparse-index entries.
-        sec_off = env[12] if rng.integers(2) else env[16]
-        off = sec_off + 4 * int(rng.integers(6))
-        value = interesting(struct.unpack_from("<I", data, off)[0] if off + 4 <= size else 0)
-        put(off, "<I", value)
-        return bytes(buf), f"section u32 at {off:#x} = {value % 2**32:#x}"
-    extra = rng.integers(0, 256, int(rng.integers(1, 5000)), dtype=np.uint8).tobytes()
-    at = int(rng.integers(0, size))
-    return bytes(buf[:at] + extra + buf[at:]), f"insert {len(extra)} bytes at {at}"
+    # Kind 5 (and 3 without records): u32 fields of the masks/index prefixes and the sparse-index entries.
+    sec_off = env[12] if rng.integers(2) else env[16]
+    off = sec_off + 4 * int(rng.integers(6))
+    value = interesting(struct.unpack_from("<I", data, off)[0] if off + 4 <= size else 0, size, rng)
+    put(off, "<I", value)
+    return bytes(buf), f"section u32 at {off:#x} = {value % 2**32:#x}"
 
 
 @pytest.mark.parametrize("base", ["writer", *BASES])

@@ -6,7 +6,7 @@ import stat
 import pytest
 
 from manifests.output import refuse_existing, staged_file, staged_output
-from pipeline.errors import OutputExists
+from pipeline.errors import OutputBusy, OutputExists
 
 
 def _umask() -> int:
@@ -68,3 +68,25 @@ def test_staged_file_replaces_atomically_with_a_normal_mode(tmp_path):
         f.write(b"new")
     assert path.read_bytes() == b"new" and os.listdir(tmp_path) == ["f.bin"]
     assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~_umask()
+
+
+def test_a_second_writer_of_the_same_output_fails_at_once_and_the_first_wins(tmp_path):
+    out = tmp_path / "out"
+    with staged_output(out, force=False) as first:
+        (first / "who").write_text("first")
+        with pytest.raises(OutputBusy, match=r"another run is writing it now \(lock .*\.out\.lock\)"):
+            with staged_output(out, force=True):
+                pytest.fail("the second writer got in")
+    assert (out / "who").read_text() == "first"
+    assert sorted(os.listdir(tmp_path)) == ["out"]  # no staging folder, no lock file left
+    with staged_output(out, force=True) as second:  # once the first is done, a forced run replaces it
+        (second / "who").write_text("second")
+    assert (out / "who").read_text() == "second"
+
+
+def test_a_lock_left_by_a_killed_run_does_not_block(tmp_path):
+    out = tmp_path / "out"
+    (tmp_path / ".out.lock").write_text("")  # the file a killed holder leaves (flock dies with it)
+    with staged_output(out, force=False) as staging:
+        (staging / "f").write_text("x")
+    assert (out / "f").read_text() == "x"

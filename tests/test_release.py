@@ -120,6 +120,26 @@ def test_verify_release_catches_a_rebound_package_manifest_even_with_a_matching_
         verify_release(copy)
 
 
+def test_verify_release_refuses_numbers_the_release_or_survey_copied_wrongly(release, tmp_path):
+    """Rewritten with their hashes, so only the comparison with the gate's own report catches them."""
+    copy = _tampered_copy(release, tmp_path)
+    name, recipe = "survey/survey.json", release["recipe"]
+    survey = read_json(copy / name)
+    next(r for r in survey["recipes"] if r["name"] == recipe)["gate"]["max_abs"] = 0.0
+    (copy / name).write_text(json.dumps(survey))
+    outer = read_json(copy / "manifest.json")
+    outer["files"][name] = {"bytes": (copy / name).stat().st_size, "sha256": sha256_file(copy / name)}
+    outer["survey"]["sha256"] = sha256_file(copy / name)
+    (copy / "manifest.json").write_text(json.dumps(outer))
+    with pytest.raises(IdentityError, match=rf"survey.json: field 'recipes\[{recipe}\].gate.max_abs' is 0.0, but "
+                                            rf".*gates/{recipe}/alignment.json says"):
+        verify_release(copy)
+    outer["packages"][0]["gate"]["tolerance"]["atol"] = 1.0
+    (copy / "manifest.json").write_text(json.dumps(outer))
+    with pytest.raises(IdentityError, match=r"field 'packages/0/gate.tolerance' is .*'atol': 1.0"):
+        verify_release(copy)
+
+
 def test_release_refuses_a_package_whose_gate_failed(survey, tmp_path):
     gate = failed_gate(survey.path)
     with pytest.raises(GateFailed, match=f"{gate}.*did not pass"):
@@ -263,3 +283,72 @@ def test_verify_artifact_checks_a_survey_folder_and_names_what_it_checked(survey
     report.write_text(report.read_text().replace('"deployed"', '"deployed" ', 1))
     assert main(["verify-artifact", str(copy)]) == 1
     assert "survey.json" in capsys.readouterr().err
+# --- signed releases ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def signing_key(tmp_path_factory):
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    folder = tmp_path_factory.mktemp("keys")
+    keys = {}
+    for name in ("ours", "theirs"):
+        key = Ed25519PrivateKey.generate()
+        (folder / name).write_bytes(key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
+                                                      serialization.NoEncryption()))
+        public = key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+        keys[name] = (folder / name, public.hex())
+    return keys
+
+
+@pytest.fixture(scope="module")
+def signed(survey, signing_key, tmp_path_factory):
+    dist = tmp_path_factory.mktemp("signed-dist")
+    assert main(["release", str(survey.path), "-o", str(dist), "--sign", str(signing_key["ours"][0])]) == 0
+    (release,) = dist.iterdir()
+    return release
+
+
+def test_a_signed_release_verifies_with_its_public_key(signed, signing_key, capsys):
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+    sig = json.loads((signed / "manifest.json.sig").read_text())
+    # One statement over every file: the signed manifest lists each file's sha256.
+    assert sig["sha256"] == sha256_file(signed / "manifest.json")
+    Ed25519PublicKey.from_public_bytes(bytes.fromhex(signing_key["ours"][1])).verify(
+        bytes.fromhex(sig["sig"]), bytes.fromhex(sig["sha256"]))
+    files = read_json(signed / "manifest.json")["files"]
+    assert all(sha256_file(signed / name) == entry["sha256"] for name, entry in files.items())
+    capsys.readouterr()
+    assert main(["verify-artifact", str(signed), "--pubkey", signing_key["ours"][1]]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"signature {signed / 'manifest.json.sig'}: verified, by {signing_key['ours'][1]}")
+
+
+def test_verify_artifact_with_a_key_refuses_an_unsigned_release_and_another_key(release, signed, signing_key, capsys):
+    capsys.readouterr()
+    assert main(["verify-artifact", str(release.path), "--pubkey", signing_key["ours"][1]]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("SignatureError: ") and "the artifact is unsigned" in err, err
+    assert main(["verify-artifact", str(signed), "--pubkey", signing_key["theirs"][1]]) == 1
+    assert "signed by an untrusted key" in capsys.readouterr().err
+
+
+def test_a_release_manifest_rewritten_with_its_hashes_fails_the_signature(signed, signing_key, tmp_path, capsys):
+    copy = tmp_path / signed.name
+    shutil.copytree(signed, copy)
+    manifest = read_json(copy / "manifest.json")
+    manifest["packages"][1]["gate"]["summary"]["max_abs"] = 0.0
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    capsys.readouterr()
+    assert main(["verify-artifact", str(copy)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("IdentityError: ") and "max_abs" in err, err
+    # With the key, any rewrite fails on the signed digest before its content is read.
+    manifest = read_json(signed / "manifest.json")
+    manifest["model"] = "someone-else"
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    assert main(["verify-artifact", str(copy), "--pubkey", signing_key["ours"][1]]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("SignatureError: ") and f"actual {sha256_file(copy / 'manifest.json')}" in err, err

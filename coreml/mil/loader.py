@@ -11,6 +11,7 @@ followed by the 64-byte aligned raw data. Sub-byte types are packed LSB first.
 from __future__ import annotations
 
 import json
+import math
 import mmap
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -147,7 +148,7 @@ def unpack_subbyte(packed: np.ndarray, nbits: int, count: int, signed: bool) -> 
 
 
 def _from_bytes(raw: bytes | memoryview | np.ndarray, dtype: MilDType, shape: tuple[int, ...], where: str):
-    count = int(np.prod(shape, dtype=np.int64))
+    count = math.prod(shape)  # Python ints: a crafted shape must not wrap around int64
     buf = np.frombuffer(raw, dtype=np.uint8)
     if dtype.numpy == np.object_:
         raise MilError(f"{where}: {dtype.name} tensors cannot be stored as raw bytes")
@@ -237,14 +238,17 @@ def blob_file(model_dir: Path, name: str, where: str) -> Path:
 
 def mil_dtype(code: int, where: str) -> MilDType:
     if code not in DTYPES:
-        raise MilError(f"{where}: data type {MIL_pb2.DataType.Name(code)} is not supported")
+        name = MIL_pb2.DataType.Name(code) if code in MIL_pb2.DataType.values() else f"code {code}"
+        raise MilError(f"{where}: data type {name} is not supported")
     return DTYPES[code]
 
 
-def _tensor_spec(vt: MIL_pb2.ValueType, where: str) -> TensorSpec | None:
+def tensor_spec(vt: MIL_pb2.ValueType, where: str) -> TensorSpec | None:
     kind = vt.WhichOneof("type")
     if kind == "stateType":
-        inner = _tensor_spec(vt.stateType.wrappedType, where)
+        inner = tensor_spec(vt.stateType.wrappedType, where)
+        if inner is None:
+            raise MilError(f"{where}: state type does not wrap a tensor")
         return TensorSpec(inner.dtype, inner.shape, is_state=True)
     if kind != "tensorType":
         return None
@@ -272,7 +276,7 @@ class _ValueReader:
     def _immediate(self, vt: MIL_pb2.ValueType, iv, where: str):
         kind = iv.WhichOneof("value")
         if kind == "tensor":
-            spec = _tensor_spec(vt, where)
+            spec = tensor_spec(vt, where)
             if spec is None:
                 raise MilError(f"{where}: immediate tensor without a tensor type")
             return _tensor_value(iv.tensor, spec, where)
@@ -289,7 +293,7 @@ class _ValueReader:
         raise MilError(f"{where}: immediate value kind {kind!r} is not supported")
 
     def _blob(self, v: MIL_pb2.Value, where: str) -> np.ndarray:
-        spec = _tensor_spec(v.type, where)
+        spec = tensor_spec(v.type, where)
         if spec is None or None in spec.shape:
             raise MilError(f"{where}: blob value needs a tensor type of fixed shape")
         name, offset = v.blobFileValue.fileName, v.blobFileValue.offset
@@ -306,11 +310,12 @@ def _tensor_value(tv: MIL_pb2.TensorValue, spec: TensorSpec, where: str) -> np.n
     kind = tv.WhichOneof("value")
     if kind == "bytes":
         return _from_bytes(tv.bytes.values, spec.dtype, shape, where).copy()
+    values = () if kind is None else getattr(tv, kind).values
+    # Checked before any array is made: a crafted shape must neither fail a reshape nor allocate.
+    if len(values) != math.prod(shape):
+        raise MilError(f"{where}: immediate {spec.dtype.name} tensor of shape {shape} holds {len(values)} values")
     if kind == "strings":
-        return np.array(list(tv.strings.values), dtype=object).reshape(shape)
-    if kind is None:
-        return np.zeros(shape, spec.dtype.numpy)
-    values = getattr(tv, kind).values
+        return np.array(list(values), dtype=object).reshape(shape)
     return np.array(values, dtype=spec.dtype.numpy).reshape(shape)
 
 
@@ -352,13 +357,13 @@ def _block(pb: MIL_pb2.Block, reader: _ValueReader, where: str) -> Block:
             Operation(
                 type=op.type,
                 inputs=inputs,
-                outputs=tuple((o.name, _tensor_spec(o.type, at)) for o in op.outputs),
+                outputs=tuple((o.name, tensor_spec(o.type, at)) for o in op.outputs),
                 attributes=attributes,
                 blocks=tuple(_block(b, reader, at) for b in op.blocks),
             )
         )
     return Block(
-        inputs=tuple((i.name, _tensor_spec(i.type, where)) for i in pb.inputs),
+        inputs=tuple((i.name, tensor_spec(i.type, where)) for i in pb.inputs),
         outputs=tuple(pb.outputs),
         operations=tuple(ops),
     )
@@ -409,7 +414,7 @@ def load_program(package: str | Path) -> Program:
         functions[name] = Function(
             name=name,
             opset=fn.opset,
-            inputs=tuple((i.name, _tensor_spec(i.type, where)) for i in fn.inputs),
+            inputs=tuple((i.name, tensor_spec(i.type, where)) for i in fn.inputs),
             block=_block(fn.block_specializations[fn.opset], reader, where),
             spec_inputs=tuple(feature_spec(f, where) for f in fd.input),
             spec_outputs=tuple(feature_spec(f, where) for f in fd.output),

@@ -109,32 +109,34 @@ def signature_path(path: Path) -> Path:
 
 
 def _verify_signature(path: Path, sig_path: Path, pubkey: bytes | None, report: VerifyReport) -> None:
-    def fail(stored: str, actual: str) -> None:
-        report.failures.append(VerifyFailure("signature", sig_path.name, stored, actual, path.name))
+    problem = signature_problem(path, sig_path, pubkey)
+    if problem is None:
+        report.signatures.append(path.name)
+    else:
+        report.failures.append(VerifyFailure("signature", sig_path.name, *problem, path.name))
 
+
+def signature_problem(path: Path, sig_path: Path, pubkey: bytes | None) -> tuple[str, str] | None:
+    """None when `sig_path` is a valid signature over `path`'s sha256 (by `pubkey`, when
+    given); else (stored, actual): what the signature file says and what is wrong with it."""
     try:
         sig = json.loads(sig_path.read_text(encoding="utf-8"))
         alg, key_hex, sha_hex, sig_hex = (sig[k] for k in ("alg", "pubkey", "sha256", "sig"))
         key_bytes, signature = bytes.fromhex(key_hex), bytes.fromhex(sig_hex)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-        fail("unreadable", f"{type(error).__name__}: {error}")
-        return
+        return "unreadable", f"{type(error).__name__}: {error}"
     if alg != SIG_ALG:
-        fail(str(alg), f"unsupported (only {SIG_ALG})")
-        return
+        return str(alg), f"unsupported (only {SIG_ALG})"
     digest = bytes.fromhex(sha256_file(path))
     if sha_hex != digest.hex():
-        fail(str(sha_hex), digest.hex())
-        return
+        return str(sha_hex), digest.hex()
     if pubkey is not None and key_bytes != pubkey:
-        fail(key_hex, f"signed by an untrusted key (trusted {pubkey.hex()})")
-        return
+        return key_hex, f"signed by an untrusted key (trusted {pubkey.hex()})"
     try:
         Ed25519PublicKey.from_public_bytes(key_bytes).verify(signature, digest)
     except (ValueError, InvalidSignature):
-        fail(sig_hex, "invalid signature over the file's sha256")
-        return
-    report.signatures.append(path.name)
+        return sig_hex, "invalid signature over the file's sha256"
+    return None
 
 
 def load_signing_key(key_path: str | os.PathLike) -> Ed25519PrivateKey:
@@ -161,14 +163,19 @@ def sign_cmf(path: str | os.PathLike, key_path: str | os.PathLike, *, force: boo
     key = load_signing_key(key_path)
     with open_cmf(path) as cmf:
         files = list(cmf.paths)
-    pub = key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
     sig_paths = [signature_path(f) for f in files]
     existing = [p.name for p in sig_paths if p.exists()]
     if existing and not force:
         raise OutputExists(f"{', '.join(existing)} already exist(s); pass force to replace")
     for file, sig_path in zip(files, sig_paths):
-        digest = bytes.fromhex(sha256_file(file))
-        body = {"alg": SIG_ALG, "pubkey": pub.hex(), "sha256": digest.hex(), "sig": key.sign(digest).hex()}
-        with staged_file(sig_path) as f:
-            f.write((json.dumps(body, indent=1) + "\n").encode())
+        write_signature(file, key, sig_path)
     return sig_paths
+
+
+def write_signature(path: Path, key: Ed25519PrivateKey, sig_path: Path) -> None:
+    """`sig_path` := the spec §8.2 signature JSON: Ed25519 by `key` over the sha256 of `path`."""
+    pub = key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    digest = bytes.fromhex(sha256_file(path))
+    body = {"alg": SIG_ALG, "pubkey": pub.hex(), "sha256": digest.hex(), "sig": key.sign(digest).hex()}
+    with staged_file(sig_path) as f:
+        f.write((json.dumps(body, indent=1) + "\n").encode())

@@ -1,0 +1,289 @@
+"""A package manifest's claims against what the saved program says about itself.
+
+A manifest is a claim; `Model.mlmodel` (and the `weight.bin` blob headers it points at) is
+the artifact's own statement. `check_package` compares every claim the program states too:
+the functions and default function, each function's inputs, outputs and states (names,
+dtypes, shapes, the flexible token range), the context and cache shape, the vocabulary, the
+compute precision, each recorded weight's producer and dtype, every blob header against the
+type the program declares for it, the op histogram, and the kind and bundle the program's
+metadata name. A difference is an IdentityError naming the manifest field and both values.
+
+The program is read from its protobuf with `coreml.mil.loader` (weights are not decoded;
+each blob's 64-byte header is).
+"""
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from coreml.mil.errors import MilError
+from coreml.mil.loader import (
+    BlobStorage,
+    FeatureSpec,
+    TensorSpec,
+    blob_file,
+    feature_spec,
+    program_spec,
+    tensor_spec,
+)
+from coreml.manifest import BUNDLE_SHA_KEY, COREML_FORMAT
+from manifests.identity import MANIFEST_NAME
+from pipeline.errors import IdentityError
+
+# Ops whose fp16 output is storage (a constant, the fp16 state, the casts around it), not
+# arithmetic: they do not make a program compute in fp16.
+STORAGE_OPS = ("const", "cast", "read_state", "coreml_update_state")
+CACHE_FEATURES = ("key_cache", "value_cache")
+KIND_KEY = "cmfdeploy.kind"
+
+
+@dataclass
+class ProgramFunction:
+    """One function as the program states it: described features and its ops' output types."""
+
+    inputs: dict[str, FeatureSpec]
+    outputs: dict[str, FeatureSpec]
+    states: dict[str, FeatureSpec]
+    results: dict[str, TensorSpec | None]  # output name -> type of the variable the block returns
+    producers: dict[str, tuple[str, TensorSpec | None]] = field(default_factory=dict)  # var -> (op type, type)
+    ops: Counter = field(default_factory=Counter)
+
+
+@dataclass
+class Program:
+    spec_path: Path
+    functions: dict[str, ProgramFunction]
+    default_function: str
+    metadata: dict[str, str]
+    blobs: list[tuple[str, int, TensorSpec, str]]  # (file name, offset, declared type, where)
+
+
+def _walk(block, where: str, function: ProgramFunction, blobs: list) -> None:
+    for op in block.operations:
+        function.ops[op.type] += 1
+        at = f"{where}, op {op.type}"
+        for output in op.outputs:
+            function.producers[output.name] = (op.type, tensor_spec(output.type, at))
+        for value in op.attributes.values():
+            if value.WhichOneof("value") == "blobFileValue":
+                spec = tensor_spec(value.type, at)
+                if spec is None or None in spec.shape:
+                    raise MilError(f"{at}: blob value needs a tensor type of fixed shape")
+                blobs.append((value.blobFileValue.fileName, value.blobFileValue.offset, spec, at))
+        for inner in op.blocks:
+            _walk(inner, where, function, blobs)
+
+
+def read_program(mlpackage: Path) -> Program:
+    """What the saved program at `mlpackage` says about itself (MilError when it cannot be read)."""
+    spec_path, model = program_spec(mlpackage)
+    desc = model.description
+    described = {f.name: f for f in desc.functions}
+    functions, blobs = {}, []
+    for name, fn in model.mlProgram.functions.items():
+        where = f"{spec_path}: function {name}"
+        if fn.opset not in fn.block_specializations:
+            raise MilError(f"{where}: no block for opset {fn.opset!r}")
+        fd = described.get(name, desc)
+        block = fn.block_specializations[fn.opset]
+        outputs = {f.name: feature_spec(f, where) for f in fd.output}
+        function = ProgramFunction(
+            inputs={f.name: feature_spec(f, where) for f in fd.input},
+            outputs=outputs,
+            states={f.name: feature_spec(f, where) for f in fd.state},
+            results={},
+        )
+        _walk(block, where, function, blobs)
+        if len(block.outputs) != len(outputs):
+            raise MilError(f"{where}: the block returns {len(block.outputs)} values for {len(outputs)} outputs")
+        # Outputs are described in the order the block returns them.
+        function.results = {o: function.producers.get(var, (None, None))[1] for o, var in zip(outputs, block.outputs)}
+        functions[name] = function
+    default = desc.defaultFunctionName or "main"
+    return Program(spec_path, functions, default, dict(desc.metadata.userDefined), blobs)
+
+
+def op_histogram(program: Program) -> dict[str, dict[str, int]]:
+    """Per function: op type -> count, nested blocks included."""
+    return {name: dict(sorted(f.ops.items())) for name, f in program.functions.items()}
+
+
+# --- comparing -------------------------------------------------------------------------------
+
+
+class _Claims:
+    """Compares one manifest's fields with the program; the first difference raises."""
+
+    def __init__(self, where: Path, program: Program):
+        self.where, self.program = where, program
+
+    def same(self, field_name: str, claimed, actual, what: str = "the program") -> None:
+        if claimed != actual:
+            raise IdentityError(
+                f"{self.where}: field {field_name!r} is {claimed!r}, but {what} ({self.program.spec_path}) "
+                f"says {actual!r}"
+            )
+
+
+def _dtype_name(dtype) -> str | None:
+    return None if dtype is None else np.dtype(dtype.numpy).name
+
+
+def _claimed_dims(claims: _Claims, field_name: str, shape: list, dims: dict, flexible_as_range: bool) -> list:
+    """A manifest shape with each symbol replaced by its range (`[lo, hi]`, or `lo` when fixed)."""
+    out = []
+    for d in shape:
+        if isinstance(d, str):
+            if d not in dims:
+                raise IdentityError(f"{claims.where}: field {field_name!r} uses dimension {d!r}, "
+                                    f"which 'package.dims' does not define")
+            lo, hi = dims[d]
+            out.append(lo if lo == hi else (list(dims[d]) if flexible_as_range else "flexible"))
+        else:
+            out.append(d)
+    return out
+
+
+def _input_dims(spec: FeatureSpec) -> list:
+    if spec.ranges is None:
+        return list(spec.shape)
+    return [lo if lo == hi else [lo, hi] for lo, hi in spec.ranges]
+
+
+def _features(claims: _Claims, kind: str, claimed: list, stated: dict, dims: dict, function: str,
+              results: dict | None = None) -> None:
+    prefix = f"package.{kind}"
+    claims.same(f"{prefix} (names, function {function})", [f["name"] for f in claimed], list(stated))
+    for feature in claimed:
+        name, spec = feature["name"], stated[feature["name"]]
+        at = f"{prefix}[{name}]"
+        # An output's description may leave its dtype open; the returned variable states it.
+        result = None if results is None else results[name]
+        dtype = spec.dtype if spec.dtype is not None or result is None else result.dtype
+        claims.same(f"{at}.dtype", feature["dtype"], _dtype_name(dtype))
+        if results is None:  # inputs and states: the description carries shape and range
+            shape = _claimed_dims(claims, f"{at}.shape", feature["shape"], dims, flexible_as_range=True)
+            claims.same(f"{at}.shape (function {function})", shape, _input_dims(spec))
+        else:  # outputs: the returned variable's type; an unknown dimension is the flexible one
+            stated_shape = None if result is None else ["flexible" if d is None else d for d in result.shape]
+            shape = _claimed_dims(claims, f"{at}.shape", feature["shape"], dims, flexible_as_range=False)
+            claims.same(f"{at}.shape (function {function})", shape, stated_shape)
+
+
+def _interface(claims: _Claims, block: dict) -> None:
+    program = claims.program
+    claimed_functions = sorted(block.get("functions", {"main": {}}))
+    claims.same("package.functions", claimed_functions, sorted(program.functions))
+    claims.same("package.default_function", block.get("default_function", "main"), program.default_function)
+    for name, function in program.functions.items():
+        dims = block.get("functions", {}).get(name, {}).get("dims", block.get("dims", {}))
+        _features(claims, "inputs", block["inputs"], function.inputs, dims, name)
+        _features(claims, "outputs", block["outputs"], function.outputs, dims, name, function.results)
+        _features(claims, "states", block.get("states", []), function.states, dims, name)
+
+
+def _context(claims: _Claims, block: dict, architecture: dict) -> None:
+    """The context is the largest token count any function takes, and the caches' slot count."""
+    program = claims.program
+    tops = [hi for f in program.functions.values() for spec in f.inputs.values() for lo, hi in spec.ranges or ()
+            if lo != hi]
+    if tops:
+        claims.same("package.context", block["context"], max(tops), "the largest flexible input range of the program")
+    expected = [architecture.get("num_layers"), 1, architecture.get("num_kv_heads"), block["context"],
+                architecture.get("head_dim")]
+    for function in program.functions.values():
+        for name, spec in {**function.inputs, **function.states}.items():
+            if name in CACHE_FEATURES:
+                claims.same("cache shape [architecture.num_layers, 1, architecture.num_kv_heads, package.context, "
+                            f"architecture.head_dim] of {name}", expected, list(spec.shape))
+        logits = function.results.get("logits")
+        if logits is not None and logits.shape:
+            claims.same("architecture.vocab_size", architecture.get("vocab_size"), logits.shape[-1],
+                        "the program's logits")
+
+
+def _precision(claims: _Claims, block: dict) -> None:
+    arithmetic = sorted({op for f in claims.program.functions.values() for op, spec in f.producers.values()
+                         if spec is not None and spec.dtype.name == "fp16"
+                         and op not in STORAGE_OPS and not op.startswith("constexpr_")})
+    stated = "float16" if arithmetic else "float32"
+    claims.same("package.compute_precision", block["compute_precision"], stated,
+                f"the program (fp16 results of {arithmetic})" if arithmetic else "the program (no fp16 arithmetic)")
+
+
+def _producer(claims: _Claims, var: str) -> tuple[str | None, TensorSpec | None]:
+    for function in claims.program.functions.values():
+        if var in function.producers:
+            return function.producers[var]
+    return None, None
+
+
+def _weights(claims: _Claims, manifest: dict) -> None:
+    """Each recorded weight is produced as recorded: a plain fp32 const, or the compression op
+    the selection names, with the recorded shape, feeding fp32 to its consumers."""
+    selection = manifest.get("selection", {}).get("weights", {})
+    for name in manifest["package"].get("weights", {}):
+        entry = selection.get(name)
+        if entry is not None and entry["compressed"]:
+            var, op = entry.get("compressed_as"), entry.get("op")
+            at = f"selection.weights[{name}]"
+        else:
+            var, op, at = name, "const", f"package.weights[{name}]"
+        if not isinstance(var, str):
+            raise IdentityError(f"{claims.where}: field '{at}.compressed_as' is {var!r}, not a variable name")
+        stated_op, spec = _producer(claims, var)
+        claims.same(f"{at} (producer of {var})", op, stated_op)
+        claims.same(f"{at} (dtype of {var})", "float32", _dtype_name(spec.dtype) if spec else None)
+        if entry is not None:
+            claims.same(f"{at}.shape", entry.get("shape"), list(spec.shape) if spec else None)
+
+
+def _blob_headers(claims: _Claims) -> None:
+    """Every blob's header states the dtype the program declares and holds exactly its bytes."""
+    files: dict[str, BlobStorage] = {}
+    for file_name, offset, spec, at in claims.program.blobs:
+        if file_name not in files:
+            files[file_name] = BlobStorage(blob_file(claims.program.spec_path.parent, file_name, at))
+        entry = files[file_name].entry(offset, spec.dtype)
+        need = (math.prod(spec.shape) * spec.dtype.nbits + 7) // 8
+        if entry.size != need:
+            raise MilError(f"{at}: blob at {file_name} @ {offset} holds {entry.size} bytes; "
+                           f"a {spec.dtype.name} tensor of shape {list(spec.shape)} needs {need}")
+
+
+def _metadata(claims: _Claims, manifest: dict) -> None:
+    metadata = claims.program.metadata
+    claims.same("package.kind", manifest["package"]["kind"], metadata.get(KIND_KEY), f"the program's {KIND_KEY}")
+    if manifest["format"] == COREML_FORMAT:
+        claims.same("source.manifest_sha256", manifest["source"].get("manifest_sha256"),
+                    metadata.get(BUNDLE_SHA_KEY), f"the program's {BUNDLE_SHA_KEY}")
+
+
+def check_package(package_dir: Path, manifest: dict) -> None:
+    """Raise IdentityError at the first claim of `manifest` that the package's program contradicts."""
+    package_dir = Path(package_dir)
+    where = package_dir / MANIFEST_NAME
+    block = manifest["package"]
+    try:
+        program = read_program(package_dir / block["name"])
+        claims = _Claims(where, program)
+        _blob_headers(claims)
+    except MilError as error:
+        raise IdentityError(f"{where}: the package's program cannot be read: {error}") from None
+    _metadata(claims, manifest)
+    _interface(claims, block)
+    _context(claims, block, manifest["architecture"])
+    _precision(claims, block)
+    _weights(claims, manifest)
+    _histogram(claims, manifest["op_histogram"])
+
+
+def _histogram(claims: _Claims, claimed: dict) -> None:
+    stated = op_histogram(claims.program)
+    claims.same("op_histogram (functions)", sorted(claimed), sorted(stated))
+    for name, counts in stated.items():
+        for op in sorted(set(counts) | set(claimed[name])):
+            claims.same(f"op_histogram.{name}.{op}", claimed[name].get(op, 0), counts.get(op, 0))
