@@ -62,3 +62,32 @@ class Calibration:
 
     def weight(self, name: str) -> np.ndarray:
         return self.original[name].numpy()
+
+    def input_moments(self) -> dict[str, np.ndarray]:
+        """Weight name -> E[x_j^2] per input column of the linear it feeds, over the windows.
+
+        For a linear y = W x the output error of a perturbation E is sum_j E[x_j^2] |E_:j|^2
+        when the inputs' cross terms are dropped (the diagonal the SKM/AWQ literature uses),
+        so these moments weight a weight's error by what it does to the outputs. The tied
+        embedding gets its head use's moments (its lookup has no input to weight by).
+        """
+        from pipeline.models.base import Linear
+
+        sums: dict[str, torch.Tensor] = {}
+        counts: dict[str, int] = {}
+        hooks = []
+        for module_name, module in self.model.named_modules():
+            if isinstance(module, Linear):
+                name = f"{module_name}.weight"
+
+                def record(_module, args, _output, name=name):
+                    x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
+                    sums[name] = sums.get(name, 0) + (x * x).sum(0)
+                    counts[name] = counts.get(name, 0) + x.shape[0]
+                hooks.append(module.register_forward_hook(record))
+        try:
+            self._logprobs()
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return {name: (sums[name] / counts[name]).numpy() for name in sums}

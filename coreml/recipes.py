@@ -78,7 +78,9 @@ RECIPES: dict[str, dict] = {
         "quantize_lut": {"mode": "linear_symmetric", "dtype": "int8", "granularity": "per_tensor",
                          "weight_threshold": WEIGHT_THRESHOLD},
     },
-    "mixed": {"mixed": {"options": ["int4-b32", "int8-b32"], "group": "decoder layer (embedding on its own)",
+    "palette4-skm": {"code": {**_palette(4), "importance": "calibration input second moments"},
+                     "calibration": True},
+    "mixed": {"mixed": {"options": ["palette4-gc32", "int4-b32", "int8-b32"], "group": "decoder layer (embedding on its own)",
                         "measure": "calibration logit KL, one group coded at a time"},
               "calibration": True},
     "cmf-native": {"cmf_native": {"exact": list(cmf_native.EXACT_DTYPES), "other dtypes": "kept FP32"}},
@@ -470,6 +472,14 @@ def _carried(name: str, code, reference: np.ndarray) -> Callable[[np.ndarray], o
     return encode
 
 
+def _weighted_encoders(weights: list[Weight], params: dict, moments: Mapping[str, np.ndarray]) -> dict:
+    """MIL name -> sensitivity-weighted k-means encoder (SKM: each error weighted by E[x_j^2])."""
+    dtype = {"fp16": np.float16, "fp32": np.float32}[params["dtype"]]
+    return {w.name: (lambda value, m=moments[w.hf_names[0]]:
+                     codes.kmeans_tiles(value, params["nbits"], tuple(params["tile"]), m, dtype))
+            for w in weights if w.hf_names and w.size > WEIGHT_THRESHOLD and w.hf_names[0] in moments}
+
+
 def _native_plan(package_dir: Path, source: dict, weights: list[Weight]) -> dict[str, tuple]:
     """MIL name -> (code or None, why) from the CMF the package's chain starts from."""
     from pipeline.cmf import open_cmf
@@ -526,6 +536,9 @@ def compress_package(
         encoders = {n: _carried(n, c, calib.weight(by_name[n].hf_names[0])) for n, c in cached.items()}
     if recipe == "cmf-native":
         native = _native_plan(package_dir, source, weights)
+    if RECIPES[recipe].get("code", {}).get("importance"):
+        encoders = _weighted_encoders(weights, RECIPES[recipe]["code"],
+                                      Calibration.from_package(package_dir, source, calibration_ids).input_moments())
     plan = plan_selection(weights, recipe, choices, native)
     if native:
         encoders = {n: _carried(n, code, code.decode() if hasattr(code, "decode") else code.astype(np.float32))
