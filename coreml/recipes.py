@@ -1,11 +1,15 @@
 """Compression recipes for Core ML packages: one table, one function that applies a row.
 
     manifest = compress_package("out/chunk_kv", "int4-b32", "out/chunk_kv-int4-b32")
+    manifest = compress_package(pkg, "mixed", out, calibration_ids=ids, bpw=4.5)
 
-Every recipe goes through coremltools 9.0 `coremltools.optimize.coreml` post-training
-compression (`linear_quantize_weights`, `palettize_weights`, joint compression via
-`linear_quantize_weights(..., joint_compression=True)`). What is compressed is decided
-here, not by coremltools defaults: a constant is a candidate only if it is a bundle
+A recipe's `code` steps compute their codes in numpy (`coreml.codes`: affine blocks,
+k-means LUT tiles; `coreml.cmf_native`: the source CMF's own codes) and a graph pass
+writes them as iOS18 constexpr ops (`emit_code`); its `quantize` steps go through
+coremltools 9.0 `linear_quantize_weights` (and the LUT of `palette4-int8lut` through its
+joint compression). docs/COMPRESSION.md gives what each recipe stores and the SmolLM2
+measurements behind the choices. What is compressed is decided here, not by coremltools
+defaults: a constant is a candidate only if it is a bundle
 weight (the conversion manifest maps program constants to HF tensor names) with more
 than `WEIGHT_THRESHOLD` elements. Each candidate's precondition (block/group size
 divides the right axis; consumers are ops whose axes we know) is checked up front and a

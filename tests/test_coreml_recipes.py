@@ -144,12 +144,13 @@ def test_mixed_spends_the_budget_on_the_most_sensitive_layers():
 
     # int4-b32: 4-bit codes + fp16 scale and offset per 32; int8-b32: 8-bit codes + fp32 scale per 32.
     int4, int8 = 64 * 64 * 4 + 128 * 2 * 16, 64 * 64 * 8 + 128 * 32
-    chosen = choose_mixed(weights, measure, budget_bits=2 * int8 + 2 * int4)
+    options = ("int4-b32", "int8-b32")
+    chosen = choose_mixed(weights, measure, budget_bits=2 * int8 + 2 * int4, options=options)
     assert chosen["choices"] == {"layers.0": "int4-b32", "layers.1": "int8-b32", "layers.2": "int4-b32",
                                  "layers.3": "int8-b32"}
     assert chosen["estimated_bits"] == 2 * int8 + 2 * int4
     with pytest.raises(RecipePrecondition, match="over the budget"):
-        choose_mixed(weights, measure, budget_bits=4 * int4 - 1)
+        choose_mixed(weights, measure, budget_bits=4 * int4 - 1, options=options)
 
 
 def _quantized_dtypes(mlpackage):
