@@ -45,7 +45,7 @@ def source(tmp_path_factory):
 def compressed(source, tmp_path_factory):
     out = tmp_path_factory.mktemp("compressed")
     return {recipe: compress_package(source.path, recipe, out / recipe)
-            for recipe in ("int4-b32", "palette4-gc32", "int8-b32-embfp16")}
+            for recipe in ("int4-b32", "palette4-gc32", "int8-b32-embfp16", "palette4-int8lut")}
 
 
 def _decompressed_weights(manifest) -> dict[str, np.ndarray]:
@@ -64,7 +64,7 @@ def _decompressed_weights(manifest) -> dict[str, np.ndarray]:
     return weights
 
 
-@pytest.mark.parametrize("recipe", ["int4-b32", "palette4-gc32", "int8-b32-embfp16"])
+@pytest.mark.parametrize("recipe", ["int4-b32", "palette4-gc32", "int8-b32-embfp16", "palette4-int8lut"])
 def test_compressed_package_matches_the_reference_with_decompressed_weights(source, compressed, recipe):
     manifest = compressed[recipe]
     original = random_weights(seed=1)
@@ -97,6 +97,8 @@ def test_selection_records_every_constant_and_why(compressed):
     palette = compressed["palette4-gc32"]["selection"]["weights"]["model_model_layers_2_mlp_up_proj_weight"]
     assert palette["chain"] == ["constexpr_lut_to_dense", "constexpr_cast"] and "nbits=4" in palette["how"]
     assert "tile=[32, 32]" in palette["how"]
+    joint = compressed["palette4-int8lut"]["selection"]["weights"]["model_model_layers_2_mlp_up_proj_weight"]
+    assert joint["chain"] == ["constexpr_blockwise_shift_scale", "constexpr_lut_to_dense"]  # int8 LUT, then LUT
     cast = compressed["int8-b32-embfp16"]["selection"]["weights"]["model_model_embed_tokens_weight"]
     assert cast["chain"] == ["constexpr_cast"]
 
