@@ -24,20 +24,11 @@ the rename, and `manifests.chain` follows it, pinned by manifest sha256.
 from collections.abc import Iterable
 from pathlib import Path
 
-import coremltools as ct
 import numpy as np
-import torch
 from tqdm import tqdm
 
 from coreml import manifest as package_manifest
-from coreml.recipes import (
-    RECIPES,
-    WEIGHT_THRESHOLD,
-    RecipePrecondition,
-    compress_package,
-    estimated_bytes,
-    program_weights,
-)
+from coreml.recipes import RECIPES, RecipePrecondition, compress_package
 from manifests.chain import upstream_path
 from manifests.identity import (
     MANIFEST_NAME,
@@ -56,7 +47,6 @@ from manifests.schema import validate
 from pipeline import align, scoring
 from pipeline.backends import open_backend
 from pipeline.errors import CmfdeployError
-from pipeline.reference import load_reference
 from pipeline.report import md_table, scatter_plot
 from pipeline.tokenizer import tokenizer_from_artifact
 
@@ -65,12 +55,6 @@ FOLDER_FORMAT = "cmfdeploy.survey_folder/1"
 REPORT_NAME = "survey.json"
 ALL_RECIPES = tuple(RECIPES)
 DEPLOY_RULE = "the smallest package (bytes on disk) whose alignment gate passed"
-# The mixed recipe's byte budget, as a fraction of the way from its smallest option
-# everywhere to its largest option everywhere: halfway buys the most sensitive layers back.
-MIXED_BUDGET_FRACTION = 0.5
-# Fixture case whose logits measure each layer's sensitivity for the mixed recipe: the
-# longest one, so every position of the context contributes.
-MIXED_MEASURE_CASE = "long"
 
 
 class SurveyError(CmfdeployError):
@@ -121,56 +105,6 @@ def bind_fp32_gate(compressed_dir: Path, gate: dict) -> None:
     write_json(path, manifest)
 
 
-# --- the mixed recipe's sensitivity measure ------------------------------------------------
-
-
-def _quantized(weight: np.ndarray, params: dict) -> np.ndarray:
-    """`weight` through coremltools' own blockwise quantizer and back (what the recipe stores)."""
-    from coremltools.optimize.coreml._quantization_passes import linear_quantize_weights as quantizer
-
-    nbits = int(params["dtype"].removeprefix("int"))
-    packed = quantizer.blockwise_compress(weight, nbits, params["mode"].upper(), True, [1, params["block_size"]])
-    return quantizer.decompress(packed).astype(np.float32)
-
-
-def mixed_inputs(package_dir: Path, fixtures: align.ReferenceFixtures, budget_bytes: float | None = None) -> dict:
-    """`measure` and `budget_bytes` for `compress_package(..., "mixed")`.
-
-    measure(group, option): mean KL(FP32 fixture logits || reference model with only that
-    decoder layer's weights quantized by the option's quantizer) over the long fixture
-    case. The default budget lies MIXED_BUDGET_FRACTION of the way from the smallest to the
-    largest choice for every layer.
-    """
-    source = package_manifest.verify_package(package_dir, hashes=False)
-    mlmodel = ct.models.MLModel(str(package_dir / source["package"]["name"]), skip_model_load=True)
-    weights = [w for w in program_weights(mlmodel, source["package"].get("weights", {}))
-               if w.hf_names and w.size > WEIGHT_THRESHOLD]
-    options = RECIPES["mixed"]["mixed"]["options"]
-    if budget_bytes is None:
-        totals = sorted(sum(estimated_bytes(w, o) for w in weights) for o in options)
-        budget_bytes = totals[0] + MIXED_BUDGET_FRACTION * (totals[-1] - totals[0])
-
-    model, _, _ = load_reference(upstream_path(package_dir, source["source"]))
-    original = {name: tensor.clone() for name, tensor in model.state_dict().items()}
-    case = fixtures.cases[MIXED_MEASURE_CASE]
-    ids = torch.as_tensor(case.input_ids[: case.valid_prefix])
-    want = case.logits[: case.valid_prefix]
-
-    def measure(group: str, option: str) -> float:
-        params = RECIPES[option]["quantize"]
-        changed = {name: torch.from_numpy(_quantized(original[name].numpy(), params))
-                   for w in weights if w.group == group for name in w.hf_names}
-        model.load_state_dict(changed, strict=False)
-        try:
-            with torch.no_grad():
-                got = model(ids).numpy()
-        finally:
-            model.load_state_dict({name: original[name] for name in changed}, strict=False)
-        return align.compare(got, want, align.TOLERANCES["fp32"])["kl_mean"]
-
-    return {"measure": measure, "budget_bytes": budget_bytes}
-
-
 # --- one recipe -------------------------------------------------------------------------
 
 
@@ -208,7 +142,11 @@ def survey_recipe(name: str, package_dir: Path, staging: Path, context: dict) ->
     compressed, gate_dir = staging / "packages" / name, staging / "gates" / name
     if name not in align.TOLERANCES:
         return _unmet(name, "gate", f"pipeline.align.TOLERANCES has no gate policy for recipe {name!r}")
-    extra = mixed_inputs(package_dir, context["fixtures"], context["mixed_budget_bytes"]) if name == "mixed" else {}
+    extra = {}
+    if RECIPES[name].get("calibration"):  # the recipe measures on calibration text itself
+        extra["calibration_ids"] = context["calibration_ids"]
+        if context["mixed_bpw"] is not None:
+            extra["bpw"] = context["mixed_bpw"]
     try:
         manifest = compress_package(package_dir, name, compressed, **extra)
     except RecipePrecondition as error:
@@ -323,14 +261,17 @@ def run_survey(
     recipes: Iterable[str] = ALL_RECIPES,
     force: bool = False,
     backend: str = "auto",
-    mixed_budget_bytes: float | None = None,
+    mixed_bpw: float | None = None,
+    calibration_ids: np.ndarray | None = None,
     progress: bool = True,
 ) -> dict:
     """Survey `recipes` on the FP32 package at `package_dir`; the survey record (survey.json).
 
     Refuses a package whose FP32 gate (`fp32_alignment_dir`) did not pass or is another
     package's. The tokenizer for the scoring set is the one of the package's bundle.
-    `mixed_budget_bytes` overrides the mixed recipe's default budget (see `mixed_inputs`).
+    `calibration_ids` (token ids of calibration text, pipeline.text_roles) go to the
+    calibration-aware recipes, which are recorded as unmet without them; `mixed_bpw`
+    overrides the mixed recipe's budget in bits per weight.
     """
     package_dir, out_dir, items_path = Path(package_dir), Path(out_dir), Path(scoring_items)
     recipes = tuple(recipes)
@@ -349,7 +290,8 @@ def run_survey(
         "fixtures": fixtures,
         "fp32_gate": gate,
         "fp32_bytes": source["package_bytes"],
-        "mixed_budget_bytes": mixed_budget_bytes,
+        "mixed_bpw": mixed_bpw,
+        "calibration_ids": calibration_ids,
         "items": scoring.load_items(items_path),
         "items_path": items_path,
         "tokenizer": tokenizer_from_artifact(upstream_path(package_dir, source["source"])),

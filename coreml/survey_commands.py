@@ -14,8 +14,8 @@ def register(subparsers) -> None:
     # them here would import coremltools into `--help`.
     survey.add_argument("--recipes", nargs="+", help="recipes of coreml.recipes.RECIPES (default: all)")
     survey.add_argument("--backend", default="auto", help="package backend for gates and scoring")
-    survey.add_argument("--mixed-budget-bytes", type=float,
-                        help="byte budget of the mixed recipe (default: halfway between all-int4 and all-int8)")
+    survey.add_argument("--mixed-bpw", type=float,
+                        help="bits-per-weight budget of the mixed recipe (default: coreml.recipes.MIXED_BPW)")
     survey.add_argument("--force", action="store_true", help="replace an existing output")
     survey.set_defaults(func=_survey)
 
@@ -38,7 +38,7 @@ def _survey(args: argparse.Namespace) -> int:
     survey = run_survey(args.package, args.fp32_gate, args.fixtures, args.items, args.out,
                         **({"recipes": args.recipes} if args.recipes else {}),
                         force=args.force, backend=args.backend,
-                        mixed_budget_bytes=args.mixed_budget_bytes)
+                        mixed_bpw=args.mixed_bpw)
     for record in survey["recipes"]:
         if record["status"] == "measured":
             verdict = "passed" if record["gate"]["passed"] else "FAILED"

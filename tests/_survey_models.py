@@ -3,13 +3,15 @@
 test_survey and test_release both need it and a survey costs a compression, a gate and a
 scoring run per recipe, so it is built on first use under pytest's session temp folder:
 the FP32 chunk-KV package's gate, an 8-item slice of the cloze set, and a survey of
-int8-b32, int4-b32, palette4-gc32 and `mixed` with a byte budget below its smallest choice
-(its precondition fails, which the survey must report).
+int8-b32, int4-b32, palette4-gc32 and `mixed` with a bits-per-weight budget below its
+smallest choice (its precondition fails, which the survey must report).
 """
 
 import functools
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from conftest import FIXTURE_REFERENCE
 
@@ -19,8 +21,9 @@ from pipeline.align import GateFailed, align_package
 
 SURVEY_RECIPES = ("int8-b32", "int4-b32", "palette4-gc32", "mixed")
 SCORING_ITEMS = 8
-# Below what the smallest mixed choice (int4 everywhere) needs for the fixture's weights.
-IMPOSSIBLE_MIXED_BUDGET = 1000.0
+# Below what the smallest mixed choice (int4 everywhere, 5 bits per weight) needs.
+IMPOSSIBLE_MIXED_BPW = 1.0
+CALIBRATION_IDS = np.random.default_rng(7).integers(0, 256, 256).astype(np.int64)
 
 
 @dataclass(frozen=True)
@@ -41,7 +44,8 @@ def built_survey(packages_dir: Path, root: Path) -> Survey:
     items = root / "items.jsonl"
     items.write_text("".join(CLOZE.read_text().splitlines(keepends=True)[:SCORING_ITEMS]))
     record = run_survey(package, root / "gate-fp32", FIXTURE_REFERENCE, items, root / "survey",
-                        recipes=SURVEY_RECIPES, mixed_budget_bytes=IMPOSSIBLE_MIXED_BUDGET, progress=False)
+                        recipes=SURVEY_RECIPES, mixed_bpw=IMPOSSIBLE_MIXED_BPW,
+                        calibration_ids=CALIBRATION_IDS, progress=False)
     return Survey(package, root / "gate-fp32", items, root / "survey", record)
 
 

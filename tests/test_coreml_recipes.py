@@ -17,6 +17,7 @@ from _coreml_models import VOCAB, make_bundle, random_weights
 from _numerics import U32, model_logits_bound
 from coreml.convert import export_coreml
 from coreml.manifest import verify_package
+from coreml import codes
 from coreml.package import open_package
 from coreml.recipes import (
     RECIPES,
@@ -43,7 +44,7 @@ def source(tmp_path_factory):
 def compressed(source, tmp_path_factory):
     out = tmp_path_factory.mktemp("compressed")
     return {recipe: compress_package(source.path, recipe, out / recipe)
-            for recipe in ("int4-b32", "palette4-gc32", "int8-b32-embfp16")}
+            for recipe in ("int4-b32", "palette4-gc32", "int8-b32-embfp16", "palette4-int8lut")}
 
 
 def _decompressed_weights(manifest) -> dict[str, np.ndarray]:
@@ -62,7 +63,7 @@ def _decompressed_weights(manifest) -> dict[str, np.ndarray]:
     return weights
 
 
-@pytest.mark.parametrize("recipe", ["int4-b32", "palette4-gc32", "int8-b32-embfp16"])
+@pytest.mark.parametrize("recipe", ["int4-b32", "palette4-gc32", "int8-b32-embfp16", "palette4-int8lut"])
 def test_compressed_package_matches_the_reference_with_decompressed_weights(source, compressed, recipe):
     manifest = compressed[recipe]
     original = random_weights(seed=1)
@@ -86,7 +87,8 @@ def test_selection_records_every_constant_and_why(compressed):
     selection = compressed["int4-b32"]["selection"]
     weights = selection["weights"]
     embedding = weights["model_model_embed_tokens_weight"]
-    assert embedding["compressed"] and embedding["op"] == "constexpr_blockwise_shift_scale"
+    # fp16 scale and offset decode to fp16, widened by constexpr_cast to the program's fp32.
+    assert embedding["compressed"] and embedding["chain"] == ["constexpr_blockwise_shift_scale", "constexpr_cast"]
     assert embedding["hf_names"] == ["model.embed_tokens.weight"] and embedding["consumers"] == ["gather", "linear"]
     # k/v projections are 32 x 64 = 2048 elements: at the threshold, so left as they are, and said so.
     below = selection["below_threshold"]
@@ -95,9 +97,12 @@ def test_selection_records_every_constant_and_why(compressed):
     assert below["reason"].startswith("at most weight_threshold 2048")
     assert sum(e["compressed"] for e in weights.values()) == 1 + 4 * 5  # embedding; q, o, gate, up, down
     palette = compressed["palette4-gc32"]["selection"]["weights"]["model_model_layers_2_mlp_up_proj_weight"]
-    assert palette["op"] == "constexpr_lut_to_dense" and "nbits=4" in palette["how"]
+    assert palette["chain"] == ["constexpr_lut_to_dense", "constexpr_cast"] and "nbits=4" in palette["how"]
+    assert "tile=[32, 32]" in palette["how"]
+    joint = compressed["palette4-int8lut"]["selection"]["weights"]["model_model_layers_2_mlp_up_proj_weight"]
+    assert joint["chain"] == ["constexpr_blockwise_shift_scale", "constexpr_lut_to_dense"]  # int8 LUT, then LUT
     cast = compressed["int8-b32-embfp16"]["selection"]["weights"]["model_model_embed_tokens_weight"]
-    assert cast["op"] == "constexpr_cast"
+    assert cast["chain"] == ["constexpr_cast"]
 
 
 def test_manifest_binds_source_package_and_recipe(source, compressed):
@@ -122,7 +127,7 @@ def _weight(name, shape, consumers=("linear",), hf=True):
 def test_unmet_preconditions_are_raised_naming_the_weight():
     with pytest.raises(RecipePrecondition, match=r"down_proj .*input axis 48 not divisible by block_size 32"):
         plan_selection([_weight("down_proj", (64, 48))], "int4-b32")
-    with pytest.raises(RecipePrecondition, match=r"up_proj .*output axis 80 not divisible by group_size 32"):
+    with pytest.raises(RecipePrecondition, match=r"up_proj .*output axis 80 not divisible by LUT tile 32"):
         plan_selection([_weight("up_proj", (80, 64))], "palette4-gc32")
     with pytest.raises(RecipePrecondition, match=r"axes unknown for ops \['conv'\]"):
         plan_selection([_weight("gate_proj", (64, 64), consumers=("conv",))], "int8-b32")
@@ -141,43 +146,51 @@ def test_mixed_spends_the_budget_on_the_most_sensitive_layers():
     def measure(group, option):  # int8 error is a tenth of int4's
         return sensitivity[group] * (0.1 if option == "int8-b32" else 1.0)
 
-    int4, int8 = 64 * 64 / 2 + 128 * 4, 64 * 64 + 128 * 4  # packed values + fp32 block scales
-    chosen = choose_mixed(weights, measure, budget_bytes=2 * int8 + 2 * int4)
+    # int4-b32: 4-bit codes + fp16 scale and offset per 32; int8-b32: 8-bit codes + fp32 scale per 32.
+    int4, int8 = 64 * 64 * 4 + 128 * 2 * 16, 64 * 64 * 8 + 128 * 32
+    options = ("int4-b32", "int8-b32")
+    chosen = choose_mixed(weights, measure, budget_bits=2 * int8 + 2 * int4, options=options)
     assert chosen["choices"] == {"layers.0": "int4-b32", "layers.1": "int8-b32", "layers.2": "int4-b32",
                                  "layers.3": "int8-b32"}
-    assert chosen["estimated_bytes"] == 2 * int8 + 2 * int4
+    assert chosen["estimated_bits"] == 2 * int8 + 2 * int4
     with pytest.raises(RecipePrecondition, match="over the budget"):
-        choose_mixed(weights, measure, budget_bytes=4 * int4 - 1)
+        choose_mixed(weights, measure, budget_bits=4 * int4 - 1, options=options)
 
 
-def _quantized_dtypes(mlpackage) -> dict[str, str]:
-    """Compressed variable -> the MIL dtype of its stored values, read from the saved spec."""
+def _quantized_dtypes(mlpackage):
+    """Output var of each constexpr_blockwise_shift_scale (and of a constexpr_cast of one) -> the MIL
+    dtype of its data."""
     spec = ct.utils.load_spec(str(mlpackage))
-    block = next(iter(spec.mlProgram.functions["main"].block_specializations.values()))
-    outputs = {o.name: o for op in block.operations for o in op.outputs}
-    dtypes = {}
-    for op in block.operations:
+    dtypes, outputs = {}, {}
+    for op in spec.mlProgram.functions["main"].block_specializations["CoreML8"].operations:
+        outputs.update({o.name: o for o in op.outputs})
         if op.type == "constexpr_blockwise_shift_scale":
             data = op.inputs["data"].arguments[0]
             value_type = data.value.type if data.HasField("value") else outputs[data.name].type
             dtypes[op.outputs[0].name] = MIL_pb2.DataType.Name(value_type.tensorType.dataType)
+        if op.type == "constexpr_cast" and op.inputs["source_val"].arguments[0].name in dtypes:
+            dtypes[op.outputs[0].name] = dtypes[op.inputs["source_val"].arguments[0].name]
     return dtypes
 
 
-def test_mixed_package_stores_each_layer_at_its_chosen_width(source, tmp_path):
-    sensitivity = {"layers.0": 1.0, "layers.1": 8.0, "layers.2": 2.0, "layers.3": 4.0, "model.embed_tokens.weight": 3.0}
-    layer_int4, layer_int8 = 20480, 36864  # 32768 weights per layer: values + fp32 scale per 32
-    budget = 4 * layer_int4 + 256 * 64 * 0.5 + 256 * 2 * 4 + (layer_int8 - layer_int4)  # room for one upgrade
-    manifest = compress_package(source.path, "mixed", tmp_path / "mixed", budget_bytes=budget,
-                                measure=lambda group, option: sensitivity[group] * (0.1 if option == "int8-b32" else 1))
+def test_mixed_measures_on_calibration_ids_and_stores_each_layer_at_its_choice(source, tmp_path):
+    ids = np.random.default_rng(5).integers(0, VOCAB, 256).astype(np.int64)
+    # The fixture keeps 16960 of its 164416 parameters in fp32 (norms; k/v at the 2048 threshold):
+    # int4 everywhere else is 7.8 bits per weight, int8 everywhere 11.4; 9 buys some layers int8.
+    manifest = compress_package(source.path, "mixed", tmp_path / "mixed", calibration_ids=ids, bpw=9.0)
     mixed = manifest["selection"]["mixed"]
-    assert mixed["choices"]["layers.1"] == "int8-b32" and mixed["estimated_bytes"] <= budget
-    assert sorted(mixed["choices"].values()).count("int8-b32") == 1
+    assert mixed["estimated_bits"] <= mixed["budget_bits"] and mixed["bpw_budget"] == 9.0
+    assert len(set(mixed["choices"].values())) > 1
+    for group, errors in mixed["measured_error"].items():
+        assert errors["int8-b32"] < errors["int4-b32"], group  # int8's error is the smaller, on every layer
     dtypes = _quantized_dtypes(manifest.path / "model.mlpackage")
-    for name, entry in manifest["selection"]["weights"].items():
+    for entry in manifest["selection"]["weights"].values():
         if entry["compressed"]:
-            group = Weight(name, tuple(entry["hf_names"]), (), (), ()).group
-            assert dtypes[entry["compressed_as"]] == mixed["choices"][group].split("-")[0].upper()
+            choice = mixed["choices"][Weight("", tuple(entry["hf_names"]), (), (), ()).group]
+            if choice == "palette4-gc32":
+                assert entry["chain"] == ["constexpr_lut_to_dense", "constexpr_cast"]
+            else:
+                assert dtypes[entry["compressed_as"]] == {"int4-b32": "UINT4", "int8-b32": "INT8"}[choice]
 
 
 def test_refusals(source, compressed, tmp_path):
@@ -185,7 +198,7 @@ def test_refusals(source, compressed, tmp_path):
         compress_package(source.path, "int4-b32", compressed["int4-b32"].path)
     with pytest.raises(UnknownRecipe, match="int3"):
         compress_package(source.path, "int3", tmp_path / "out")
-    with pytest.raises(RecipePrecondition, match="measure callback"):
+    with pytest.raises(RecipePrecondition, match="calibration_ids"):
         compress_package(source.path, "mixed", tmp_path / "out")
     tampered = tmp_path / "tampered"
     shutil.copytree(source.path, tampered)
@@ -196,3 +209,25 @@ def test_refusals(source, compressed, tmp_path):
     with pytest.raises(IdentityError, match="weight.bin"):
         compress_package(tampered, "int4-b32", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_sensitivity_weighted_palette_weighs_each_column_by_its_calibration_second_moment(source, tmp_path):
+    with pytest.raises(RecipePrecondition, match="calibration_ids"):
+        compress_package(source.path, "palette4-skm", tmp_path / "none")
+    ids = np.random.default_rng(6).integers(0, VOCAB, 256).astype(np.int64)
+    skm = compress_package(source.path, "palette4-skm", tmp_path / "skm", calibration_ids=ids)
+    original = random_weights(seed=1)
+    model = build_model(ModelArgs.from_header({"arch": skm["architecture"]}), original)
+    # q_proj of layer 0 reads the first layer's input norm of the embedded tokens: its moments
+    # computed here from the model's own modules, not through the recipe's hooks.
+    with torch.no_grad():
+        x = torch.cat([model.model.layers[0].input_layernorm(model.model.embed_tokens.weight[torch.as_tensor(w)])
+                       for w in (ids[:128], ids[128:])])
+    moments = (x.double() ** 2).mean(0).numpy()
+    name = "model.layers.0.self_attn.q_proj.weight"
+    want = codes.kmeans_tiles(original[name], 4, (32, 32), moments).decode()
+    got = _decompressed_weights(skm)[name]
+    # The recipe's moments are the same sums in another order: a LUT entry may differ in its
+    # last fp16 bit, so compare through the codes' own fp16 rounding.
+    assert np.abs(got - want).max() <= 2.0 ** -10 * np.abs(want).max()
+    assert not np.array_equal(got, codes.kmeans_tiles(original[name], 4, (32, 32)).decode())  # weighting changed it

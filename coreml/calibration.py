@@ -1,0 +1,93 @@
+"""What calibration-aware recipes measure on calibration text, through the reference model.
+
+    calib = Calibration.from_package(package_dir, manifest, calibration_ids)
+    kl = calib.kl_with({"model.layers.3.mlp.up_proj.weight": w_hat})
+
+The reference model is the package's own upstream (pipeline.reference.load_reference on
+the bundle the package was converted from), so a measured error is the error of exactly
+the weights the package holds. Calibration ids come from `pipeline.text_roles`
+(`text_roles(lines)["calibration"]`, tokenized), never from the quality text.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from manifests.chain import upstream_path
+from pipeline.reference import load_reference
+from pipeline.scoring import log_softmax
+
+# Tokens per calibration window and windows measured:
+# 2 x 128 tokens keep one sensitivity forward per (layer, option) at a fraction of a second
+# for a 135M model on one core.
+WINDOW = 128
+WINDOWS = 2
+
+
+@dataclass
+class Calibration:
+    model: torch.nn.Module
+    windows: list[np.ndarray]
+    reference_logprobs: list[np.ndarray]
+    original: dict[str, torch.Tensor]
+
+    @classmethod
+    def from_package(cls, package_dir: Path, manifest: dict, calibration_ids: np.ndarray) -> "Calibration":
+        """Windows of WINDOW ids, taken as given (a caller that wants BOS windows puts BOS in)."""
+        model, _, _ = load_reference(upstream_path(package_dir, manifest["source"]))
+        model.eval()
+        ids = np.asarray(calibration_ids, dtype=np.int64)
+        windows = [ids[i * WINDOW:(i + 1) * WINDOW] for i in range(WINDOWS) if len(ids[i * WINDOW:(i + 1) * WINDOW]) > 1]
+        original = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+        calib = cls(model, windows, [], original)
+        calib.reference_logprobs = calib._logprobs()
+        return calib
+
+    def _logprobs(self) -> list[np.ndarray]:
+        with torch.no_grad():
+            return [log_softmax(self.model(torch.as_tensor(w)).numpy()) for w in self.windows]
+
+    def kl_with(self, weights: dict[str, np.ndarray]) -> float:
+        """Mean KL(reference || model with `weights` substituted) per token over the windows."""
+        self.model.load_state_dict({n: torch.from_numpy(np.ascontiguousarray(w, np.float32))
+                                    for n, w in weights.items()}, strict=False)
+        try:
+            got = self._logprobs()
+        finally:
+            self.model.load_state_dict({n: self.original[n] for n in weights}, strict=False)
+        kl = [(np.exp(p) * (p - q)).sum(axis=-1).mean() for p, q in zip(self.reference_logprobs, got)]
+        return float(np.mean(kl))
+
+    def weight(self, name: str) -> np.ndarray:
+        return self.original[name].numpy()
+
+    def input_moments(self) -> dict[str, np.ndarray]:
+        """Weight name -> E[x_j^2] per input column of the linear it feeds, over the windows.
+
+        For a linear y = W x the output error of a perturbation E is sum_j E[x_j^2] |E_:j|^2
+        when the inputs' cross terms are dropped (the diagonal the SKM/AWQ literature uses),
+        so these moments weight a weight's error by what it does to the outputs. The tied
+        embedding gets its head use's moments (its lookup has no input to weight by).
+        """
+        from pipeline.models.base import Linear
+
+        sums: dict[str, torch.Tensor] = {}
+        counts: dict[str, int] = {}
+        hooks = []
+        for module_name, module in self.model.named_modules():
+            if isinstance(module, Linear):
+                name = f"{module_name}.weight"
+
+                def record(_module, args, _output, name=name):
+                    x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
+                    sums[name] = sums.get(name, 0) + (x * x).sum(0)
+                    counts[name] = counts.get(name, 0) + x.shape[0]
+                hooks.append(module.register_forward_hook(record))
+        try:
+            self._logprobs()
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return {name: (sums[name] / counts[name]).numpy() for name in sums}

@@ -1,0 +1,75 @@
+"""CMF-native codes: a quantized CMF's own codes and scales, as Core ML constexpr ops that
+decode to exactly the CMF's values.
+
+    cmf_path = source_cmf(package_dir, manifest)       # package -> bundle -> CMF record
+    code, why = native_code(cmf, "model.layers.0.mlp.up_proj.weight")
+
+What each CMF dtype becomes (spec: /work/shared/CMF-V2.md; decoders: pipeline.cmf.dtypes):
+
+- `q4_block`, `q4_tiled`: `(q - 8) * f16 scale` per 32. Written as int4 data `q - 8` (no
+  offset needed: the codes already are int4) with the scale widened to an fp32 scale per
+  block. The op computes `data * scale` in its scale's dtype; an int4 times an fp16 scale
+  has at most 4 + 11 significant bits, so the fp32 product is exact, as is the CMF
+  decoder's fp32 product: equal bit for bit on every machine. An fp16 scale would make the
+  op multiply in fp16, where 15 significant bits do not fit 11: so the scale is stored in
+  fp32, and the package spends 5.0 bits per weight where the CMF spends 4.5.
+- `q8_row`: int8 codes with the row's fp16 scale widened to fp32, one per output row
+  (8 + 11 bits: exact in fp32). 8 + 32/cols bits per weight.
+- `f16`: the half values behind `constexpr_cast` to fp32 (exact: every half is a float).
+- `f32`: nothing to carry but the float32 itself: left as it is.
+- every other dtype (vbit, vbit_ro, q8_2f, q1*, q4tp, q2tp, u8, bf16): no encoder here;
+  the weight stays the FP32 constant the package already holds (lossless, uncompressed),
+  and the selection record says so.
+
+Only a tensor whose CMF decode equals the package's constant bit for bit is carried: a
+bundle baked with a task mask or a skill holds other values, and those are refused.
+"""
+
+from pathlib import Path
+
+import numpy as np
+
+from coreml.codes import ShiftScale
+from manifests.chain import upstream_path
+from manifests.identity import read_json, MANIFEST_NAME
+from pipeline.cmf.dtypes import GROUP
+
+EXACT_DTYPES = ("q4_block", "q4_tiled", "q8_row", "f16")
+
+
+def source_cmf(package_dir: Path, manifest: dict) -> Path | None:
+    """The CMF file the package's chain starts from (package -> bundle -> CMF), or None."""
+    here, source = Path(package_dir), manifest["source"]
+    while source.get("kind") == "artifact":
+        try:
+            here = upstream_path(here, source)
+        except Exception:  # an upstream that moved away: the caller refuses with the path
+            return None
+        source = read_json(here / MANIFEST_NAME)["source"]
+    path = Path(source.get("path", ""))
+    return path if source.get("kind") == "cmf" and path.is_file() else None
+
+
+def native_code(cmf, name: str):
+    """(code, None) for a tensor with an exact encoding, else (None, why it stays FP32).
+
+    A code is a `coreml.codes.ShiftScale` or a float16 array (for constexpr_cast).
+    """
+    info = cmf.info(name)
+    dtype = info.dtype.name
+    if dtype not in EXACT_DTYPES:
+        return None, (f"CMF dtype {dtype}: nothing to carry beyond float32" if dtype == "f32" else
+                      f"CMF dtype {dtype}: no exact Core ML encoding here; kept as the package's FP32 constant")
+    if len(info.shape) != 2:
+        return None, f"CMF dtype {dtype}: rank {len(info.shape)}, not a matrix"
+    rows, cols = info.shape
+    parts = cmf.parts(name)
+    if dtype == "f16":
+        return np.asarray(parts["values"]).reshape(rows, cols), None
+    if dtype == "q8_row":
+        return ShiftScale(parts["q"], parts["scale"].astype(np.float32)[:, None], None, 8, True), None
+    if cols % GROUP:  # blocks of 32 run over the flattened tensor: they straddle rows
+        return None, f"CMF dtype {dtype}: {cols} columns, blocks of {GROUP} straddle rows"
+    nibbles = parts["nibbles"]
+    q = np.stack([nibbles & 15, nibbles >> 4], axis=-1).reshape(rows, cols).astype(np.int8) - 8
+    return ShiftScale(q, parts["scales"].astype(np.float32).reshape(rows, cols // GROUP), None, 4, True), None
