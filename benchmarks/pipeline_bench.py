@@ -75,7 +75,7 @@ def stage_align(package: str, fixtures: str, out: str) -> dict:
 
 
 def stage_survey(package: str, gate: str, fixtures: str, items: str, out: str, recipes: list[str]) -> dict:
-    from coreml.survey import run_survey
+    from pipeline.survey import run_survey
 
     survey = run_survey(package, gate, fixtures, items, out, recipes=recipes, progress=False)
     return {"deployed": survey["deployed"]["recipe"], "recipes": survey["recipes"]}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from conftest import FIXTURE_REFERENCE
 
-from coreml.survey import run_survey
+from pipeline.survey import run_survey
 from fixtures.make_scoring_set import OUT as CLOZE
 from pipeline.align import GateFailed, align_package
 

@@ -12,7 +12,7 @@ from _survey_models import IMPOSSIBLE_MIXED_BUDGET, SCORING_ITEMS, SURVEY_RECIPE
 from conftest import FIXTURE_REFERENCE
 
 from coreml.package import open_package
-from coreml.survey import ForeignGate, SurveyError, load_survey, run_survey
+from pipeline.survey import ForeignGate, SurveyError, load_survey, run_survey
 from manifests.chain import verify_chain
 from manifests.identity import read_json, sha256_file
 from pipeline.align import GateFailed, ReferenceFixtures
