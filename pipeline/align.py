@@ -22,6 +22,7 @@ Backend protocol (`pipeline.backend_protocol`), so an MLX artifact is gated by t
 (`gate_backend`); `align_package` is the stage over a Core ML package.
 """
 
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -237,7 +238,7 @@ class Intended:
         with torch.no_grad():
             logits, new_k, new_v = self.model.forward_with_cache_tensors(
                 torch.as_tensor(np.asarray(ids, np.int64)).reshape(1, -1), torch.tensor([position]),
-                torch.from_numpy(np.asarray(keys, np.float32)), torch.from_numpy(np.asarray(values, np.float32)))
+                torch.tensor(np.asarray(keys, np.float32)), torch.tensor(np.asarray(values, np.float32)))
         return logits[0].numpy(), new_k.numpy().astype(self.cache_dtype), new_v.numpy().astype(self.cache_dtype)
 
     def logits(self, ids) -> np.ndarray:
@@ -340,18 +341,22 @@ def run_checked(chunks: ChunkSchedule, intended: Intended, ids: np.ndarray, sche
 
 def exactness_chunks(chunks: ChunkSchedule, intended: Intended, fixtures: ReferenceFixtures, patterns,
                      samples: dict, check: str) -> tuple[list[dict], dict]:
-    """Every case on every pattern; also returns the runs for the pattern invariants."""
+    """Every case on every pattern; also returns the runs for the pattern and prefix invariants.
+    The one_shot pattern feeds the whole case (padding included: the prefix invariants read
+    it); logits are compared over the valid prefix, caches everywhere."""
     records, runs = [], {}
     for case in fixtures.cases.values():
-        ids = case.input_ids[:case.valid_prefix]
-        for pattern, schedule in chunk_patterns(len(ids)).items():
+        n = case.valid_prefix
+        for pattern, schedule in chunk_patterns(n).items():
             if pattern not in patterns:
                 continue
-            run = runs[case.name, pattern] = run_checked(chunks, intended, ids, schedule)
-            record = compare(run["got"], run["want"], EXACT)
+            ids = case.input_ids if pattern == "one_shot" else case.input_ids[:n]
+            run = runs[case.name, pattern] = run_checked(chunks, intended, ids, [len(ids)] if pattern == "one_shot"
+                                                         else schedule)
+            record = compare(run["got"][:n], run["want"][:n], EXACT)
             record.update(cache_outside=run["cache_outside"], passed=record["passed"] and run["cache_outside"] == 0)
             records.append({"check": check, "case": case.name, "pattern": pattern, **record})
-            samples.setdefault(check, []).append(_delta_histogram(run["got"], run["want"]))
+            samples.setdefault(check, []).append(_delta_histogram(run["got"][:n], run["want"][:n]))
     return records, runs
 
 
@@ -439,7 +444,14 @@ class QualityInputs:
         ids = tokenizer.encode(" ".join(text_roles(lines, str(self.text_path))["quality"]))
         self.windows = windows(np.asarray(ids, np.int64), window, tokenizer.bos_id)
         self.items = load_items(self.items_path)
-        self._fp32_scores = None
+        self._fp32_scores = self._fp32_log_probs = None
+
+    @property
+    def fp32_log_probs(self) -> list[np.ndarray]:
+        """FP32's log-probabilities per window (float32, the rows that predict a next token)."""
+        if self._fp32_log_probs is None:
+            self._fp32_log_probs = [_log_softmax(self.fp32.logits(w))[:-1].astype(np.float32) for w in self.windows]
+        return self._fp32_log_probs
 
     @property
     def fp32_scores(self) -> list:
@@ -463,8 +475,8 @@ def measure_quality(intended, inputs: QualityInputs, budget: Budget) -> tuple[di
     same = intended is inputs.fp32
     nll = {"fp32": 0.0, "package": 0.0}
     kl_sum = agree = count = 0
-    for tokens in inputs.windows:
-        log_p = _log_softmax(inputs.fp32.logits(tokens))[:-1]
+    for tokens, log_p in zip(inputs.windows, inputs.fp32_log_probs):
+        log_p = log_p.astype(np.float64)
         log_q = log_p if same else _log_softmax(intended.logits(tokens))[:-1]
         rows, targets = np.arange(len(tokens) - 1), tokens[1:]
         nll["fp32"] -= log_p[rows, targets].sum()
@@ -488,6 +500,18 @@ def measure_quality(intended, inputs: QualityInputs, budget: Budget) -> tuple[di
 
 # ---------------------------------------------------------------- the gate over any backend
 
+class _Clock:
+    """Wall seconds per step of a gate, recorded in its report (benchmarks/pipeline_bench.py reads them)."""
+
+    def __init__(self):
+        self.laps, self._last = {}, time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name] = round(now - self._last, 3)
+        self._last = now
+
+
 def summarize(records: list[dict]) -> dict:
     compared = [r for r in records if "max_abs" in r]
     if not compared:
@@ -510,19 +534,25 @@ def gate_backend(candidate, intended: Intended, fixtures: ReferenceFixtures, qua
     chunk patterns and the snapshot checks). `frozen`: the fixtures' logits are the intended
     one-shot logits (FP32 weights). Returns the report body and, under "_scores", the item
     scores of the quality part."""
-    samples: dict = {}
-    one_shot = {name: candidate.logits(case.input_ids) for name, case in fixtures.cases.items()}
+    samples, clock = {}, _Clock()
     chunks = getattr(candidate, "chunks", None)
-    # With chunks, the one_shot pattern below checks the same call against the live reference;
-    # the frozen fixtures (FP32 weights) are checked on their own as well.
-    records = exactness_one_shot(one_shot, intended, fixtures, frozen, samples) if frozen or chunks is None else []
-    invariants = _prefix_invariants(one_shot)
+    records, invariants = [], []
     if chunks is not None:
-        chunked, runs = exactness_chunks(chunks, intended, fixtures, patterns, samples, check)
-        records += chunked
+        records, runs = exactness_chunks(chunks, intended, fixtures, patterns, samples, check)
         invariants += pattern_invariants(runs, fp16_cache=intended.cache_dtype == np.float16)
+        one_shot = {name: runs[name, "one_shot"]["got"] for name in fixtures.cases}
+        clock.lap("chunk_patterns")
+    else:
+        one_shot = {name: candidate.logits(case.input_ids) for name, case in fixtures.cases.items()}
+    # FP32 weights: the same one-shot logits against the frozen fixtures as well.
+    if frozen or chunks is None:
+        records = exactness_one_shot(one_shot, intended, fixtures, frozen, samples) + records
+    invariants = _prefix_invariants(one_shot) + invariants
+    clock.lap("one_shot")
     invariants += branching_invariants(candidate, fixtures.cases["long"].input_ids[:BRANCH_PREFIX])
+    clock.lap("branching")
     quality_record, scores = measure_quality(intended, quality, budget)
+    clock.lap("quality")
     exact = all(r["passed"] for r in records)
     invariants_passed = all(i["passed"] is not False for i in invariants)
     return {
@@ -538,6 +568,7 @@ def gate_backend(candidate, intended: Intended, fixtures: ReferenceFixtures, qua
                     "invariants_passed": invariants_passed},
         "records": records,
         "invariants": invariants,
+        "seconds": clock.laps,
         "_samples": samples,
         "_scores": scores,
     }

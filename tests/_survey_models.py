@@ -37,9 +37,9 @@ def built_survey(packages_dir: Path, root: Path) -> Survey:
     root = root / "survey-session"
     root.mkdir()
     package = packages_dir / "chunk_kv"
-    align_package(package, FIXTURE_REFERENCE, root / "gate-fp32")
     items = root / "items.jsonl"
     items.write_text("".join(CLOZE.read_text().splitlines(keepends=True)[:SCORING_ITEMS]))
+    align_package(package, FIXTURE_REFERENCE, root / "gate-fp32", items=items)
     record = run_survey(package, root / "gate-fp32", FIXTURE_REFERENCE, items, root / "survey",
                         recipes=SURVEY_RECIPES, mixed_budget_bytes=IMPOSSIBLE_MIXED_BUDGET, progress=False)
     return Survey(package, root / "gate-fp32", items, root / "survey", record)
@@ -47,10 +47,12 @@ def built_survey(packages_dir: Path, root: Path) -> Survey:
 
 @functools.cache
 def failed_gate(survey_dir: Path) -> Path:
-    """A real failed gate: the survey's int4 package held to the FP32 policy (3e-4), which it cannot meet."""
-    out = survey_dir.parent / "gate-int4-under-fp32-policy"
+    """A real failed gate: the survey's int4 package under a budget of top-1 agreement 1.0,
+    which only a package computing FP32 itself can meet."""
+    out = survey_dir.parent / "gate-int4-under-an-fp32-budget"
     try:
-        align_package(survey_dir / "packages" / "int4-b32", FIXTURE_REFERENCE, out, recipe="fp32")
+        align_package(survey_dir / "packages" / "int4-b32", FIXTURE_REFERENCE, out, budget="ppl=0%,top1=1.0",
+                      items=survey_dir.parent / "items.jsonl")
     except GateFailed:
         return out
-    raise AssertionError("int4-b32 passed the FP32 gate policy: its weights were not compressed")
+    raise AssertionError("int4-b32 met an FP32 budget: its weights were not compressed")
