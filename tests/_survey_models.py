@@ -32,13 +32,18 @@ class Survey:
     record: dict  # what run_survey returned
 
 
+def cloze_slice(path: Path, count: int = SCORING_ITEMS) -> Path:
+    """The first `count` cloze items written to `path`: a scoring set small enough for CI."""
+    path.write_text("".join(CLOZE.read_text().splitlines(keepends=True)[:count]))
+    return path
+
+
 @functools.cache
 def built_survey(packages_dir: Path, root: Path) -> Survey:
     root = root / "survey-session"
     root.mkdir()
     package = packages_dir / "chunk_kv"
-    items = root / "items.jsonl"
-    items.write_text("".join(CLOZE.read_text().splitlines(keepends=True)[:SCORING_ITEMS]))
+    items = cloze_slice(root / "items.jsonl")
     align_package(package, FIXTURE_REFERENCE, root / "gate-fp32", items=items)
     record = run_survey(package, root / "gate-fp32", FIXTURE_REFERENCE, items, root / "survey",
                         recipes=SURVEY_RECIPES, mixed_budget_bytes=IMPOSSIBLE_MIXED_BUDGET, progress=False)

@@ -8,12 +8,12 @@ import shutil
 import numpy as np
 import pytest
 
+from _survey_models import cloze_slice
 from conftest import FIXTURE_CMF, FIXTURE_REFERENCE
 from coreml.mil.ops import OPS, OpDef
 from coreml.package import open_package
 from coreml.recipes import compress_package
 from coreml.runner import ChunkKVRunner, PackageBackend, open_package_backend
-from fixtures.make_scoring_set import OUT as CLOZE
 from manifests.chain import verify_artifact
 from manifests.identity import load_manifest, read_json
 from pipeline.align import (
@@ -44,10 +44,7 @@ PATTERNS = ("one_shot", "single_tokens", "split_3", "half_half")
 
 @pytest.fixture(scope="module")
 def items(tmp_path_factory):
-    """Eight items of the cloze set: the quality part's scoring share, kept small for CI."""
-    path = tmp_path_factory.mktemp("items") / "items.jsonl"
-    path.write_text("".join(CLOZE.read_text().splitlines(keepends=True)[:8]))
-    return path
+    return cloze_slice(tmp_path_factory.mktemp("items") / "items.jsonl")
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from _survey_models import cloze_slice
 from conftest import FIXTURE_REFERENCE
 from coreml.package import open_package
 from coreml.runner import PackageBackend, PackageInterfaceError, StatefulRunner
@@ -33,11 +34,7 @@ CASES = ("short", "long", "right_pad", "changed_future")
 
 @pytest.fixture(scope="module")
 def items(tmp_path_factory):
-    from fixtures.make_scoring_set import OUT as CLOZE
-
-    path = tmp_path_factory.mktemp("items") / "items.jsonl"
-    path.write_text("".join(CLOZE.read_text().splitlines(keepends=True)[:8]))
-    return path
+    return cloze_slice(tmp_path_factory.mktemp("items") / "items.jsonl")
 
 
 @pytest.fixture(scope="module")
