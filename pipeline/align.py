@@ -445,14 +445,14 @@ class QualityInputs:
         ids = tokenizer.encode(" ".join(text_roles(lines, str(self.text_path))["quality"]))
         self.windows = windows(np.asarray(ids, np.int64), window, tokenizer.bos_id)
         self.items = load_items(self.items_path)
-        self._fp32_scores = self._fp32_log_probs = None
+        self._fp32_scores = self._fp32_logits = None
 
     @property
-    def fp32_log_probs(self) -> list[np.ndarray]:
-        """FP32's log-probabilities per window (float32, the rows that predict a next token)."""
-        if self._fp32_log_probs is None:
-            self._fp32_log_probs = [_log_softmax(self.fp32.logits(w))[:-1].astype(np.float32) for w in self.windows]
-        return self._fp32_log_probs
+    def fp32_logits(self) -> list[np.ndarray]:
+        """FP32's logits per window, as the model returned them (float32)."""
+        if self._fp32_logits is None:
+            self._fp32_logits = [self.fp32.logits(w) for w in self.windows]
+        return self._fp32_logits
 
     @property
     def fp32_scores(self) -> list:
@@ -476,8 +476,8 @@ def measure_quality(intended, inputs: QualityInputs, budget: Budget) -> tuple[di
     same = intended is inputs.fp32
     nll = {"fp32": 0.0, "package": 0.0}
     kl_sum = agree = count = 0
-    for tokens, log_p in zip(inputs.windows, inputs.fp32_log_probs):
-        log_p = log_p.astype(np.float64)
+    for tokens, logits in zip(inputs.windows, inputs.fp32_logits):
+        log_p = _log_softmax(logits)[:-1]
         log_q = log_p if same else _log_softmax(intended.logits(tokens))[:-1]
         rows, targets = np.arange(len(tokens) - 1), tokens[1:]
         nll["fp32"] -= log_p[rows, targets].sum()

@@ -112,13 +112,17 @@ def calibration_ids(tokenizer, text_path: Path) -> np.ndarray:
 def _compress(package_dir: Path, name: str, out: Path, context: dict):
     """`compress_package` with the calibration ids, as issue 11's interface takes them.
 
-    Until that lands, the `mixed` recipe still wants a `measure(group, option)` callback and a
-    byte budget: they are built here from the same calibration ids (the lead drops this
-    branch when merging issue 11, whose `mixed` measures itself).
+    Until that lands, compress_package takes no calibration ids and its `mixed` recipe wants
+    a `measure(group, option)` callback and a byte budget: they are built here from the same
+    calibration ids (the lead drops this branch when merging issue 11, whose recipes measure
+    what they need themselves).
     """
-    if name != "mixed" or "measure" not in compress_package.__code__.co_varnames:
+    import inspect
+
+    if "calibration_ids" in inspect.signature(compress_package).parameters:
         return compress_package(package_dir, name, out, calibration_ids=context["calibration_ids"])
-    return compress_package(package_dir, name, out, **_interim_mixed_inputs(package_dir, context))
+    extra = _interim_mixed_inputs(package_dir, context) if name == "mixed" else {}
+    return compress_package(package_dir, name, out, **extra)
 
 
 def _interim_mixed_inputs(package_dir: Path, context: dict) -> dict:
