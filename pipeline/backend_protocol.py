@@ -15,9 +15,32 @@ class BackendError(CmfdeployError):
     """An artifact no backend can open as asked, or input a backend cannot run."""
 
 
+class ChunkSchedule(Protocol):
+    """What a backend that runs in chunks over an explicit KV cache offers the gates: chunk
+    schedules, and snapshots whose caches can be read and edited (the dirty-tail check).
+    Caches are [layers, 1, kv_heads, context, head_dim] in the backend's cache dtype."""
+
+    context: int
+
+    def empty(self) -> object:
+        """The snapshot before any token."""
+
+    def run(self, snapshot: object, ids: np.ndarray) -> tuple[np.ndarray, object]:
+        """Logits of ids fed as one chunk after the snapshot, and the snapshot after them."""
+
+    def cache_arrays(self, snapshot: object) -> tuple[np.ndarray, np.ndarray, int]:
+        """(keys, values, position): the snapshot's caches, slots [0, position) valid."""
+
+    def with_cache_arrays(self, snapshot: object, keys: np.ndarray, values: np.ndarray) -> object:
+        """A snapshot at the same position holding the given caches."""
+
+
 class Backend(Protocol):
     name: str  # "torch-fp32", "coreml-executor", "coreml-macos", "mlx"
     context: int  # max tokens
+    # Optional: a backend that runs in chunks over an explicit cache exposes it here (None or
+    # absent otherwise); the gates then check every chunk pattern and the snapshot invariants.
+    chunks: ChunkSchedule | None
 
     def logits(self, ids: np.ndarray) -> np.ndarray:
         """ids int [T] -> float32 [T, vocab], one full forward."""

@@ -27,7 +27,7 @@ COMMANDS = {
     **dict.fromkeys(["align", "reference-fixtures"], "pipeline.align_commands"),
     "score": "pipeline.scoring_commands",
     **dict.fromkeys(["coreml", "compress"], "coreml.commands"),
-    **dict.fromkeys(["survey", "release"], "coreml.survey_commands"),
+    **dict.fromkeys(["survey", "release"], "pipeline.survey_commands"),
     "mlx": "mlx_runtime.commands",
 }
 # The distributions `--version` names beside cmfdeploy: the ones whose versions shape an artifact.

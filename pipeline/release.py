@@ -29,8 +29,8 @@ import shutil
 from pathlib import Path
 
 from coreml import manifest as package_manifest
-from coreml.survey import REPORT_NAME as SURVEY_NAME
-from coreml.survey import load_survey, passed_gate_of
+from pipeline.survey import REPORT_NAME as SURVEY_NAME
+from pipeline.survey import load_survey, passed_gate_of
 from manifests.chain import upstream_path
 from manifests.identity import (
     MANIFEST_NAME,

@@ -11,11 +11,9 @@ import functools
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from conftest import FIXTURE_REFERENCE
 
-from coreml.survey import run_survey
+from pipeline.survey import run_survey
 from fixtures.make_scoring_set import OUT as CLOZE
 from pipeline.align import GateFailed, align_package
 
@@ -23,7 +21,6 @@ SURVEY_RECIPES = ("int8-b32", "int4-b32", "palette4-gc32", "mixed")
 SCORING_ITEMS = 8
 # Below what the smallest mixed choice (int4 everywhere, 5 bits per weight) needs.
 IMPOSSIBLE_MIXED_BPW = 1.0
-CALIBRATION_IDS = np.random.default_rng(7).integers(0, 256, 256).astype(np.int64)
 
 
 @dataclass(frozen=True)
@@ -35,26 +32,32 @@ class Survey:
     record: dict  # what run_survey returned
 
 
+def cloze_slice(path: Path, count: int = SCORING_ITEMS) -> Path:
+    """The first `count` cloze items written to `path`: a scoring set small enough for CI."""
+    path.write_text("".join(CLOZE.read_text().splitlines(keepends=True)[:count]))
+    return path
+
+
 @functools.cache
 def built_survey(packages_dir: Path, root: Path) -> Survey:
     root = root / "survey-session"
     root.mkdir()
     package = packages_dir / "chunk_kv"
-    align_package(package, FIXTURE_REFERENCE, root / "gate-fp32")
-    items = root / "items.jsonl"
-    items.write_text("".join(CLOZE.read_text().splitlines(keepends=True)[:SCORING_ITEMS]))
+    items = cloze_slice(root / "items.jsonl")
+    align_package(package, FIXTURE_REFERENCE, root / "gate-fp32", items=items)
     record = run_survey(package, root / "gate-fp32", FIXTURE_REFERENCE, items, root / "survey",
-                        recipes=SURVEY_RECIPES, mixed_bpw=IMPOSSIBLE_MIXED_BPW,
-                        calibration_ids=CALIBRATION_IDS, progress=False)
+                        recipes=SURVEY_RECIPES, mixed_bpw=IMPOSSIBLE_MIXED_BPW, progress=False)
     return Survey(package, root / "gate-fp32", items, root / "survey", record)
 
 
 @functools.cache
 def failed_gate(survey_dir: Path) -> Path:
-    """A real failed gate: the survey's int4 package held to the FP32 policy (3e-4), which it cannot meet."""
-    out = survey_dir.parent / "gate-int4-under-fp32-policy"
+    """A real failed gate: the survey's int4 package under a budget of top-1 agreement 1.0,
+    which only a package computing FP32 itself can meet."""
+    out = survey_dir.parent / "gate-int4-under-an-fp32-budget"
     try:
-        align_package(survey_dir / "packages" / "int4-b32", FIXTURE_REFERENCE, out, recipe="fp32")
+        align_package(survey_dir / "packages" / "int4-b32", FIXTURE_REFERENCE, out, budget="ppl=0%,top1=1.0",
+                      items=survey_dir.parent / "items.jsonl")
     except GateFailed:
         return out
-    raise AssertionError("int4-b32 passed the FP32 gate policy: its weights were not compressed")
+    raise AssertionError("int4-b32 met an FP32 budget: its weights were not compressed")

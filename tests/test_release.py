@@ -8,7 +8,7 @@ import pytest
 from _survey_models import built_survey, failed_gate
 from conftest import FIXTURE_REFERENCE
 
-from coreml.survey import ForeignGate
+from pipeline.survey import ForeignGate
 from manifests.chain import verify_chain
 from manifests.identity import read_json, sha256_file
 from pipeline.align import GateFailed, align_package

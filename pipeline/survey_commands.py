@@ -1,14 +1,16 @@
-"""CLI: `cmfdeploy survey PACKAGE ...` (every recipe, gated and scored) and `cmfdeploy release SURVEY`."""
+"""CLI: `cmfdeploy survey PACKAGE ...` (every recipe, gated in three parts) and `cmfdeploy release SURVEY`."""
 
 import argparse
 
+from pipeline.align import DEFAULT_BUDGET, DEFAULT_QUALITY_TEXT
+
 
 def register(subparsers) -> None:
-    survey = subparsers.add_parser("survey", help="compress a gated FP32 package by every recipe; gate and score each")
+    survey = subparsers.add_parser("survey", help="compress a gated FP32 package by every recipe; gate each in three parts")
     survey.add_argument("package", help="the FP32 package directory (chunk_kv or stateless)")
     survey.add_argument("--fp32-gate", required=True, help="the package's passed FP32 alignment folder")
     survey.add_argument("--fixtures", required=True, help="reference fixtures folder (index.json + logits.npz)")
-    survey.add_argument("--items", required=True, help="scoring set (JSON lines)")
+    survey.add_argument("--items", required=True, help="scoring set (JSON lines) of the quality part")
     survey.add_argument("-o", "--out", required=True, help="survey folder to create")
     # No argparse choices: run_survey names the known recipes when one is not, and listing
     # them here would import coremltools into `--help`.
@@ -16,6 +18,10 @@ def register(subparsers) -> None:
     survey.add_argument("--backend", default="auto", help="package backend for gates and scoring")
     survey.add_argument("--mixed-bpw", type=float,
                         help="bits-per-weight budget of the mixed recipe (default: coreml.recipes.MIXED_BPW)")
+    survey.add_argument("--budget", default=DEFAULT_BUDGET,
+                        help=f"quality budget against FP32 (see `cmfdeploy align --help`; default {DEFAULT_BUDGET})")
+    survey.add_argument("--quality-text", default=DEFAULT_QUALITY_TEXT,
+                        help="text whose calibration lines the recipes see and whose held-out lines the gates read")
     survey.add_argument("--force", action="store_true", help="replace an existing output")
     survey.set_defaults(func=_survey)
 
@@ -33,18 +39,20 @@ def register(subparsers) -> None:
 
 
 def _survey(args: argparse.Namespace) -> int:
-    from coreml.survey import run_survey
+    from pipeline.survey import run_survey
 
     survey = run_survey(args.package, args.fp32_gate, args.fixtures, args.items, args.out,
                         **({"recipes": args.recipes} if args.recipes else {}),
-                        force=args.force, backend=args.backend,
+                        force=args.force, backend=args.backend, budget=args.budget, quality_text=args.quality_text,
                         mixed_bpw=args.mixed_bpw)
     for record in survey["recipes"]:
         if record["status"] == "measured":
-            verdict = "passed" if record["gate"]["passed"] else "FAILED"
-            print(f"{record['name']}: {record['package']['size_bytes']} bytes "
-                  f"({record['package']['bytes_vs_fp32']:.3f} x FP32), gate {verdict}, "
-                  f"max |d logit| {record['gate']['max_abs']:.3g}")
+            gate, quality = record["gate"], record["gate"]["quality"]
+            verdict = ("passed" if gate["passed"] else "NOT EXACT (a bug)" if not gate["exact"] else
+                       "over budget" if not gate["within_budget"] else "invariants FAILED")
+            print(f"{record['name']}: {record['package']['bits_per_weight']:.2f} bits/weight, "
+                  f"{record['package']['size_bytes']} bytes ({record['package']['bytes_vs_fp32']:.3f} x FP32), "
+                  f"ppl {quality['ppl_change']:+.2%}, top-1 {quality['top1_agreement']:.3f}: {verdict}")
         else:
             print(f"{record['name']}: not measured: {record['precondition']['reason']}")
     print(f"deployed: {survey['deployed']['recipe']}; report {args.out}/survey.md")

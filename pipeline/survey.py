@@ -1,24 +1,24 @@
-"""Compression survey: every recipe applied to one gated FP32 package, gated and scored.
+"""Compression survey: every recipe applied to one gated FP32 package, each gated in three parts.
 
     survey = run_survey("out/chunk_kv", "out/align-fp32", "fixtures/reference",
-                        "fixtures/scoring/cloze.jsonl", "out/survey")
+                        "fixtures/scoring/cloze.jsonl", "out/survey", budget="ppl=2%,top1=0.95")
 
-For each recipe the FP32 package is compressed (`coreml.recipes.compress_package`), the
-compressed manifest is bound to the FP32 gate report it was surveyed under, the package
-is gated against the frozen FP32 fixtures with the recipe's own tolerance
-(`pipeline.align`), and the scoring set is ranked with it and compared with the FP32
-package's ranking (`pipeline.scoring`). A failed gate is a result, recorded like any
-other; a recipe whose precondition does not hold (a block size that does not divide, no
-gate policy) is recorded with the reason, never dropped. The deployed recipe is the
-smallest package whose gate passed.
+For each recipe of `coreml.recipes.RECIPES` the FP32 package is compressed
+(`compress_package`, given the calibration text's token ids), the compressed manifest is
+bound to the FP32 gate it was surveyed under, and the package is gated (`pipeline.align`):
+exact against the reference of its own decoded weights, quality within the user's budget
+of FP32 on the held-out quality text and the scoring set, invariants intact. The FP32 side
+of the quality part is computed once for all recipes. A recipe that is exact but over
+budget is a result; one that is not exact is a bug, and both are recorded like any other; a
+recipe whose precondition does not hold is recorded with the reason, never dropped. The
+deployed recipe is the smallest package that passed all three parts.
 
 The survey folder holds `survey.json` (format `cmfdeploy.survey/1`), `survey.md`,
 `size_vs_error.png`, and per recipe `packages/<recipe>/`, `gates/<recipe>/` and
-`scores/<recipe>/` (plus `scores/fp32/`). It appears all at once or not at all. Nested
-artifacts were written inside the staging folder, so the absolute `source.path` recorded
-by a gate or a scoring run of a compressed package names the staging path, gone once the
-survey is in place; their `source.relative_path` (`../../packages/<recipe>`) holds across
-the rename, and `manifests.chain` follows it, pinned by manifest sha256.
+`scores/<recipe>/` (the quality part's scoring run; plus `scores/fp32/`). It appears all at
+once or not at all. Nested artifacts were written inside the staging folder; their
+`source.relative_path` (`../../packages/<recipe>`) holds across the rename, and
+`manifests.chain` follows it, pinned by manifest sha256.
 """
 
 from collections.abc import Iterable
@@ -28,6 +28,7 @@ import numpy as np
 from tqdm import tqdm
 
 from coreml import manifest as package_manifest
+from coreml.bits import bits_per_weight
 from coreml.recipes import RECIPES, RecipePrecondition, compress_package
 from manifests.chain import upstream_path
 from manifests.identity import (
@@ -37,6 +38,7 @@ from manifests.identity import (
     environment,
     file_identity,
     inventory,
+    load_manifest,
     read_json,
     relative_path,
     sha256_file,
@@ -45,16 +47,15 @@ from manifests.identity import (
 from manifests.output import refuse_existing, staged_output
 from manifests.schema import validate
 from pipeline import align, scoring
-from pipeline.backends import open_backend
 from pipeline.errors import CmfdeployError
 from pipeline.report import md_table, scatter_plot
-from pipeline.tokenizer import tokenizer_from_artifact
+from pipeline.text_roles import text_roles
 
 FORMAT = "cmfdeploy.survey/1"
 FOLDER_FORMAT = "cmfdeploy.survey_folder/1"
 REPORT_NAME = "survey.json"
 ALL_RECIPES = tuple(RECIPES)
-DEPLOY_RULE = "the smallest package (bytes on disk) whose alignment gate passed"
+DEPLOY_RULE = "the smallest package (bytes on disk) that passed all three parts: exact, within the budget, invariants"
 
 
 class SurveyError(CmfdeployError):
@@ -105,6 +106,13 @@ def bind_fp32_gate(compressed_dir: Path, gate: dict) -> None:
     write_json(path, manifest)
 
 
+def calibration_ids(tokenizer, text_path: Path) -> np.ndarray:
+    """int64 token ids of the text's calibration lines (`pipeline.text_roles`): what
+    calibration-aware recipes may look at, disjoint from the quality text and gate fixtures."""
+    lines = Path(text_path).read_text(encoding="utf-8").splitlines()
+    return np.asarray(tokenizer.encode(" ".join(text_roles(lines, str(text_path))["calibration"])), np.int64)
+
+
 # --- one recipe -------------------------------------------------------------------------
 
 
@@ -129,19 +137,9 @@ def _scoring_effects(results, baseline) -> dict:
     }
 
 
-def _score_run(package_dir: Path, run_dir: Path, context: dict) -> tuple[list, dict]:
-    backend = open_backend(package_dir, context["backend"])
-    results = scoring.score_items(backend, context["tokenizer"], context["items"])
-    scoring.write_run(results, run_dir, artifact=package_dir, backend_name=backend.name,
-                      items_path=context["items_path"])
-    return results, read_json(run_dir / MANIFEST_NAME)
-
-
 def survey_recipe(name: str, package_dir: Path, staging: Path, context: dict) -> dict:
-    """Compress, bind, gate and score one recipe; its survey record."""
-    compressed, gate_dir = staging / "packages" / name, staging / "gates" / name
-    if name not in align.TOLERANCES:
-        return _unmet(name, "gate", f"pipeline.align.TOLERANCES has no gate policy for recipe {name!r}")
+    """Compress, bind, gate (all three parts) one recipe; its survey record."""
+    compressed, gate_dir, run_dir = (staging / part / name for part in ("packages", "gates", "scores"))
     extra = {}
     if RECIPES[name].get("calibration"):  # the recipe measures on calibration text itself
         extra["calibration_ids"] = context["calibration_ids"]
@@ -153,14 +151,13 @@ def survey_recipe(name: str, package_dir: Path, staging: Path, context: dict) ->
         return _unmet(name, "compress", str(error))
     bind_fp32_gate(compressed, context["fp32_gate"])
     try:
-        align.align_package(compressed, context["fixtures"].directory, gate_dir, recipe=name,
-                            backend=context["backend"])
+        align.align_package(compressed, context["fixtures"].directory, gate_dir, budget=context["budget"],
+                            backend=context["backend"], quality=context["quality"], scores_out=run_dir)
     except align.GateFailed:
         if not (gate_dir / align.REPORT_NAME).is_file():
             raise  # the gate could not run at all: a problem of the survey's inputs
     report = read_json(gate_dir / align.REPORT_NAME)
-    summary = report["summary"]
-    results, run = _score_run(compressed, staging / "scores" / name, context)
+    summary, quality = report["summary"], report["quality"]
     size = manifest["size_bytes"]
     return {
         "name": name,
@@ -171,33 +168,44 @@ def survey_recipe(name: str, package_dir: Path, staging: Path, context: dict) ->
             "manifest_sha256": sha256_file(compressed / MANIFEST_NAME),
             "size_bytes": size,
             "bytes_vs_fp32": size / context["fp32_bytes"],
+            "bits_per_weight": bits_per_weight(compressed)["bits_per_weight"],
         },
         "gate": {
             "passed": bool(report["passed"]),
+            "exact": summary["exact"],
+            "within_budget": summary["within_budget"],
+            "invariants_passed": summary["invariants_passed"],
             "report": {"path": f"gates/{name}/{align.REPORT_NAME}",
                        "sha256": sha256_file(gate_dir / align.REPORT_NAME),
                        "manifest_sha256": sha256_file(gate_dir / MANIFEST_NAME)},
             "tolerance": report["tolerance"],
             "max_abs": summary["max_abs"],
-            "p99_abs_max": summary["p99_abs_max"],
-            "mean_abs": summary["mean_abs"],
             "outside": summary["outside"],
-            "top1_agreement_min": summary["top1_agreement_min"],
-            "kl_mean_max": summary["kl_mean_max"],
-            "invariants_passed": summary["invariants_passed"],
+            "quality": {k: quality[k] for k in ("ppl_change", "top1_agreement", "kl_mean", "items_top1_changed",
+                                                "over_budget")},
         },
-        "scoring": {**_scoring_effects(results, context["baseline"]), "scores_sha256": run["scores_sha256"],
-                    "run": f"scores/{name}"},
+        "scoring": {**_scoring_effects(scoring.read_run(run_dir), context["quality"].fp32_scores),
+                    "scores_sha256": read_json(run_dir / MANIFEST_NAME)["scores_sha256"], "run": f"scores/{name}"},
     }
 
 
 def deployed_recipe(records: Iterable[dict]) -> str | None:
-    """The smallest measured package whose gate passed (ties: the first by name)."""
+    """The smallest measured package that passed all three parts (ties: the first by name)."""
     passing = [r for r in records if r["status"] == "measured" and r["gate"]["passed"]]
     return min(passing, key=lambda r: (r["package"]["size_bytes"], r["name"]))["name"] if passing else None
 
 
 # --- the human forms ----------------------------------------------------------------------
+
+
+def _exactness_cell(gate: dict) -> str:
+    if gate["exact"]:
+        return "exact"
+    return f'<span style="color:red">**NOT EXACT** (max \\|Δ\\| {gate["max_abs"]:.3g}): a bug</span>'
+
+
+def _budget_cell(gate: dict) -> str:
+    return "within" if gate["within_budget"] else "over: " + ", ".join(gate["quality"]["over_budget"])
 
 
 def survey_markdown(survey: dict) -> str:
@@ -206,47 +214,52 @@ def survey_markdown(survey: dict) -> str:
     deployed = survey["deployed"]["recipe"]
     measured = [r for r in survey["recipes"] if r["status"] == "measured"]
     unmet = [r for r in survey["recipes"] if r["status"] != "measured"]
-    rows = [["fp32 (source)", fp32["package"]["size_bytes"], 1.0, True, fp32["gate"]["summary"]["max_abs"],
-             fp32["gate"]["summary"]["top1_agreement_min"], fp32["gate"]["summary"]["kl_mean_max"],
-             fp32["scoring"]["top1_accuracy"], fp32["scoring"]["mrr"], 0, 0, 0.0, ""]]
-    rows += [[r["name"], r["package"]["size_bytes"], r["package"]["bytes_vs_fp32"], r["gate"]["passed"],
-              r["gate"]["max_abs"], r["gate"]["top1_agreement_min"], r["gate"]["kl_mean_max"],
-              r["scoring"]["top1_accuracy"], r["scoring"]["mrr"], r["scoring"]["order_changed"],
-              r["scoring"]["top1_changed"], r["scoring"]["max_abs_delta_score"],
-              "**deployed**" if r["name"] == deployed else ""] for r in measured]
+    rows = [["fp32 (source)", fp32["package"]["bits_per_weight"], fp32["package"]["size_bytes"], 1.0, "exact",
+             0.0, 1.0, 0.0, 0.0, "within", True, fp32["scoring"]["top1_accuracy"], ""]]
+    rows += [[r["name"], r["package"]["bits_per_weight"], r["package"]["size_bytes"], r["package"]["bytes_vs_fp32"],
+              _exactness_cell(r["gate"]), f"{r['gate']['quality']['ppl_change']:+.2%}",
+              r["gate"]["quality"]["top1_agreement"], r["gate"]["quality"]["kl_mean"],
+              r["gate"]["quality"]["items_top1_changed"], _budget_cell(r["gate"]), r["gate"]["invariants_passed"],
+              r["scoring"]["top1_accuracy"], "**deployed**" if r["name"] == deployed else ""] for r in measured]
+    budget = survey["budget"]
     lines = [
         "# Compression survey",
         "",
         f"- FP32 package: `{fp32['package']['path']}` ({fp32['package']['kind']}), gate passed "
         f"(`{fp32['gate']['path']}`)",
-        f"- gates and scoring on **{survey['backend']}**; fixtures `{survey['fixtures']['path']}`; scoring set "
+        f"- gates on **{survey['backend']}**; fixtures `{survey['fixtures']['path']}`; quality on "
+        f"{survey['quality']['tokens']} held-out tokens of `{survey['quality']['text']['path']}` and the scoring set "
         f"`{survey['scoring_set']['name']}` ({survey['scoring_set']['n_items']} items)",
-        f"- deployed: **{deployed or 'none (no recipe passed its gate)'}** ({survey['deployed']['rule']})",
+        f"- budget: **{budget}** (perplexity change at most, pooled top-1 agreement with FP32 at least)",
+        f"- deployed: **{deployed or 'none (no recipe passed all three parts)'}** ({survey['deployed']['rule']})",
         "",
-        md_table(["recipe", "bytes", "× FP32", "gate", "max |Δ logit|", "top-1 agreement", "KL mean max",
-                  "accuracy", "MRR", "order changed", "top-1 changed", "max |Δ score|", ""], rows),
+        "Exact but over budget is a result of the recipe on this model; not exact is a conversion or runtime bug.",
+        "",
+        md_table(["recipe", "bits/weight", "bytes", "× FP32", "exactness", "ppl change", "top-1 agreement",
+                  "KL mean", "items top-1 changed", "budget", "invariants", "cloze accuracy", ""], rows),
     ]
     if unmet:
         lines += ["## Not measured (precondition unmet)", ""]
         lines += [f"- `{r['name']}` ({r['precondition']['stage']}): {r['precondition']['reason']}" for r in unmet]
         lines.append("")
-    lines += ["![package size against gate error](size_vs_error.png)", ""]
+    lines += ["![package size against perplexity change](size_vs_error.png)", ""]
     return "\n".join(lines)
 
 
 def size_vs_error_plot(path: Path, survey: dict) -> Path:
-    """Package MB against the gate's max |Δ logit|; the deployed recipe in red."""
+    """Bits per weight against the perplexity change; the deployed recipe in red."""
     deployed = survey["deployed"]["recipe"]
-    def label(r: dict) -> str:
-        return r["name"] + (" (deployed)" if r["name"] == deployed else "" if r["gate"]["passed"] else " (gate failed)")
 
-    points = [(label(r), r["package"]["size_bytes"] / 1e6,
-               r["gate"]["max_abs"], r["name"] == deployed)
-              for r in survey["recipes"] if r["status"] == "measured"]
-    points.append(("fp32", survey["fp32"]["package"]["size_bytes"] / 1e6, survey["fp32"]["gate"]["summary"]["max_abs"],
-                   False))
-    return scatter_plot(path, points, title="Package size against alignment-gate error",
-                        xlabel="package size (MB)", ylabel="max |Δ logit| vs FP32 reference")
+    def label(r: dict) -> str:
+        gate = r["gate"]
+        return r["name"] + (" (deployed)" if r["name"] == deployed else "" if gate["passed"] else
+                            " (NOT EXACT)" if not gate["exact"] else " (over budget)")
+
+    points = [(label(r), r["package"]["bits_per_weight"], 100 * r["gate"]["quality"]["ppl_change"],
+               r["name"] == deployed) for r in survey["recipes"] if r["status"] == "measured"]
+    points.append(("fp32", survey["fp32"]["package"]["bits_per_weight"], 0.0, False))
+    return scatter_plot(path, points, title="Bits per weight against perplexity change",
+                        xlabel="bits per weight", ylabel="perplexity change vs FP32 (%)")
 
 
 # --- the stage --------------------------------------------------------------------------
@@ -261,17 +274,17 @@ def run_survey(
     recipes: Iterable[str] = ALL_RECIPES,
     force: bool = False,
     backend: str = "auto",
+    budget: str = align.DEFAULT_BUDGET,
+    quality_text: str | Path = align.DEFAULT_QUALITY_TEXT,
     mixed_bpw: float | None = None,
-    calibration_ids: np.ndarray | None = None,
     progress: bool = True,
 ) -> dict:
     """Survey `recipes` on the FP32 package at `package_dir`; the survey record (survey.json).
 
     Refuses a package whose FP32 gate (`fp32_alignment_dir`) did not pass or is another
-    package's. The tokenizer for the scoring set is the one of the package's bundle.
-    `calibration_ids` (token ids of calibration text, pipeline.text_roles) go to the
-    calibration-aware recipes, which are recorded as unmet without them; `mixed_bpw`
-    overrides the mixed recipe's budget in bits per weight.
+    package's. `quality_text` gives both the calibration lines the recipes may look at and
+    the held-out quality lines the gates measure on (`pipeline.text_roles`).
+    `mixed_bpw` overrides the mixed recipe's budget in bits per weight.
     """
     package_dir, out_dir, items_path = Path(package_dir), Path(out_dir), Path(scoring_items)
     recipes = tuple(recipes)
@@ -284,24 +297,27 @@ def run_survey(
         raise SurveyError(f"{package_dir / MANIFEST_NAME}: field 'format' is {source.format!r}; "
                           f"a survey starts from an FP32 package ({package_manifest.COREML_FORMAT})")
     gate = fp32_gate(package_dir, Path(fp32_alignment_dir), out_dir)
+    parsed_budget = align.parse_budget(budget)
     fixtures = align.ReferenceFixtures(fixtures_dir)
+    _, fp32 = align.intended_for_package(package_dir, source.data)
+    quality = align.quality_inputs_for(package_dir, source.data, fp32, quality_text, items_path)
     context = {
         "backend": backend,
+        "budget": parsed_budget,
         "fixtures": fixtures,
         "fp32_gate": gate,
         "fp32_bytes": source["package_bytes"],
+        "quality": quality,
+        "calibration_ids": calibration_ids(quality.tokenizer, Path(quality_text)),
         "mixed_bpw": mixed_bpw,
-        "calibration_ids": calibration_ids,
-        "items": scoring.load_items(items_path),
-        "items_path": items_path,
-        "tokenizer": tokenizer_from_artifact(upstream_path(package_dir, source["source"])),
     }
     with staged_output(out_dir, force) as staging:
-        baseline, baseline_run = _score_run(package_dir, staging / "scores" / "fp32", context)
-        context["baseline"] = baseline
+        scoring.write_run(quality.fp32_scores, staging / "scores" / "fp32", artifact=package_dir,
+                          backend_name=quality.fp32.name, items_path=items_path)
+        baseline_run = read_json(staging / "scores" / "fp32" / MANIFEST_NAME)
         records = [survey_recipe(name, package_dir, staging, context)
                    for name in tqdm(recipes, desc="survey", unit="recipe", disable=not progress)]
-        fp32_summary = scoring.summarize(baseline)
+        fp32_summary = scoring.summarize(quality.fp32_scores)
         survey = {
             "format": FORMAT,
             "status": "complete",
@@ -309,13 +325,16 @@ def run_survey(
             "fp32": {
                 "package": {"path": relative_path(package_dir, out_dir), "kind": source["package"]["kind"],
                             "manifest_sha256": sha256_file(package_dir / MANIFEST_NAME),
-                            "size_bytes": source["package_bytes"]},
+                            "size_bytes": source["package_bytes"],
+                            "bits_per_weight": bits_per_weight(package_dir)["bits_per_weight"]},
                 "gate": gate,
                 "scoring": {"top1_accuracy": fp32_summary["top1_accuracy"], "mrr": fp32_summary["mrr"],
                             "scores_sha256": baseline_run["scores_sha256"], "run": "scores/fp32"},
             },
-            "backend": baseline_run["backend"],
+            "backend": records_backend(staging, records, backend),
+            "budget": parsed_budget.spec(),
             "fixtures": fixtures.identity(relative_to=out_dir),
+            "quality": quality.identity(relative_to=out_dir),
             "scoring_set": baseline_run["scoring_set"],
             "recipes": records,
             "deployed": {"recipe": deployed_recipe(records), "rule": DEPLOY_RULE},
@@ -358,6 +377,14 @@ def verify_survey(path: str | Path, hashes: bool = True):
         package_manifest.verify_package(path / record["package"]["path"], hashes=False)
         align.verify_alignment(path / "gates" / record["name"], hashes=False)
     return Manifest(path, manifest)
+
+
+def records_backend(staging: Path, records: list[dict], asked: str) -> str:
+    """The backend the gates ran the packages on, as their reports name it."""
+    gated = [r for r in records if r["status"] == "measured"]
+    if not gated:
+        return asked
+    return read_json(staging / gated[0]["gate"]["report"]["path"])["candidate_backend"]
 
 
 def load_survey(survey_dir: str | Path, hashes: bool = True) -> dict:

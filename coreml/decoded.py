@@ -1,0 +1,96 @@
+"""The weights a saved package stores, read from its program.
+
+The conversion manifest maps each program constant that carries a bundle weight to its HF
+names (`package.weights`). A compression recipe replaces such a constant by constexpr ops
+over stored parts (quantized values, scales, offsets, LUTs, masks) whose output feeds the
+same consumers (`selection.weights[<const>].compressed_as` in the compressed manifest).
+
+    weights = decoded_weights("out/chunk_kv-int4-b32")   # HF name -> float32, as the program defines it
+
+Decoding goes through coremltools' own reference `decompress` of each constexpr op, not
+through the MIL executor's ops (`coreml/mil/ops.py`): the alignment gate runs the package on
+one and builds its PyTorch reference from the other, so a runtime that decodes a weight
+otherwise than the program defines it fails the gate's exactness part.
+"""
+
+from pathlib import Path
+
+import numpy as np
+
+from coreml.mil.errors import MilError
+from coreml.mil.loader import Operation, load_program
+from manifests.identity import load_manifest
+
+
+def weight_vars(manifest: dict) -> dict[str, tuple[str, ...]]:
+    """The program variable each bundle weight's consumers read -> its HF names."""
+    chosen = manifest.get("selection", {}).get("weights", {})
+    return {chosen.get(const, {}).get("compressed_as", const): tuple(hf_names)
+            for const, hf_names in manifest["package"].get("weights", {}).items()}
+
+
+def _decompress(op: Operation, args: dict) -> np.ndarray:
+    """coremltools' reference decompression of one constexpr op (iOS16 and iOS18 forms)."""
+    from coremltools.converters.mil.mil.ops.defs.iOS16 import constexpr_ops as ios16
+    from coremltools.converters.mil.mil.ops.defs.iOS18 import compression as ios18
+
+    kind = op.type
+    if kind == "constexpr_cast":  # no decompress in coremltools: the cast is the whole op
+        from coreml.mil.loader import DTYPE_BY_NAME
+
+        return args["source_val"].astype(DTYPE_BY_NAME[str(args["output_dtype"])].numpy)
+    if kind == "constexpr_affine_dequantize":
+        return ios16.constexpr_affine_dequantize.decompress(
+            args["quantized_data"], args["zero_point"], args["scale"], int(args["axis"]))
+    if kind in ("constexpr_lut_to_dense", "constexpr_sparse_to_dense") and "shape" in args:
+        return getattr(ios16, kind).decompress(**args)
+    if kind in ("constexpr_blockwise_shift_scale", "constexpr_lut_to_dense", "constexpr_sparse_to_dense",
+                "constexpr_lut_to_sparse", "constexpr_sparse_blockwise_shift_scale"):
+        method = getattr(ios18, kind).decompress
+        names = method.__code__.co_varnames[:method.__code__.co_argcount]
+        return method(**{name: args.get(name) for name in names if name != "cls"})
+    raise MilError(f"constexpr op {kind} -> {op.outputs[0][0]}: no reference decompression for this op type")
+
+
+class StoredProgram:
+    """The default function's constants and constexpr ops of a saved package, by variable."""
+
+    def __init__(self, package_dir: str | Path):
+        self.package_dir = Path(package_dir)
+        self.manifest = load_manifest(self.package_dir)
+        program = load_program(self.package_dir / self.manifest["package"]["name"])
+        function = program.functions[program.default_function]
+        self.where = f"{program.path}: function {function.name}"
+        self.producers = {name: op for op in function.block.operations for name, _ in op.outputs}
+
+    def _op(self, var: str) -> Operation:
+        op = self.producers.get(var)
+        if op is None or not (op.type == "const" or op.type.startswith("constexpr_")):
+            raise MilError(f"{self.where}: weight variable {var!r} is produced by "
+                           f"{op.type if op else 'nothing'}, not by a const or constexpr op")
+        return op
+
+    def value(self, var: str) -> np.ndarray:
+        op = self._op(var)
+        if op.type == "const":
+            return np.asarray(op.attributes["val"])
+        args = {k: v for k, v in op.attributes.items() if k != "name"}
+        for key, operands in op.inputs.items():
+            (operand,) = operands
+            args[key] = operand.value if operand.name is None else self.value(operand.name)
+        return np.asarray(_decompress(op, args))
+
+
+def decoded_weights(package_dir: str | Path) -> dict[str, np.ndarray]:
+    """HF name -> the weight as the package's program defines it, float32, decoded by coremltools."""
+    program = StoredProgram(package_dir)
+    out: dict[str, np.ndarray] = {}
+    for var, hf_names in weight_vars(program.manifest).items():
+        value = program.value(var).astype(np.float32)
+        for name in hf_names:
+            if name in out and not np.array_equal(out[name], value):
+                raise MilError(f"{program.where}: weight {name} is stored twice with different values "
+                               f"({var} and another constant); one PyTorch reference cannot hold both")
+            out[name] = value
+    return out
+
