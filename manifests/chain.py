@@ -30,7 +30,7 @@ VERIFIERS = {
     "cmfdeploy.compressed/1": "coreml.manifest:verify_package",
     "cmfdeploy.release/1": "pipeline.release:verify_release",
     "cmfdeploy.scores/1": "pipeline.scoring:verify_scores",
-    "cmfdeploy.survey_folder/1": "coreml.survey:verify_survey",
+    "cmfdeploy.survey_folder/1": "pipeline.survey:verify_survey",
 }
 # What each verifier checks beyond the file inventory, as `verify-artifact` reports it.
 CHECKS = {

@@ -33,7 +33,8 @@ def check_release_copies(path: Path, manifest: dict, survey: dict, record: dict)
                  path / compressed["path"] / MANIFEST_NAME)
     report = read_json(path / compressed["gate"]["path"] / align.REPORT_NAME)
     check_copied(survey_where, f"recipes[{record['name']}].gate", record["gate"],
-                 {**report["summary"], "passed": report["passed"], "tolerance": report["tolerance"]},
+                 {**report["summary"], "passed": report["passed"], "tolerance": report["tolerance"],
+                  "quality": {k: report["quality"].get(k) for k in record["gate"].get("quality", {})}},
                  path / compressed["gate"]["path"] / align.REPORT_NAME,
                  keys=[k for k in record["gate"] if k != "report"])
     check_copied(survey_where, f"recipes[{record['name']}].package", record["package"], deployed,

@@ -126,7 +126,7 @@ def test_killed_align(fixture_packages, tmp_path):
 
 
 def test_killed_survey(fixture_packages, gate, items, tmp_path):
-    from coreml.survey import load_survey
+    from pipeline.survey import load_survey
 
     def verify(folder):
         load_survey(folder)  # survey.json and every file it records
