@@ -41,19 +41,18 @@ from pathlib import Path
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
-import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from coreml import codes  # noqa: E402
+from coreml.calibration import logprobs_with  # noqa: E402
 from coreml.manifest import verify_package  # noqa: E402
 from coreml.recipes import EMBEDDING, RECIPES, compress_package, encoder, weight_steps, Weight  # noqa: E402
 from manifests.chain import upstream_path  # noqa: E402
 from pipeline.evaluate import windows  # noqa: E402
 from pipeline.reference import load_reference  # noqa: E402
 from pipeline.report import md_table  # noqa: E402
-from pipeline.scoring import log_softmax  # noqa: E402
 from pipeline.text_roles import text_roles  # noqa: E402
 from pipeline.tokenizer import tokenizer_from_artifact  # noqa: E402
 
@@ -77,21 +76,11 @@ class Model:
         quality = np.asarray(tokenizer.encode("\n".join(roles["quality"])), np.int64)
         self.windows = windows(quality, WINDOW, tokenizer.bos_id)
         self.parameters = sum(t.numel() for n, t in self.original.items())
-        self.fp32 = self._logprobs()
-
-    def _logprobs(self) -> list[np.ndarray]:
-        with torch.no_grad():
-            return [log_softmax(self.model(torch.as_tensor(w)).numpy()) for w in self.windows]
+        self.fp32 = logprobs_with(self.model, self.original, self.windows, {})
 
     def score(self, weights: dict[str, np.ndarray] | None = None) -> dict:
         """Perplexity and top-1 agreement with FP32 over the quality windows, `weights` swapped in."""
-        weights = weights or {}
-        self.model.load_state_dict({n: torch.from_numpy(np.ascontiguousarray(w, np.float32))
-                                    for n, w in weights.items()}, strict=False)
-        try:
-            got = self._logprobs()
-        finally:
-            self.model.load_state_dict({n: self.original[n] for n in weights}, strict=False)
+        got = logprobs_with(self.model, self.original, self.windows, weights or {})
         nll, agree, count = 0.0, 0, 0
         for w, p, q in zip(self.windows, self.fp32, got):
             nll -= q[np.arange(len(w) - 1), w[1:]].sum()

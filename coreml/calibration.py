@@ -26,6 +26,18 @@ WINDOW = 128
 WINDOWS = 2
 
 
+def logprobs_with(model: torch.nn.Module, original: dict[str, torch.Tensor], windows: list[np.ndarray],
+                  weights: dict[str, np.ndarray]) -> list[np.ndarray]:
+    """Log-probabilities of each window with `weights` (HF names) swapped in, the originals put back."""
+    model.load_state_dict({n: torch.from_numpy(np.ascontiguousarray(w, np.float32)) for n, w in weights.items()},
+                          strict=False)
+    try:
+        with torch.no_grad():
+            return [log_softmax(model(torch.as_tensor(w)).numpy()) for w in windows]
+    finally:
+        model.load_state_dict({n: original[n] for n in weights}, strict=False)
+
+
 @dataclass
 class Calibration:
     model: torch.nn.Module
@@ -42,21 +54,12 @@ class Calibration:
         windows = [ids[i * WINDOW:(i + 1) * WINDOW] for i in range(WINDOWS) if len(ids[i * WINDOW:(i + 1) * WINDOW]) > 1]
         original = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
         calib = cls(model, windows, [], original)
-        calib.reference_logprobs = calib._logprobs()
+        calib.reference_logprobs = logprobs_with(model, original, windows, {})
         return calib
-
-    def _logprobs(self) -> list[np.ndarray]:
-        with torch.no_grad():
-            return [log_softmax(self.model(torch.as_tensor(w)).numpy()) for w in self.windows]
 
     def kl_with(self, weights: dict[str, np.ndarray]) -> float:
         """Mean KL(reference || model with `weights` substituted) per token over the windows."""
-        self.model.load_state_dict({n: torch.from_numpy(np.ascontiguousarray(w, np.float32))
-                                    for n, w in weights.items()}, strict=False)
-        try:
-            got = self._logprobs()
-        finally:
-            self.model.load_state_dict({n: self.original[n] for n in weights}, strict=False)
+        got = logprobs_with(self.model, self.original, self.windows, weights)
         kl = [(np.exp(p) * (p - q)).sum(axis=-1).mean() for p, q in zip(self.reference_logprobs, got)]
         return float(np.mean(kl))
 
@@ -86,7 +89,7 @@ class Calibration:
                     counts[name] = counts.get(name, 0) + x.shape[0]
                 hooks.append(module.register_forward_hook(record))
         try:
-            self._logprobs()
+            logprobs_with(self.model, self.original, self.windows, {})
         finally:
             for hook in hooks:
                 hook.remove()
