@@ -332,10 +332,11 @@ def mixed_plan(weights: list[Weight], calib: Calibration, bpw: float, below_elem
 
 
 def _subbyte(values: np.ndarray, nbits: int, signed: bool) -> np.ndarray:
-    """`values` in the numpy dtype coremltools serialises as MIL (u)int4 / (u)int8."""
-    if nbits <= 4:
-        return values.astype(types.np_int4_dtype if signed else types.np_uint4_dtype)
-    return values.astype(np.int8 if signed else np.uint8)
+    """`values` in the numpy dtype coremltools serialises as MIL int4/int8 or uint1..4/uint6/uint8
+    (a LUT's indices must be exactly log2 of its size wide: 64 entries take uint6)."""
+    if nbits == 8:
+        return values.astype(np.int8 if signed else np.uint8)
+    return values.astype(types.np_int4_dtype if signed else getattr(types, f"np_uint{nbits}_dtype"))
 
 
 def emit_code(code, before_op) -> "mb.Var":

@@ -44,7 +44,7 @@ def source(tmp_path_factory):
 def compressed(source, tmp_path_factory):
     out = tmp_path_factory.mktemp("compressed")
     return {recipe: compress_package(source.path, recipe, out / recipe)
-            for recipe in ("int4-b32", "palette4-gc32", "int8-b32-embfp16", "palette4-int8lut")}
+            for recipe in ("int4-b32", "palette4-gc32", "palette6-gc32", "int8-b32-embfp16", "palette4-int8lut")}
 
 
 def _decompressed_weights(manifest) -> dict[str, np.ndarray]:
@@ -63,7 +63,7 @@ def _decompressed_weights(manifest) -> dict[str, np.ndarray]:
     return weights
 
 
-@pytest.mark.parametrize("recipe", ["int4-b32", "palette4-gc32", "int8-b32-embfp16", "palette4-int8lut"])
+@pytest.mark.parametrize("recipe", ["int4-b32", "palette4-gc32", "palette6-gc32", "int8-b32-embfp16", "palette4-int8lut"])
 def test_compressed_package_matches_the_reference_with_decompressed_weights(source, compressed, recipe):
     manifest = compressed[recipe]
     original = random_weights(seed=1)
