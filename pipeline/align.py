@@ -5,7 +5,7 @@
    packages; that model loaded with the package's own weights, decoded from its constexpr
    ops by coremltools (`coreml.decoded`), for compressed ones; K/V kept in the package's
    cache dtype (fp16 for the stateful kind). The package is held to FP32's summation-order
-   bound (`EXACT`) against it, one shot on every fixture case and, for packages that run in
+   bound (`exact_tolerances`, derived from its shapes and weights) against it, one shot on every fixture case and, for packages that run in
    chunks, chunk by chunk on every chunk pattern: each chunk of the reference starts from
    the package's own cache, and the caches both write must agree too, so by induction the
    whole schedule is checked without carrying a rounding flip along.
@@ -68,18 +68,22 @@ class Tolerance:
     why: str
 
 
-# FP32's summation-order bound. The package and the reference run the same float32
-# operations on the same float32 weights; only the order of additions differs (blocked
-# matmuls, fused attention, another reduction tree). One float32 rounding errs by at most
-# u = 2^-24 (6e-8) relative; a dot product of width n summed in two orders differs by about
-# sqrt(n)·u·Σ|a_i b_i| when roundings are independent, and a logit passes through a few
-# such reductions per layer plus the residual stream. For widths up to 2^13 (sqrt < 91) and
-# a few hundred chained reductions, the relative difference stays under 91·u·~300 ≈ 2^-11.5
-# (3e-4) of the values' magnitude; the absolute term covers logits near zero, whose error is
-# set by the magnitudes they were summed from (O(1) activations), not by the logit itself.
-# Nothing here depends on the model's size beyond those widths, nor on a recipe's bit width.
-EXACT = Tolerance(3e-4, 3e-4, None, None, "same float32 arithmetic in another summation order")
-INVARIANT = EXACT
+def exact_tolerances(model, context: int) -> tuple[Tolerance, Tolerance]:
+    """FP32's summation-order bound for `model` over `context` positions: (logits, K/V cache
+    entries). The package and its reference run the same float32 operations on the same
+    float32 weights; only the order of additions differs (blocked matmuls, fused attention,
+    another reduction tree). The bound is `pipeline.models.numerics`' probable form: set by
+    the model's shapes and weights (a deeper or wider model accumulates more roundings), never
+    by a recipe's bit width nor by a measured difference. A compressed package's model is the
+    reference with its own decoded weights, whose norm and head scales enter as they are."""
+    from pipeline.models.numerics import PROBABLE_LAMBDA, model_cache_bound, model_logits_bound
+
+    why = (f"the same float32 arithmetic in another summation order: 2·γ̃_N(λ={PROBABLE_LAMBDA:g})·scale over "
+           f"this model's accumulation chain at {context} positions (pipeline/models/numerics.py)")
+    return (Tolerance(model_logits_bound(model, context, probable=True), 0.0, None, None, why),
+            Tolerance(model_cache_bound(model, context, probable=True), 0.0, None, None, why))
+
+
 GATED_KINDS = ("stateless", "chunk_kv", "stateful")
 # Cache kinds: the K/V dtype the package's numerics keep (the reference rounds likewise).
 CACHE_DTYPES = {"chunk_kv": np.float32, "stateful": np.float16}
@@ -232,6 +236,7 @@ class Intended:
         self.cache_dtype, self.numerics = np.dtype(cache_dtype), numerics
         self.name = "torch-fp32" if numerics == "fp32" else f"torch-intended ({numerics})"
         self.cache_shape = (args.num_layers, 1, args.num_kv_heads, context, args.head_dim)
+        self.tolerance, self.cache_tolerance = exact_tolerances(model, context)
 
     def chunk(self, ids, position: int, keys: np.ndarray, values: np.ndarray):
         """Logits of `ids` at `position` over the given caches, and the caches it writes."""
@@ -310,7 +315,7 @@ def exactness_one_shot(one_shot: dict, intended: Intended, fixtures: ReferenceFi
     for case in fixtures.cases.values():
         got = one_shot[case.name][:case.valid_prefix]
         want = _one_shot_want(intended, case, frozen)[:case.valid_prefix]
-        records.append({"check": "one_shot", "case": case.name, "pattern": "one_shot", **compare(got, want, EXACT)})
+        records.append({"check": "one_shot", "case": case.name, "pattern": "one_shot", **compare(got, want, intended.tolerance)})
         samples.setdefault("one_shot", []).append(_delta_histogram(got, want))
     return records
 
@@ -334,7 +339,8 @@ def run_checked(chunks: ChunkSchedule, intended: Intended, ids: np.ndarray, sche
         ref_logits, ref_keys, ref_values = intended.chunk(part, position, keys, values)
         logits, snapshot = chunks.run(snapshot, part)
         new_keys, new_values, _ = chunks.cache_arrays(snapshot)
-        outside += cache_outside(new_keys, ref_keys, EXACT) + cache_outside(new_values, ref_values, EXACT)
+        outside += sum(cache_outside(new, ref, intended.cache_tolerance)
+                       for new, ref in ((new_keys, ref_keys), (new_values, ref_values)))
         got.append(logits)
         want.append(ref_logits)
         start += size
@@ -355,7 +361,7 @@ def exactness_chunks(chunks: ChunkSchedule, intended: Intended, fixtures: Refere
             ids = case.input_ids if pattern == "one_shot" else case.input_ids[:n]
             run = runs[case.name, pattern] = run_checked(chunks, intended, ids, [len(ids)] if pattern == "one_shot"
                                                          else schedule)
-            record = compare(run["got"][:n], run["want"][:n], EXACT)
+            record = compare(run["got"][:n], run["want"][:n], intended.tolerance)
             record.update(cache_outside=run["cache_outside"], passed=record["passed"] and run["cache_outside"] == 0)
             records.append({"check": check, "case": case.name, "pattern": pattern, **record})
             samples.setdefault(check, []).append(_delta_histogram(run["got"][:n], run["want"][:n]))
@@ -364,17 +370,18 @@ def exactness_chunks(chunks: ChunkSchedule, intended: Intended, fixtures: Refere
 
 # ---------------------------------------------------------------- part 3: invariants
 
-def _prefix_invariants(one_shot: dict) -> list[dict]:
-    """Padding and future tokens must not change the first 16 positions' logits."""
+def _prefix_invariants(one_shot: dict, tol: Tolerance) -> list[dict]:
+    """Padding and future tokens must not change the first 16 positions' logits: two float32
+    evaluations of one model, within `tol` (FP32's summation-order bound)."""
     short = one_shot["short"][:INVARIANT_PREFIX]
     out = []
     for name in ("right_pad", "changed_future"):
         got = one_shot[name][:INVARIANT_PREFIX]
-        out.append({"name": f"{name}_prefix_equals_short", **compare(got, short, INVARIANT)})
+        out.append({"name": f"{name}_prefix_equals_short", **compare(got, short, tol)})
     return out
 
 
-def pattern_invariants(runs: dict, fp16_cache: bool) -> list[dict]:
+def pattern_invariants(runs: dict, fp16_cache: bool, bound: Tolerance) -> list[dict]:
     """Every chunk pattern against the one-shot run of the same package.
 
     With a float32 cache the patterns differ by summation order only: FP32's bound. An fp16
@@ -390,10 +397,10 @@ def pattern_invariants(runs: dict, fp16_cache: bool) -> list[dict]:
         one_shot = {key: runs[case, "one_shot"][key][:n] for key in ("got", "want")}
         if fp16_cache:
             want = one_shot["got"] + (run["want"] - one_shot["want"])
-            tol = Tolerance(2 * INVARIANT.atol, 2 * INVARIANT.rtol, None, None,
+            tol = Tolerance(2 * bound.atol, 2 * bound.rtol, None, None,
                             "fp16 cache: the reference's own pattern difference, each run within FP32's bound")
         else:
-            want, tol = one_shot["got"], INVARIANT
+            want, tol = one_shot["got"], bound
         out.append({"name": f"{case}_{pattern}_equals_one_shot", **compare(run["got"], want, tol)})
     return out
 
@@ -544,7 +551,7 @@ def gate_backend(candidate, intended: Intended, fixtures: ReferenceFixtures, qua
     records, invariants = [], []
     if chunks is not None:
         records, runs = exactness_chunks(chunks, intended, fixtures, patterns, samples, check)
-        invariants += pattern_invariants(runs, fp16_cache=intended.cache_dtype == np.float16)
+        invariants += pattern_invariants(runs, intended.cache_dtype == np.float16, intended.tolerance)
         one_shot = {name: runs[name, "one_shot"]["got"] for name in fixtures.cases}
         clock.lap("chunk_patterns")
     else:
@@ -552,7 +559,7 @@ def gate_backend(candidate, intended: Intended, fixtures: ReferenceFixtures, qua
     # FP32 weights: the same one-shot logits against the frozen fixtures as well.
     if frozen or chunks is None:
         records = exactness_one_shot(one_shot, intended, fixtures, frozen, samples) + records
-    invariants = _prefix_invariants(one_shot) + invariants
+    invariants = _prefix_invariants(one_shot, intended.tolerance) + invariants
     clock.lap("one_shot")
     invariants += branching_invariants(candidate, fixtures.cases["long"].input_ids[:BRANCH_PREFIX])
     clock.lap("branching")
@@ -567,8 +574,8 @@ def gate_backend(candidate, intended: Intended, fixtures: ReferenceFixtures, qua
         "exactness": {"passed": exact, "reference": intended.name,
                       "patterns": list(patterns) if chunks is not None else ["one_shot"]},
         "quality": quality_record,
-        "tolerance": asdict(EXACT),
-        "invariant_tolerance": asdict(INVARIANT),
+        "tolerance": asdict(intended.tolerance),
+        "cache_tolerance": asdict(intended.cache_tolerance),
         "summary": {**summarize(records), "exact": exact, "within_budget": quality_record["within_budget"],
                     "invariants_passed": invariants_passed},
         "records": records,
@@ -581,11 +588,11 @@ def gate_backend(candidate, intended: Intended, fixtures: ReferenceFixtures, qua
 
 # ---------------------------------------------------------------- the human forms
 
-def _gate_samples_plot(path: Path, samples: dict) -> Path:
+def _gate_samples_plot(path: Path, samples: dict, bound: float) -> Path:
     from pipeline.report import histogram_plot
 
     return histogram_plot(path, samples, title="log10 |Δ logit| against the intended-numerics reference",
-                          xlabel="log10 |Δ|  (exact matches drawn at -12)", marker=float(np.log10(EXACT.atol)))
+                          xlabel="log10 |Δ|  (exact matches drawn at -12)", marker=float(np.log10(bound)))
 
 
 def _verdict(ok: bool | None, bad: str = "FAILED") -> str:
@@ -612,7 +619,8 @@ def _markdown(report: dict) -> str:
         "",
         "## 1. Exactness",
         "",
-        f"Bound: |Δ| <= {EXACT.atol} + {EXACT.rtol}·|ref| on every logit and cache entry ({EXACT.why}); "
+        f"Bound: |Δ| <= {report['tolerance']['atol']:.3g} on every logit and {report['cache_tolerance']['atol']:.3g} "
+        f"on every cache entry ({report['tolerance']['why']}); "
         f"patterns {', '.join(report['exactness']['patterns'])}.",
         "",
         md_table(["check", "case", "pattern", "max |Δ|", "p99 |Δ|", "outside", "cache outside", "top-1", "KL", "passed"],
@@ -726,7 +734,7 @@ def align_package(package_dir, fixtures_dir, out_dir, *, budget: Budget | str = 
     with staged_output(out_dir, force) as staging:
         write_json(staging / REPORT_NAME, report)
         (staging / "alignment.md").write_text(_markdown(report))
-        _gate_samples_plot(staging / "alignment.png", samples)
+        _gate_samples_plot(staging / "alignment.png", samples, report["tolerance"]["atol"])
         write_json(staging / MANIFEST_NAME, {
             "format": FORMAT, "status": "complete", "passed": report["passed"], "recipe": recipe,
             "candidate_backend": candidate.name, "budget": budget.spec(),

@@ -14,6 +14,16 @@ FIXTURE_REFERENCE = ROOT / "fixtures" / "reference"
 
 
 @pytest.fixture(scope="session")
+def fixture_exact():
+    """The gates' exactness bound on the fixture's logits over its 128-token context
+    (`pipeline.align.exact_tolerances`, derived from the model's shapes and weights)."""
+    from pipeline.align import exact_tolerances
+    from pipeline.reference import load_reference
+
+    return exact_tolerances(load_reference(FIXTURE_CMF)[0], 128)[0]
+
+
+@pytest.fixture(scope="session")
 def fixture_bundle(tmp_path_factory) -> Path:
     from pipeline.bundle import export_bundle
 

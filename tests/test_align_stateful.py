@@ -20,7 +20,6 @@ from manifests.identity import MANIFEST_NAME, inventory, read_json, write_json
 from pipeline.align import (
     BRANCH_A,
     BRANCH_B,
-    EXACT,
     GateFailed,
     ReferenceFixtures,
     chunk_patterns,
@@ -55,7 +54,7 @@ def runner(fixture_stateful):
     return StatefulRunner(open_package(fixture_stateful, backend="executor"))
 
 
-def test_stateful_package_is_exact_against_the_fp16_cache_reference(gate):
+def test_stateful_package_is_exact_against_the_fp16_cache_reference(gate, fixture_exact):
     out, report, printed = gate
     assert report["passed"] and report["candidate_backend"] == "coreml-executor"
     assert report["recipe"] == "fp32" and report["numerics"] == "fp32, fp16 K/V cache"
@@ -64,7 +63,7 @@ def test_stateful_package_is_exact_against_the_fp16_cache_reference(gate):
     assert set(chunked) == {(case, p) for case in CASES for p in chunk_patterns(16)}
     # The same bound as every FP32 package: the reference rounds its K/V to fp16 as the package
     # does, each chunk starting from the package's own cache; the written caches agree too.
-    assert report["tolerance"]["atol"] == EXACT.atol and report["summary"]["max_abs"] <= EXACT.atol
+    assert report["tolerance"]["atol"] == fixture_exact.atol and report["summary"]["max_abs"] <= fixture_exact.atol
     assert all(r["cache_outside"] == 0 for r in chunked.values())
     frozen = {r["case"]: r for r in report["records"] if r["check"] == "one_shot"}
     assert set(frozen) == set(CASES)  # one prefill attends over its own float32 K/V: the FP32 fixtures
@@ -152,5 +151,5 @@ def test_package_backend_branches_a_stateful_package(fixture_stateful):
     intended, _ = intended_for_package(fixture_stateful, read_json(fixture_stateful / MANIFEST_NAME))
     checked = run_checked(backend.chunks, intended, case.input_ids[:56], [8] * 7)
     np.testing.assert_array_equal(np.concatenate([prefix_logits, suffix_logits]), checked["got"])
-    assert np.abs(checked["got"] - checked["want"]).max() <= EXACT.atol and checked["cache_outside"] == 0
+    assert np.abs(checked["got"] - checked["want"]).max() <= intended.tolerance.atol and checked["cache_outside"] == 0
     np.testing.assert_array_equal(backend.extend(snapshot, case.input_ids[40:56]), suffix_logits)

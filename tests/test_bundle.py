@@ -17,7 +17,7 @@ from safetensors import safe_open
 from safetensors.numpy import load_file
 
 from _hf_models import load_saved, save_hf_model
-from _numerics import model_logits_bound
+from pipeline.models.numerics import model_logits_bound
 from manifests.identity import MANIFEST_NAME, read_json, write_json
 from manifests.schema import validate
 from pipeline.bundle import NonFiniteWeights, export_bundle, verify_bundle
@@ -121,7 +121,7 @@ def test_task_is_baked_exactly(tmp_path, task):
         masked, _, _ = load_reference(cmf, task=task)
     baked, _, _ = load_reference(tmp_path / "b")
     with torch.no_grad():
-        # Zeroed weights vs masked activations: other sums of the same terms (tests/_numerics.py).
+        # Zeroed weights vs masked activations: other sums of the same terms (pipeline/models/numerics.py).
         torch.testing.assert_close(baked(IDS), masked(IDS), rtol=0, atol=model_logits_bound(masked, len(IDS)))
 
 

@@ -13,7 +13,7 @@ import torch
 from tokenizers import Tokenizer
 
 from _hf_models import load_saved, save_hf_model
-from _numerics import model_logits_bound
+from pipeline.models.numerics import model_logits_bound
 from pipeline.backends import BackendError, TorchBackend, open_backend
 from pipeline.bundle import export_bundle
 from pipeline.cli import main
@@ -41,7 +41,7 @@ def artifact(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def bound(artifact):
-    """Max |Δ logit| of two float32 evaluations of the artifact (tests/_numerics.py): ours and
+    """Max |Δ logit| of two float32 evaluations of the artifact (pipeline/models/numerics.py): ours and
     transformers', or ours at other lengths, over its whole context."""
     model, args, _ = load_reference(artifact[0])
     return model_logits_bound(model, args.max_position_embeddings)

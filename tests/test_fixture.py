@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from _numerics import gamma, model_logits_bound
+from pipeline.models.numerics import gamma, model_logits_bound
 from _one_thread import one_thread  # noqa: F401 (autouse fixture)
 
 from fixtures.corpus import BOTCHAN, corpus_lines, split_lines
@@ -45,7 +45,7 @@ def hf_model():
 @pytest.fixture(scope="module")
 def bound():
     """Max |Δ logit| of two float32 evaluations of the fixture over its 128-token context (any
-    kernels, any CPU: tests/_numerics.py). The frozen logits came from another machine."""
+    kernels, any CPU: pipeline/models/numerics.py). The frozen logits came from another machine."""
     return model_logits_bound(load_reference(CMF_PATH)[0], 128)
 
 

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from _hf_models import save_hf_model
-from _numerics import model_logits_bound
+from pipeline.models.numerics import model_logits_bound
 from pipeline.cli import main
 from pipeline.cmf import dtype_by_name, open_cmf
 from pipeline.errors import OutputExists, UnsupportedModel

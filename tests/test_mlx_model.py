@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from _hf_models import load_saved, save_hf_model
-from _numerics import model_logits_bound
+from pipeline.models.numerics import model_logits_bound
 from _one_thread import one_thread  # noqa: F401 (autouse fixture)
 from pipeline.backends import open_backend
 from pipeline.cli import main
@@ -64,7 +64,7 @@ def _reference_logits(path: Path, ids, **options) -> np.ndarray:
 
 
 def _bound(path: Path, **options) -> float:
-    """Max |Δ logit| of MLX vs torch float32 on the model's decoded weights (tests/_numerics.py),
+    """Max |Δ logit| of MLX vs torch float32 on the model's decoded weights (pipeline/models/numerics.py),
     over its whole context."""
     model, args, _ = load_reference(path, **options)
     return model_logits_bound(model, args.max_position_embeddings, weight_rtol=MLX_WEIGHT_RTOL)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from _hf_models import load_saved, save_hf_model
-from _numerics import model_logits_bound
+from pipeline.models.numerics import model_logits_bound
 from pipeline.models import CachedStep, KVCache, ModelArgs, build_model
 from pipeline.models.errors import ContextOverflow
 from pipeline.models.hf_config import arch_from_hf_config
@@ -39,7 +39,7 @@ def _run(model, ids, schedule, cache):
 def test_any_chunk_schedule_gives_the_full_forward(model, ids, schedule):
     expected = model(ids)
     got = _run(model, ids, schedule, KVCache.empty(model.args, 160))
-    # Other chunk lengths, other kernels and sums: two float32 evaluations (tests/_numerics.py).
+    # Other chunk lengths, other kernels and sums: two float32 evaluations (pipeline/models/numerics.py).
     assert (got - expected).abs().max().item() <= model_logits_bound(model, 160)
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from _hf_models import load_saved, save_hf_model
-from _numerics import gamma, model_logits_bound
+from pipeline.models.numerics import gamma, model_logits_bound
 from pipeline.cmf import write_cmf
 from pipeline.cmf.masks import TaskMask
 from pipeline.cmf.skills import add_skill, export_skill_file
@@ -65,7 +65,7 @@ def _mask(args, ffn=None, heads=None, gates=None, experts=None):
 
 def _assert_close(got, expected, header, weights, weight_rtol=0.0):
     """Two float32 evaluations of one function (other shapes, so other kernels and sums):
-    within the derived bound of tests/_numerics.py for the model `header`/`weights` builds."""
+    within the derived bound of pipeline/models/numerics.py for the model `header`/`weights` builds."""
     model = build_model(ModelArgs.from_header(header), weights)
     assert (got - expected).abs().max().item() <= model_logits_bound(model, len(got), weight_rtol=weight_rtol)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from _hf_models import load_saved, save_hf_model
-from _numerics import model_logits_bound
+from pipeline.models.numerics import model_logits_bound
 from pipeline.errors import UnsupportedModel
 from pipeline.models import KVCache, ModelArgs, build_model
 from pipeline.models.hf_config import arch_from_hf_config

@@ -60,8 +60,9 @@ def test_release_page_states_interface_tolerances_backend_sizes_and_chain(releas
     for feature in ("input_ids", "position", "key_cache", "logits", "new_value_cache"):
         assert f"| {feature} |" in text
     deployed = release["recipe"]
-    tolerance = read_json(survey.path / "gates" / deployed / "alignment.json")["tolerance"]
-    assert f"| {deployed} | {tolerance['atol']:.3g} |" in text and "| fp32 | 0.0003 | 0.0003 |" in text
+    fp32_gate = survey.path / read_json(survey.path / "survey.json")["fp32"]["gate"]["path"]
+    for recipe, gate in ((deployed, survey.path / "gates" / deployed), ("fp32", fp32_gate)):
+        assert f"| {recipe} | {read_json(gate / 'alignment.json')['tolerance']['atol']:.3g} |" in text
     assert "coreml-executor" in text
     for entry in release["packages"]:
         assert f"| {entry['size_bytes']} |" in text

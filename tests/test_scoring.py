@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from _numerics import model_logits_bound
+from pipeline.models.numerics import model_logits_bound
 from _one_thread import one_thread  # noqa: F401 (autouse fixture)
 
 from fixtures.make_scoring_set import OUT as CLOZE
@@ -64,7 +64,7 @@ def test_prefix_extend_scores_equal_independent_full_forward_scores(cloze_result
         expected = [lp[shared - 1 :].sum() for lp in full]
         assert all(len(ids) - shared == n for ids, n in zip(sequences, result.n_tokens))
         # Each of a candidate's n log-probs is within 2 max|Δ logit| of transformers' (two float32
-        # evaluations of the fixture, tests/_numerics.py).
+        # evaluations of the fixture, pipeline/models/numerics.py).
         slack = 2 * bound * np.array(result.n_tokens)
         assert np.all(np.abs(result.scores - np.array(expected)) <= slack), item.id
 
