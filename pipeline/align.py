@@ -480,8 +480,8 @@ class QualityInputs:
 
 
 def measure_quality(intended, inputs: QualityInputs, budget: Budget) -> tuple[dict, list]:
-    """The quality record of `intended` (any Backend) against FP32, and its item scores.
-    Intended numerics that are FP32's own (the same object) reuse FP32's figures."""
+    """The quality record of `intended` (any Backend) against FP32, and its item scores (None
+    for intended numerics that are FP32's own, the same object: nothing to compare)."""
     from pipeline.scoring import rank_differences, score_items
 
     same = intended is inputs.fp32
@@ -496,8 +496,11 @@ def measure_quality(intended, inputs: QualityInputs, budget: Budget) -> tuple[di
         kl_sum += kl_rows(log_p, log_q).sum()
         agree += int(np.count_nonzero(log_p.argmax(-1) == log_q.argmax(-1)))
         count += len(tokens) - 1
-    scores = inputs.fp32_scores if same else score_items(intended, inputs.tokenizer, inputs.items)
-    changed = len(rank_differences(inputs.fp32_scores, scores).top1_changed) / len(inputs.items)
+    if same:  # FP32 against itself: no item can change, and its scores are not needed to say so
+        scores, changed = None, 0.0
+    else:
+        scores = score_items(intended, inputs.tokenizer, inputs.items)
+        changed = len(rank_differences(inputs.fp32_scores, scores).top1_changed) / len(inputs.items)
     ppl = {k: float(np.exp(v / count)) for k, v in nll.items()}
     figures = {"ppl_change": ppl["package"] / ppl["fp32"] - 1, "top1_agreement": agree / count,
                "kl_mean": float(kl_sum / count), "items_top1_changed": changed}
@@ -745,7 +748,7 @@ def align_package(package_dir, fixtures_dir, out_dir, *, budget: Budget | str = 
             "environment": environment(),
         })
     if scores_out is not None:
-        write_run(scores, scores_out, artifact=package_dir, backend_name=intended.name, items_path=quality.items_path)
+        write_run(quality.fp32_scores if scores is None else scores, scores_out, artifact=package_dir, backend_name=intended.name, items_path=quality.items_path)
     if not report["passed"]:
         raise GateFailed(f"{package_dir}: {_failure(report)}; report at {out_dir / REPORT_NAME}")
     return report
