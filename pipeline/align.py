@@ -254,6 +254,18 @@ class Intended:
         with torch.no_grad():
             return self.model(torch.from_numpy(validate_ids(ids, self.name, self.args.vocab_size, self.context))).numpy()
 
+    def extend_many(self, snapshot, suffixes) -> list[np.ndarray]:
+        """`extend` of each suffix from one snapshot, as one batch (`Decoder.forward_branches`)."""
+        import torch
+
+        keys, values, position = snapshot
+        tokens = [torch.from_numpy(validate_ids(ids, self.name, self.args.vocab_size, self.context, position))
+                  for ids in suffixes]
+        with torch.no_grad():
+            branches = self.model.forward_branches(tokens, position, torch.tensor(np.asarray(keys, np.float32)),
+                                                   torch.tensor(np.asarray(values, np.float32)))
+        return [logits.numpy() for logits in branches]
+
     def prefill(self, ids):
         empty = np.zeros(self.cache_shape, self.cache_dtype)
         return self.extend((empty, empty, 0), ids, with_snapshot=True)

@@ -55,6 +55,10 @@ class Backend(Protocol):
         """`extend`, and the snapshot after ids too (generation's decode step); the given
         snapshot stays unchanged."""
 
+    # Optional, by presence: `extend_many(snapshot, [ids, ...]) -> [logits, ...]`, each
+    # `extend(snapshot, ids)`, run together where the backend can batch branches (scoring's
+    # candidates); a backend without it gets one `extend` per branch.
+
 
 def validate_ids(ids, backend_name: str, vocab_size: int, context: int, offset: int = 0) -> np.ndarray:
     """ids as int64 [T], or a BackendError naming the problem; `offset` tokens are already cached."""

@@ -65,6 +65,12 @@ class TorchBackend:
         return self.advance(snapshot, ids)[0]
 
     @torch.no_grad()
+    def extend_many(self, snapshot: KVCache, suffixes: list[np.ndarray]) -> list[np.ndarray]:
+        tokens = [self._ids(ids, snapshot.position) for ids in suffixes]
+        branches = self.model.forward_branches(tokens, snapshot.position, snapshot.keys, snapshot.values)
+        return [logits.numpy() for logits in branches]
+
+    @torch.no_grad()
     def advance(self, snapshot: KVCache, ids: np.ndarray) -> tuple[np.ndarray, KVCache]:
         branch = snapshot.snapshot()
         logits = self.model.forward_cached(self._ids(ids, snapshot.position), branch)

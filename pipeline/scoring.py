@@ -180,10 +180,14 @@ def score_item(backend: Backend, tokenizer: Tokenizer, item: Item) -> ItemScores
         )
     prefix_logits, snapshot = backend.prefill(prefix)
     first = np.asarray(prefix_logits)[-1:]
+    # Row j predicts suffix[j]: the prefix's last row, then one row per fed suffix token.
+    fed = [suffix[:-1] for suffix in suffixes if len(suffix) > 1]
+    extend_many = getattr(backend, "extend_many", None)
+    rows_after = iter(extend_many(snapshot, fed) if extend_many and fed else
+                      [backend.extend(snapshot, ids) for ids in fed])
     scores = []
     for suffix in suffixes:
-        # Row j predicts suffix[j]: the prefix's last row, then one row per fed suffix token.
-        rows = first if len(suffix) == 1 else np.concatenate([first, backend.extend(snapshot, suffix[:-1])])
+        rows = first if len(suffix) == 1 else np.concatenate([first, next(rows_after)])
         scores.append(log_softmax(rows)[np.arange(len(suffix)), suffix].sum())
     return ItemScores(item.id, np.asarray(scores), tuple(map(len, suffixes)), item.gold)
 

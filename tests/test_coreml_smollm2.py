@@ -15,6 +15,7 @@ import torch
 from coreml.convert import export_coreml
 from coreml.package import open_package
 from pipeline.bundle import export_bundle
+from pipeline.models.numerics import model_logits_bound
 from pipeline.reference import load_reference
 from pipeline.tokenizer import tokenizer_from_artifact
 
@@ -23,8 +24,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 BOTCHAN = os.path.join(os.path.dirname(__file__), "..", "fixtures", "botchan.txt")
 CONTEXT = 128
 EXCERPT_TOKENS = 64
-# float32 package vs float32 reference: only summation order differs.
-TOLERANCE = 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +49,9 @@ def test_stateless_package_matches_reference_on_botchan(converted, smollm2_cmf):
     assert got.shape == (1, EXCERPT_TOKENS, args.vocab_size)
     delta = float(np.abs(got[0] - expected).max())
     print(f"SmolLM2 stateless package (executor) vs torch reference, {EXCERPT_TOKENS} tokens: max |Δ| {delta:.3g}")
-    assert delta <= TOLERANCE
+    # float32 package vs float32 reference: only summation order differs; the probable form of
+    # the derived bound (the worst case is as wide as the logits' spread; pipeline/models/numerics.py).
+    assert delta <= model_logits_bound(model, EXCERPT_TOKENS, probable=True)
     assert np.array_equal(got[0].argmax(-1), expected.argmax(-1))
 
 

@@ -16,6 +16,8 @@ import torch
 from _mlx_artifacts import cached_build, save_transformers_fp32
 from pipeline.importers.gguf import import_gguf
 from pipeline.importers.quant_policy import QuantPolicy
+from pipeline.models.numerics import model_logits_bound
+from pipeline.reference import load_reference
 from pipeline.tokenizer import tokenizer_from_artifact
 from mlx_runtime.backend import MlxBackend
 from pipeline.chat import chat_ids
@@ -76,10 +78,13 @@ def test_f32_logits_match_transformers(built, reference, f32_backend):
     assert np.array_equal(tokenizer_from_artifact(cmfs["f32"]).encode(TEXT)[:64], ids)
     want = _reference_logits(reference, ids)
     got = f32_backend.logits(ids)
-    assert np.abs(got - want).max() <= 2e-3
+    # Two float32 evaluations of one model over 64 positions: the probable form of the derived
+    # bound (the worst case, 10, is as wide as SmolLM2's logit spread; pipeline/models/numerics.py).
+    bound = model_logits_bound(load_reference(cmfs["f32"])[0], 64, probable=True)
+    assert np.abs(got - want).max() <= bound
     _, snap = f32_backend.prefill(ids[:60])  # then single tokens on the decode path
     tail = np.concatenate([f32_backend.extend(snap, ids[60:62]), f32_backend.extend(snap, ids[60:61])])
-    assert np.abs(tail - want[[60, 61, 60]]).max() <= 2e-3
+    assert np.abs(tail - want[[60, 61, 60]]).max() <= bound
 
 
 @torch.no_grad()
@@ -109,4 +114,4 @@ def test_q8_row_perplexity_within_1pct_of_transformers(built, reference, record_
     record_property("fp32_ppl", ppl_ref)
     record_property("q8_row_top1_agreement", agreement)
     print(f"\nSmolLM2 q8_row on MLX: ppl {ppl:.3f} vs transformers FP32 {ppl_ref:.3f}, top-1 agreement {agreement:.3f}")
-    assert abs(ppl / ppl_ref - 1) <= 0.01
+    assert abs(ppl / ppl_ref - 1) <= 0.01  # the quality budget this test declares for 8-bit rows

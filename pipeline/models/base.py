@@ -269,6 +269,22 @@ class Decoder(nn.Module):
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
         return head(h), torch.stack(new_keys), torch.stack(new_values)
 
+    def forward_branches(self, suffixes: list[torch.Tensor], position: int, key_cache, value_cache) -> list:
+        """Logits [T_i, vocab] of each suffix (int [T_i]) run after the same cache at `position`,
+        as one batch (torch.func.vmap of `forward_with_cache_tensors`). A few-token chunk is
+        bound by reading the weights, which the batch reads once for all its branches.
+        Suffixes are right-padded to the longest; causality keeps the padding out of every
+        real row, and the caches the branches would write are dropped."""
+        width = max(len(s) for s in suffixes)
+        batch = torch.stack([F.pad(s, (0, width - len(s))) for s in suffixes])[:, None]  # [B, 1, width]
+        at = torch.tensor([position])
+
+        def branch(ids):
+            return self.forward_with_cache_tensors(ids, at, key_cache, value_cache)[0][0]
+
+        logits = torch.func.vmap(branch)(batch)
+        return [logits[i, :len(s)] for i, s in enumerate(suffixes)]
+
     def forward(self, ids):
         """Logits [T, vocab] of one sequence from position 0 (ids [T] or [1, T])."""
         ids = ids.reshape(1, -1)
