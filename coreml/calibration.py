@@ -24,6 +24,9 @@ from pipeline.scoring import log_softmax
 # for a 135M model on one core.
 WINDOW = 128
 WINDOWS = 2
+# GPTQ's Hessians take one forward in all: 16 windows give 2048 samples, more than the
+# widest input (1536 on SmolLM2) has dimensions, so X^T X is not rank-deficient by count.
+HESSIAN_WINDOWS = 16
 
 
 def logprobs_with(model: torch.nn.Module, original: dict[str, torch.Tensor], windows: list[np.ndarray],
@@ -46,12 +49,13 @@ class Calibration:
     original: dict[str, torch.Tensor]
 
     @classmethod
-    def from_package(cls, package_dir: Path, manifest: dict, calibration_ids: np.ndarray) -> "Calibration":
-        """Windows of WINDOW ids, taken as given (a caller that wants BOS windows puts BOS in)."""
+    def from_package(cls, package_dir: Path, manifest: dict, calibration_ids: np.ndarray,
+                     count: int = WINDOWS) -> "Calibration":
+        """`count` windows of WINDOW ids, taken as given (a caller that wants BOS windows puts BOS in)."""
         model, _, _ = load_reference(upstream_path(package_dir, manifest["source"]))
         model.eval()
         ids = np.asarray(calibration_ids, dtype=np.int64)
-        windows = [ids[i * WINDOW:(i + 1) * WINDOW] for i in range(WINDOWS) if len(ids[i * WINDOW:(i + 1) * WINDOW]) > 1]
+        windows = [ids[i * WINDOW:(i + 1) * WINDOW] for i in range(count) if len(ids[i * WINDOW:(i + 1) * WINDOW]) > 1]
         original = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
         calib = cls(model, windows, [], original)
         calib.reference_logprobs = logprobs_with(model, original, windows, {})
@@ -74,6 +78,17 @@ class Calibration:
         so these moments weight a weight's error by what it does to the outputs. The tied
         embedding gets its head use's moments (its lookup has no input to weight by).
         """
+        return self._input_statistics(lambda x: (x * x).sum(0))
+
+    def input_hessians(self) -> dict[str, np.ndarray]:
+        """Weight name -> E[x x^T] over the inputs of the linear it feeds (GPTQ's Hessian of
+        the output error, cross terms kept), float64 [in, in]; the tied embedding's is its
+        head use's."""
+        return self._input_statistics(lambda x: x.T @ x)
+
+    def _input_statistics(self, statistic) -> dict[str, np.ndarray]:
+        """Weight name -> the mean over input rows x [rows, in] (float64) of every Linear's
+        `statistic(x)`, summed per call, over one forward of the windows."""
         from pipeline.models.base import Linear
 
         sums: dict[str, torch.Tensor] = {}
@@ -85,7 +100,7 @@ class Calibration:
 
                 def record(_module, args, _output, name=name):
                     x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
-                    sums[name] = sums.get(name, 0) + (x * x).sum(0)
+                    sums[name] = sums.get(name, 0) + statistic(x)
                     counts[name] = counts.get(name, 0) + x.shape[0]
                 hooks.append(module.register_forward_hook(record))
         try:

@@ -2,6 +2,7 @@
 
     code = affine_blocks(w, nbits=4, block=32)         # constexpr_blockwise_shift_scale
     code = kmeans_tiles(w, nbits=4, tile=(32, 32))      # constexpr_lut_to_dense
+    code = gptq_affine(w, hessian, nbits=4, block=32)   # the same op, GPTQ-chosen codes
     w_hat = code.decode()                               # what the op gives back, in float32
 
 A `ShiftScale` is `scale * (data - offset)` per block along the input axis; a `Palette` is
@@ -107,6 +108,58 @@ def _fit_data(wb: np.ndarray, scale: np.ndarray, offset: np.ndarray | None, nbit
     q = np.clip(np.rint(wb / s + z), lo, hi)
     data = q.astype(np.int8 if signed else np.uint8).reshape(wb.shape[0], -1)
     return ShiftScale(data, scale, offset, nbits, signed)
+
+
+# GPTQ's damping: a fraction of the Hessian's mean diagonal added to it, so that inputs the
+# calibration text never excites keep a finite inverse (Frantar et al. use 1%).
+GPTQ_DAMP = 0.01
+# Columns coded between two updates of the columns after them (the paper's lazy batch).
+GPTQ_BATCH = 128
+
+
+def gptq_affine(w: np.ndarray, hessian: np.ndarray, nbits: int, block: int, dtype=np.float16,
+                damp: float = GPTQ_DAMP) -> ShiftScale:
+    """Min/max affine codes per block, chosen column by column by GPTQ (Frantar et al., ICLR
+    2023): each column's rounding error, divided by its pivot of the inverse Hessian's
+    Cholesky factor, is taken off the columns not yet coded, so the layer's output error on
+    inputs with second moments `hessian` (E[x x^T], [cols, cols]) is minimised rather than
+    the weights' own. A block's scale and offset are fitted (as `affine_blocks` fits them)
+    to the error-updated weights when its first column is reached, then rounded to `dtype`;
+    every error fed back is that of the value the op decodes.
+    """
+    weight = np.array(w, np.float64)  # the feedback sums many small corrections
+    rows, cols = weight.shape
+    h = np.array(hessian, np.float64)
+    dead = np.diag(h) == 0  # an input that is always zero: its column codes as anything
+    h[dead, dead] = 1.0
+    weight[:, dead] = 0.0
+    h += damp * np.mean(np.diag(h)) * np.eye(cols)
+    upper = np.linalg.cholesky(np.linalg.inv(h)).T  # inv(h) = upper^T upper
+    levels = (1 << nbits) - 1
+    data = np.empty((rows, cols), np.uint8)
+    scale = np.empty((rows, cols // block), dtype)
+    offset = np.empty((rows, cols // block), dtype)
+    batch = block * max(1, GPTQ_BATCH // block)
+    for start in range(0, cols, batch):
+        end = min(start + batch, cols)
+        part = weight[:, start:end].copy()
+        errors = np.zeros_like(part)
+        for j in range(end - start):
+            column = start + j
+            if column % block == 0:
+                g = column // block
+                lo, hi = part[:, j:j + block].min(axis=1), part[:, j:j + block].max(axis=1)
+                scale[:, g] = ((hi - lo) / levels).astype(dtype)
+                scale[scale[:, g] == 0, g] = 1
+                offset[:, g] = (-lo / scale[:, g].astype(np.float32)).astype(dtype)
+            q = np.clip(np.rint(part[:, j] / scale[:, g].astype(np.float64) + offset[:, g]), 0, levels)
+            data[:, column] = q
+            decoded = ((q.astype(dtype) - offset[:, g]) * scale[:, g]).astype(np.float64)  # as `decode` computes
+            error = (part[:, j] - decoded) / upper[column, column]
+            part[:, j + 1:] -= np.outer(error, upper[column, column + 1:end])
+            errors[:, j] = error
+        weight[:, end:] -= errors @ upper[start:end, end:]
+    return ShiftScale(data, scale, offset, nbits, signed=False)
 
 
 def kmeans_tiles(w: np.ndarray, nbits: int, tile: tuple[int, int], importance: np.ndarray | None = None,

@@ -52,6 +52,8 @@ def _linear(dtype: str) -> dict:
             "weight_threshold": WEIGHT_THRESHOLD}
 
 
+GPTQ = {"hessian": "E[x x^T] of each linear's inputs on calibration text", "damp": codes.GPTQ_DAMP,
+        "windows": calibration.HESSIAN_WINDOWS}
 # Output rows x input columns that share one palette LUT (see coreml.codes.kmeans_tiles).
 PALETTE_TILE = [32, 32]
 
@@ -88,6 +90,10 @@ RECIPES: dict[str, dict] = {
                         "measure": "calibration logit KL, one group coded at a time"},
               "calibration": True},
     "cmf-native": {"cmf_native": {"exact": list(cmf_native.EXACT_DTYPES), "other dtypes": "kept FP32"}},
+    # GPTQ on every linear's inputs; the tied embedding's lookup has no input to weight its
+    # errors by, so it keeps the plain fit. b96 divides 576 and 1536 and stores 4 + 32/96 bits.
+    "gptq-int4-b32": {"code": {**_affine(4), "gptq": GPTQ}, "embedding": _affine(4), "calibration": True},
+    "gptq-int4-b96": {"code": {**_affine(4, 96), "gptq": GPTQ}, "embedding": _affine(4, 96), "calibration": True},
 }
 # Default budget of the mixed recipe in bits per weight, counted as mlx-lm and Core ML count
 # (every stored byte of codes, scales, offsets and LUTs, x 8, over the parameter count).
@@ -485,6 +491,15 @@ def _weighted_encoders(weights: list[Weight], params: dict, moments: Mapping[str
             for w in weights if w.hf_names and w.size > WEIGHT_THRESHOLD and w.hf_names[0] in moments}
 
 
+def _gptq_encoders(weights: list[Weight], params: dict, hessians: Mapping[str, np.ndarray]) -> dict:
+    """MIL name -> GPTQ affine encoder for every selected linear (the embedding keeps its own step)."""
+    dtype = {"fp16": np.float16, "fp32": np.float32}[params["dtype"]]
+    return {w.name: (lambda value, h=hessians[w.hf_names[0]]:
+                     codes.gptq_affine(value, h, params["nbits"], params["block_size"], dtype))
+            for w in weights if w.hf_names and w.size > WEIGHT_THRESHOLD and w.hf_names[0] in hessians
+            and EMBEDDING not in w.hf_names}
+
+
 def _native_plan(package_dir: Path, source: dict, weights: list[Weight]) -> dict[str, tuple]:
     """MIL name -> (code or None, why) from the CMF the package's chain starts from."""
     from pipeline.cmf import open_cmf
@@ -544,6 +559,9 @@ def compress_package(
     if RECIPES[recipe].get("code", {}).get("importance"):
         encoders = _weighted_encoders(weights, RECIPES[recipe]["code"],
                                       Calibration.from_package(package_dir, source, calibration_ids).input_moments())
+    if RECIPES[recipe].get("code", {}).get("gptq"):
+        calib = Calibration.from_package(package_dir, source, calibration_ids, calibration.HESSIAN_WINDOWS)
+        encoders = _gptq_encoders(weights, RECIPES[recipe]["code"], calib.input_hessians())
     plan = plan_selection(weights, recipe, choices, native)
     if native:
         encoders = {n: _carried(n, code, code.decode() if hasattr(code, "decode") else code.astype(np.float32))

@@ -231,3 +231,31 @@ def test_sensitivity_weighted_palette_weighs_each_column_by_its_calibration_seco
     # last fp16 bit, so compare through the codes' own fp16 rounding.
     assert np.abs(got - want).max() <= 2.0 ** -10 * np.abs(want).max()
     assert not np.array_equal(got, codes.kmeans_tiles(original[name], 4, (32, 32)).decode())  # weighting changed it
+
+
+def test_gptq_recipe_codes_each_linear_for_its_calibration_inputs(source, compressed, tmp_path):
+    """gptq-int4-b32 on calibration ids: layer 0's q_proj, whose inputs (the first norm of
+    the embedded tokens) are computed here from the model's own modules, has a lower output
+    error on them than int4-b32's plain fit of the same grid; the tied embedding keeps that
+    plain fit (its lookup has no inputs to weight by), so it equals int4-b32's to the bit."""
+    with pytest.raises(RecipePrecondition, match="calibration_ids"):
+        compress_package(source.path, "gptq-int4-b32", tmp_path / "none")
+    ids = np.random.default_rng(8).integers(0, VOCAB, 128 * 16).astype(np.int64)
+    gptq = _decompressed_weights(compress_package(source.path, "gptq-int4-b32", tmp_path / "gptq",
+                                                  calibration_ids=ids))
+    plain = _decompressed_weights(compressed["int4-b32"])
+    original = random_weights(seed=1)
+    model = build_model(ModelArgs.from_header({"arch": compressed["int4-b32"]["architecture"]}), original)
+    with torch.no_grad():
+        x = torch.cat([model.model.layers[0].input_layernorm(model.model.embed_tokens.weight[torch.as_tensor(w)])
+                       for w in ids.reshape(16, 128)]).double().numpy()
+    hessian = x.T @ x / len(x)
+    name = "model.layers.0.self_attn.q_proj.weight"
+
+    def output_error(decoded):
+        e = decoded.astype(np.float64) - original[name]
+        return np.einsum("ij,jk,ik->", e, hessian, e)
+
+    assert output_error(gptq[name]) < output_error(plain[name])
+    embedding = "model.embed_tokens.weight"
+    np.testing.assert_array_equal(gptq[embedding], plain[embedding])
