@@ -90,10 +90,12 @@ RECIPES: dict[str, dict] = {
                         "measure": "calibration logit KL, one group coded at a time"},
               "calibration": True},
     "cmf-native": {"cmf_native": {"exact": list(cmf_native.EXACT_DTYPES), "other dtypes": "kept FP32"}},
-    # GPTQ on every linear's inputs; the tied embedding's lookup has no input to weight its
-    # errors by, so it keeps the plain fit. b96 divides 576 and 1536 and stores 4 + 32/96 bits.
-    "gptq-int4-b32": {"code": {**_affine(4), "gptq": GPTQ}, "embedding": _affine(4), "calibration": True},
-    "gptq-int4-b96": {"code": {**_affine(4, 96), "gptq": GPTQ}, "embedding": _affine(4, 96), "calibration": True},
+    # GPTQ against every linear's inputs; a tied embedding is coded for its use as the head
+    # (its lookup has no inputs to weight by). b64 stores 4 + 32/64 bits, the embedding's b96
+    # 4 + 32/96, so that with the fp32 norms the whole model stays within 4.5 bits per weight.
+    "gptq-int4-b32": {"code": {**_affine(4), "gptq": GPTQ}, "calibration": True},
+    "gptq-int4-b64": {"code": {**_affine(4, 64), "gptq": GPTQ}, "embedding": {**_affine(4, 96), "gptq": GPTQ},
+                      "calibration": True},
 }
 # Default budget of the mixed recipe in bits per weight, counted as mlx-lm and Core ML count
 # (every stored byte of codes, scales, offsets and LUTs, x 8, over the parameter count).
@@ -491,13 +493,17 @@ def _weighted_encoders(weights: list[Weight], params: dict, moments: Mapping[str
             for w in weights if w.hf_names and w.size > WEIGHT_THRESHOLD and w.hf_names[0] in moments}
 
 
-def _gptq_encoders(weights: list[Weight], params: dict, hessians: Mapping[str, np.ndarray]) -> dict:
-    """MIL name -> GPTQ affine encoder for every selected linear (the embedding keeps its own step)."""
-    dtype = {"fp16": np.float16, "fp32": np.float32}[params["dtype"]]
-    return {w.name: (lambda value, h=hessians[w.hf_names[0]]:
-                     codes.gptq_affine(value, h, params["nbits"], params["block_size"], dtype))
-            for w in weights if w.hf_names and w.size > WEIGHT_THRESHOLD and w.hf_names[0] in hessians
-            and EMBEDDING not in w.hf_names}
+def _gptq_encoders(weights: list[Weight], recipe: dict, hessians: Mapping[str, np.ndarray]) -> dict:
+    """MIL name -> GPTQ affine encoder for every selected weight whose step asks for GPTQ and
+    that feeds a linear (the tied embedding: as the head); the others keep their step's fit."""
+    encoders = {}
+    for w in weights:
+        params = weight_steps(recipe, w).get("code", {})
+        if w.hf_names and w.size > WEIGHT_THRESHOLD and params.get("gptq") and w.hf_names[0] in hessians:
+            dtype = {"fp16": np.float16, "fp32": np.float32}[params["dtype"]]
+            encoders[w.name] = (lambda value, h=hessians[w.hf_names[0]], p=params, d=dtype:
+                                codes.gptq_affine(value, h, p["nbits"], p["block_size"], d))
+    return encoders
 
 
 def _native_plan(package_dir: Path, source: dict, weights: list[Weight]) -> dict[str, tuple]:
@@ -561,7 +567,7 @@ def compress_package(
                                       Calibration.from_package(package_dir, source, calibration_ids).input_moments())
     if RECIPES[recipe].get("code", {}).get("gptq"):
         calib = Calibration.from_package(package_dir, source, calibration_ids, calibration.HESSIAN_WINDOWS)
-        encoders = _gptq_encoders(weights, RECIPES[recipe]["code"], calib.input_hessians())
+        encoders = _gptq_encoders(weights, RECIPES[recipe], calib.input_hessians())
     plan = plan_selection(weights, recipe, choices, native)
     if native:
         encoders = {n: _carried(n, code, code.decode() if hasattr(code, "decode") else code.astype(np.float32))
