@@ -57,7 +57,7 @@ test: $(INSTALLED)
 # one BLAS/OpenMP thread. `+` joins the variables of one variant.
 PORTABILITY_VARIANTS ?= ATEN_CPU_CAPABILITY=default ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=COMPATIBLE \
   NPY_DISABLE_CPU_FEATURES=@dispatched OMP_NUM_THREADS=1+OPENBLAS_NUM_THREADS=1+MKL_NUM_THREADS=1
-PORTABILITY_ARGS ?= -m "not slow"
+PORTABILITY_ARGS ?=
 NPY_DISPATCHED = $(shell $(PY) -c "from numpy._core._multiarray_umath import __cpu_dispatch__ as d, \
   __cpu_features__ as f; print(','.join(x for x in d if f.get(x)))")
 
