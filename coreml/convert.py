@@ -17,6 +17,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
+from functools import cached_property
 from pathlib import Path
 
 import coremltools as ct
@@ -68,13 +69,13 @@ class Reference:
         a = self.args
         return (a.num_layers, 1, a.num_kv_heads, self.context, a.head_dim)
 
-    @property
+    @cached_property
     def tolerance(self) -> float:
         """float32 graph vs float32 reference: only summation order differs. FP32's bound for
         this model over the context (pipeline.models.numerics, the probable form the gates use)."""
         return model_logits_bound(self.model, self.context, probable=True)
 
-    @property
+    @cached_property
     def cache_tolerance(self) -> float:
         return model_cache_bound(self.model, self.context, probable=True)
 

@@ -395,9 +395,14 @@ class _WriteCodes(AbstractGraphPass):
                     new.set_name(op.name)
 
 
+def _code_dtype(params: dict):
+    """The numpy dtype a `code` step stores its scales, offsets or LUT in (None: the step has none)."""
+    return {"fp16": np.float16, "fp32": np.float32}.get(params.get("dtype"))
+
+
 def encoder(params: dict) -> Callable[[np.ndarray], object]:
     """value -> code for a `code` step's params (see RECIPES)."""
-    dtype = {"fp16": np.float16, "fp32": np.float32}.get(params.get("dtype"))
+    dtype = _code_dtype(params)
     if params["kind"] == "fp16":
         return lambda w: w.astype(np.float16)
     if params["kind"] == "affine":
@@ -487,7 +492,7 @@ def _carried(name: str, code, reference: np.ndarray) -> Callable[[np.ndarray], o
 
 def _weighted_encoders(weights: list[Weight], params: dict, moments: Mapping[str, np.ndarray]) -> dict:
     """MIL name -> sensitivity-weighted k-means encoder (SKM: each error weighted by E[x_j^2])."""
-    dtype = {"fp16": np.float16, "fp32": np.float32}[params["dtype"]]
+    dtype = _code_dtype(params)
     return {w.name: (lambda value, m=moments[w.hf_names[0]]:
                      codes.kmeans_tiles(value, params["nbits"], tuple(params["tile"]), m, dtype))
             for w in weights if w.hf_names and w.size > WEIGHT_THRESHOLD and w.hf_names[0] in moments}
@@ -500,8 +505,7 @@ def _gptq_encoders(weights: list[Weight], recipe: dict, hessians: Mapping[str, n
     for w in weights:
         params = weight_steps(recipe, w).get("code", {})
         if w.hf_names and w.size > WEIGHT_THRESHOLD and params.get("gptq") and w.hf_names[0] in hessians:
-            dtype = {"fp16": np.float16, "fp32": np.float32}[params["dtype"]]
-            encoders[w.name] = (lambda value, h=hessians[w.hf_names[0]], p=params, d=dtype:
+            encoders[w.name] = (lambda value, h=hessians[w.hf_names[0]], p=params, d=_code_dtype(params):
                                 codes.gptq_affine(value, h, p["nbits"], p["block_size"], d))
     return encoders
 
