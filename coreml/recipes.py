@@ -31,8 +31,11 @@ import coremltools.optimize.coreml as cto
 import numpy as np
 from coremltools.converters.mil.mil import Builder as mb
 from coremltools.converters.mil.mil import types
+from coremltools.converters.mil.converter import mil_convert
+from coremltools.converters.mil.frontend.milproto import load as milproto
 from coremltools.converters.mil.mil.passes.graph_pass import AbstractGraphPass
-from coremltools.models.utils import _apply_graph_pass
+from coremltools.models.utils import _convert_model_spec_to_pymil_prog
+from coremltools.optimize.coreml._quantization_passes import linear_quantize_weights as LinearQuantizeWeights
 
 from coreml import calibration, cmf_native, codes
 from coreml.calibration import Calibration
@@ -132,16 +135,32 @@ class Weight:
         return ".".join(parts[1:3]) if parts[:2] == ["model", "layers"] else name
 
 
-def program_weights(mlmodel, weight_names: Mapping[str, list[str]]) -> list[Weight]:
-    """Every non-scalar constant of the program, with the HF names the conversion recorded."""
-    metadata = cto.get_weights_metadata(mlmodel, weight_threshold=1)
-    return [
-        Weight(name, tuple(weight_names.get(name, ())), tuple(meta.val.shape),
-               tuple(sorted({op.op_type for op in meta.child_ops})),
-               tuple((op.name, param) for op in meta.child_ops
-                     for param, const in op.params_name_mapping.items() if const == name))
-        for name, meta in metadata.items()
-    ]
+def load_program(mlmodel):
+    """The package's MIL program, loaded once: the weights are listed from it and every step
+    of a recipe rewrites it in place."""
+    return _convert_model_spec_to_pymil_prog(mlmodel, mlmodel.get_spec().specificationVersion, milproto.load)
+
+
+def program_weights(program, weight_names: Mapping[str, list[str]]) -> list[Weight]:
+    """Every array constant of the program (nested blocks included), with the HF names the
+    conversion recorded."""
+    def constants(block):
+        for op in block.operations:
+            for inner in op.blocks:
+                yield from constants(inner)
+            if op.op_type == "const" and isinstance(op.val.val, np.ndarray) and op.val.val.size:
+                yield op
+
+    weights = []
+    for function in program.functions.values():
+        for op in constants(function):
+            consumers = {id(child): child for child in op.outputs[0].child_ops}.values()
+            weights.append(Weight(
+                op.name, tuple(weight_names.get(op.name, ())), tuple(op.val.val.shape),
+                tuple(sorted({child.op_type for child in consumers})),
+                tuple((child.name, param) for child in consumers for param, var in child.inputs.items()
+                      if var is op.outputs[0])))
+    return weights
 
 
 def _precondition(weight: Weight, step: str, params: dict) -> str | None:
@@ -412,9 +431,10 @@ def encoder(params: dict) -> Callable[[np.ndarray], object]:
     raise UnknownRecipe(f"code step kind {params['kind']!r} is not one of fp16, affine, kmeans")
 
 
-def apply_recipe(mlmodel, recipe: str, steps: dict[str, dict[str, dict]],
+def apply_recipe(mlmodel, program, recipe: str, steps: dict[str, dict[str, dict]],
                  encoders: Mapping[str, Callable[[np.ndarray], object]] | None = None):
-    """The compressed model: each step of `plan_selection`, on exactly the selected weights.
+    """The compressed model: each step of `plan_selection`, on exactly the selected weights of
+    `program` (`mlmodel`'s, from `load_program`; rewritten in place).
 
     `encoders` overrides the `code` step's encoder per weight (calibration-aware codes).
     """
@@ -422,16 +442,23 @@ def apply_recipe(mlmodel, recipe: str, steps: dict[str, dict[str, dict]],
     if "code" in steps:
         chosen = {name: encoder(config) for name, config in steps["code"].items() if config["kind"] != "cmf-native"}
         chosen.update(encoders or {})
-        mlmodel = _apply_graph_pass(mlmodel, _WriteCodes(chosen),
-                                    spec_version=mlmodel.get_spec().specificationVersion, skip_model_load=True)
+        _WriteCodes(chosen).apply(program)
         if "quantize_lut" in params:
             lut = cto.OpLinearQuantizerConfig(**params["quantize_lut"])
-            mlmodel = cto.linear_quantize_weights(
-                mlmodel, cto.OptimizationConfig(global_config=lut), joint_compression=True)
+            quantize_luts = LinearQuantizeWeights(cto.OptimizationConfig(global_config=lut))
+            quantize_luts.joint_compression = True
+            quantize_luts.apply(program)
     if "quantize" in steps:
         configs = {n: cto.OpLinearQuantizerConfig(**p) for n, p in steps["quantize"].items()}
-        mlmodel = cto.linear_quantize_weights(mlmodel, cto.OptimizationConfig(op_name_configs=configs))
-    return mlmodel
+        LinearQuantizeWeights(cto.OptimizationConfig(op_name_configs=configs)).apply(program)
+    spec = mlmodel.get_spec()
+    # No main pass pipeline: the program was optimized when it was converted, and the steps
+    # above add only constexpr ops. coremltools' own compression API reruns all 92 default
+    # passes here (20 s on SmolLM2) and finds nothing to change; the backend passes still run.
+    return mil_convert(program, convert_to="mlprogram", convert_from="milinternal",
+                        specification_version=spec.specificationVersion, compute_units=mlmodel.compute_unit,
+                        model_description=spec.description, skip_model_load=True,
+                        pass_pipeline=ct.PassPipeline.EMPTY)
 
 
 def _bind_compressed(mlpackage: Path, weights: list[Weight], selection: dict, recipe: str) -> None:
@@ -555,7 +582,8 @@ def compress_package(
                                  f"calibration_ids (pipeline.text_roles: text_roles(lines)['calibration'])")
     start = time.perf_counter()
     mlmodel = ct.models.MLModel(str(mlpackage), skip_model_load=True)
-    weights = program_weights(mlmodel, source["package"].get("weights", {}))
+    program = load_program(mlmodel)
+    weights = program_weights(program, source["package"].get("weights", {}))
     extra, encoders, choices, native = {}, {}, None, None
     if recipe == "mixed":
         calib = Calibration.from_package(package_dir, source, calibration_ids)
@@ -576,7 +604,7 @@ def compress_package(
     if native:
         encoders = {n: _carried(n, code, code.decode() if hasattr(code, "decode") else code.astype(np.float32))
                     for n, (code, _, _) in native.items() if code is not None}
-    compressed = apply_recipe(mlmodel, recipe, plan["steps"], encoders)
+    compressed = apply_recipe(mlmodel, program, recipe, plan["steps"], encoders)
     with staged_output(out_dir, force) as staging:
         compressed.save(str(staging / package_manifest.MODEL_NAME))
         _bind_compressed(staging / package_manifest.MODEL_NAME, weights, plan["record"], recipe)
