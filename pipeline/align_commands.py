@@ -7,7 +7,7 @@ from pipeline.align import DEFAULT_BUDGET, DEFAULT_ITEMS, DEFAULT_QUALITY_TEXT, 
 
 def _align(args) -> int:
     report = align_package(args.package, args.fixtures, args.out, budget=args.budget, quality_text=args.quality_text,
-                           items=args.items, backend=args.backend, force=args.force)
+                           items=args.items, backend=args.backend, force=args.force, all_figures=args.all_figures)
     summary, quality = report["summary"], report["quality"]
     print(f"gate passed ({report['package']['kind']}, {report['candidate_backend']}, {report['numerics']}): "
           f"exact ({summary['comparisons']} comparisons, max |Δ| {summary['max_abs']:.3g}), "
@@ -26,14 +26,18 @@ def _reference_fixtures(args) -> int:
 
 
 def add_quality_arguments(p) -> None:
-    """--budget, --quality-text and --items: shared by align and survey."""
+    """--budget, --quality-text, --items and --all-figures: shared by align and survey."""
     p.add_argument("--budget", default=DEFAULT_BUDGET,
                    help=f"quality budget against FP32: ppl=<max increase>, top1=<min agreement>, optionally "
                         f"kl=<max mean KL>, items=<max fraction of scoring items whose top-1 changed> "
-                        f"(default {DEFAULT_BUDGET})")
+                        f"(default {DEFAULT_BUDGET.replace('%', '%%')})")
     p.add_argument("--quality-text", type=Path, default=DEFAULT_QUALITY_TEXT,
-                   help="text whose held-out 'quality' lines (pipeline.text_roles) the quality part reads")
+                   help="text whose held-out 'quality' lines the quality part reads and whose 'calibration' lines "
+                        "calibration-aware recipes see (pipeline.text_roles)")
     p.add_argument("--items", type=Path, default=DEFAULT_ITEMS, help="scoring set (JSON lines) of the quality part")
+    p.add_argument("--all-figures", action="store_true",
+                   help="score the scoring set even for a package already over budget on the held-out text "
+                        "(by default its figure is measured only where it can still change the verdict)")
 
 
 def register(subparsers) -> None:

@@ -152,7 +152,8 @@ def survey_recipe(name: str, package_dir: Path, staging: Path, context: dict) ->
     bind_fp32_gate(compressed, context["fp32_gate"])
     try:
         align.align_package(compressed, context["fixtures"].directory, gate_dir, budget=context["budget"],
-                            backend=context["backend"], quality=context["quality"], scores_out=run_dir)
+                            backend=context["backend"], quality=context["quality"], scores_out=run_dir,
+                            all_figures=context["all_figures"])
     except align.GateFailed:
         if not (gate_dir / align.REPORT_NAME).is_file():
             raise  # the gate could not run at all: a problem of the survey's inputs
@@ -184,8 +185,9 @@ def survey_recipe(name: str, package_dir: Path, staging: Path, context: dict) ->
             "quality": {k: quality[k] for k in ("ppl_change", "top1_agreement", "kl_mean", "items_top1_changed",
                                                 "over_budget")},
         },
-        "scoring": {**_scoring_effects(scoring.read_run(run_dir), context["quality"].fp32_scores),
-                    "scores_sha256": read_json(run_dir / MANIFEST_NAME)["scores_sha256"], "run": f"scores/{name}"},
+        "scoring": ({**_scoring_effects(scoring.read_run(run_dir), context["quality"].fp32_scores),
+                     "scores_sha256": read_json(run_dir / MANIFEST_NAME)["scores_sha256"], "run": f"scores/{name}"}
+                    if quality["items_top1_changed"] is not None else {"not_measured": quality["items_not_measured"]}),
     }
 
 
@@ -208,6 +210,10 @@ def _budget_cell(gate: dict) -> str:
     return "within" if gate["within_budget"] else "over: " + ", ".join(gate["quality"]["over_budget"])
 
 
+def _or_not_measured(value):
+    return "not measured¹" if value is None else value
+
+
 def survey_markdown(survey: dict) -> str:
     """One table a release engineer reads at a glance, then what could not be measured."""
     fp32 = survey["fp32"]
@@ -219,8 +225,9 @@ def survey_markdown(survey: dict) -> str:
     rows += [[r["name"], r["package"]["bits_per_weight"], r["package"]["size_bytes"], r["package"]["bytes_vs_fp32"],
               _exactness_cell(r["gate"]), f"{r['gate']['quality']['ppl_change']:+.2%}",
               r["gate"]["quality"]["top1_agreement"], r["gate"]["quality"]["kl_mean"],
-              r["gate"]["quality"]["items_top1_changed"], _budget_cell(r["gate"]), r["gate"]["invariants_passed"],
-              r["scoring"]["top1_accuracy"], "**deployed**" if r["name"] == deployed else ""] for r in measured]
+              _or_not_measured(r["gate"]["quality"]["items_top1_changed"]), _budget_cell(r["gate"]),
+              r["gate"]["invariants_passed"], _or_not_measured(r["scoring"].get("top1_accuracy")),
+              "**deployed**" if r["name"] == deployed else ""] for r in measured]
     budget = survey["budget"]
     lines = [
         "# Compression survey",
@@ -238,6 +245,10 @@ def survey_markdown(survey: dict) -> str:
         md_table(["recipe", "bits/weight", "bytes", "× FP32", "exactness", "ppl change", "top-1 agreement",
                   "KL mean", "items top-1 changed", "budget", "invariants", "cloze accuracy", ""], rows),
     ]
+    if any("not_measured" in r["scoring"] for r in measured):
+        lines += ["", "¹ The scoring set is scored only for a package within budget on the held-out text: over budget "
+                  "there, no item can change its verdict. `survey --all-figures` (make `ALL_FIGURES=1`) scores every "
+                  "recipe."]
     if unmet:
         lines += ["## Not measured (precondition unmet)", ""]
         lines += [f"- `{r['name']}` ({r['precondition']['stage']}): {r['precondition']['reason']}" for r in unmet]
@@ -278,13 +289,15 @@ def run_survey(
     quality_text: str | Path = align.DEFAULT_QUALITY_TEXT,
     mixed_bpw: float | None = None,
     progress: bool = True,
+    all_figures: bool = False,
 ) -> dict:
     """Survey `recipes` on the FP32 package at `package_dir`; the survey record (survey.json).
 
     Refuses a package whose FP32 gate (`fp32_alignment_dir`) did not pass or is another
     package's. `quality_text` gives both the calibration lines the recipes may look at and
     the held-out quality lines the gates measure on (`pipeline.text_roles`).
-    `mixed_bpw` overrides the mixed recipe's budget in bits per weight.
+    `mixed_bpw` overrides the mixed recipe's budget in bits per weight. `all_figures` scores
+    the scoring set for every recipe, not only those within budget on the held-out text.
     """
     package_dir, out_dir, items_path = Path(package_dir), Path(out_dir), Path(scoring_items)
     recipes = tuple(recipes)
@@ -310,6 +323,7 @@ def run_survey(
         "quality": quality,
         "calibration_ids": calibration_ids(quality.tokenizer, Path(quality_text)),
         "mixed_bpw": mixed_bpw,
+        "all_figures": all_figures,
     }
     with staged_output(out_dir, force) as staging:
         scoring.write_run(quality.fp32_scores, staging / "scores" / "fp32", artifact=package_dir,

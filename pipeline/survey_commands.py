@@ -2,7 +2,7 @@
 
 import argparse
 
-from pipeline.align import DEFAULT_BUDGET, DEFAULT_QUALITY_TEXT
+from pipeline.align_commands import add_quality_arguments
 
 
 def register(subparsers) -> None:
@@ -10,7 +10,6 @@ def register(subparsers) -> None:
     survey.add_argument("package", help="the FP32 package directory (chunk_kv or stateless)")
     survey.add_argument("--fp32-gate", required=True, help="the package's passed FP32 alignment folder")
     survey.add_argument("--fixtures", required=True, help="reference fixtures folder (index.json + logits.npz)")
-    survey.add_argument("--items", required=True, help="scoring set (JSON lines) of the quality part")
     survey.add_argument("-o", "--out", required=True, help="survey folder to create")
     # No argparse choices: run_survey names the known recipes when one is not, and listing
     # them here would import coremltools into `--help`.
@@ -18,10 +17,7 @@ def register(subparsers) -> None:
     survey.add_argument("--backend", default="auto", help="package backend for gates and scoring")
     survey.add_argument("--mixed-bpw", type=float,
                         help="bits-per-weight budget of the mixed recipe (default: coreml.recipes.MIXED_BPW)")
-    survey.add_argument("--budget", default=DEFAULT_BUDGET,
-                        help=f"quality budget against FP32 (see `cmfdeploy align --help`; default {DEFAULT_BUDGET})")
-    survey.add_argument("--quality-text", default=DEFAULT_QUALITY_TEXT,
-                        help="text whose calibration lines the recipes see and whose held-out lines the gates read")
+    add_quality_arguments(survey)
     survey.add_argument("--force", action="store_true", help="replace an existing output")
     survey.set_defaults(func=_survey)
 
@@ -44,7 +40,7 @@ def _survey(args: argparse.Namespace) -> int:
     survey = run_survey(args.package, args.fp32_gate, args.fixtures, args.items, args.out,
                         **({"recipes": args.recipes} if args.recipes else {}),
                         force=args.force, backend=args.backend, budget=args.budget, quality_text=args.quality_text,
-                        mixed_bpw=args.mixed_bpw)
+                        mixed_bpw=args.mixed_bpw, all_figures=args.all_figures)
     for record in survey["recipes"]:
         if record["status"] == "measured":
             gate, quality = record["gate"], record["gate"]["quality"]

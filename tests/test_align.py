@@ -150,7 +150,17 @@ def test_over_budget_is_a_result_and_exactness_stands_apart(int8_stateless, item
     assert report["quality"]["over_budget"] == ["top1_agreement"] and "over the budget" in err
     assert report["recipe"] == "int8-b32" and report["exactness"]["patterns"] == ["one_shot"]  # stateless
     assert report["quality"]["ppl_change"] != 0.0  # the decoded weights really are the lossy ones
-    assert "OVER BUDGET" in (tmp_path / "gate" / "alignment.md").read_text()
+    page = (tmp_path / "gate" / "alignment.md").read_text()
+    assert "OVER BUDGET" in page
+    # Over budget on the held-out text: the items cannot change the verdict, so they were not scored...
+    assert report["quality"]["items_top1_changed"] is None and "top1_agreement" in report["quality"]["items_not_measured"]
+    assert "not measured: over budget on top1_agreement" in page
+    # ...unless asked for, and then the items budget (no top-1 may change) is judged too.
+    status = main(["align", str(int8_stateless), "--fixtures", str(FIXTURE_REFERENCE), "-o", str(tmp_path / "all"),
+                   "--items", str(items), "--budget", "ppl=2%,top1=1.0,items=0", "--all-figures"])
+    full = read_json(tmp_path / "all" / "alignment.json")["quality"]
+    assert status == 1 and "items_not_measured" not in full and full["items_top1_changed"] is not None
+    assert full["over_budget"] == ["top1_agreement"] + (["items_top1_changed"] if full["items_top1_changed"] > 0 else [])
 
 
 def test_failed_exactness_writes_its_report_and_exits_nonzero(fixture_packages, items, tmp_path, capsys):
