@@ -178,7 +178,8 @@ def print_report(models: dict[str, dict]) -> None:
             print(f"| {r['name']} | {r['package']['bits_per_weight']:.2f} | {r['package']['size_bytes']} | "
                   f"{r['package']['bytes_vs_fp32']:.3f} | {g['exact']} | {g['max_abs']:.3g} | "
                   f"{100 * q['ppl_change']:+.2f}% | {q['top1_agreement']:.4f} | {q['kl_mean']:.3g} | "
-                  f"{q['items_top1_changed']:.3f} | {g['passed']} |")
+                  f"{'not measured' if q['items_top1_changed'] is None else format(q['items_top1_changed'], '.3f')} | "
+                  f"{g['passed']} |")
 
 
 def main() -> None:
@@ -187,7 +188,7 @@ def main() -> None:
     parser.add_argument("--args", help=argparse.SUPPRESS)
     parser.add_argument("--models", nargs="+", choices=("fixture", "smollm2"), default=["fixture", "smollm2"])
     parser.add_argument("--fixture-recipes", nargs="+", default=None, help="default: every recipe")
-    # k-means palettization of 135M weights takes hours on two cores; linear recipes by default.
+    # Two recipes by default, to keep a SmolLM2 run short; `make compress` surveys all of them.
     parser.add_argument("--smollm2-recipes", nargs="+", default=["int8-b32", "int4-b32"])
     parser.add_argument("--items", type=int, default=8, help="cloze items scored per package")
     parser.add_argument("--smollm2-cmf", type=Path, help="an f32 SmolLM2 CMF (default: the tests' build/smollm2 cache)")

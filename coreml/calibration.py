@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from manifests.chain import upstream_path
+from pipeline.backend_protocol import kl_rows, log_softmax
 from pipeline.reference import load_reference
-from pipeline.scoring import log_softmax
 
 # Tokens per calibration window and windows measured:
 # 2 x 128 tokens keep one sensitivity forward per (layer, option) at a fraction of a second
@@ -64,7 +64,7 @@ class Calibration:
     def kl_with(self, weights: dict[str, np.ndarray]) -> float:
         """Mean KL(reference || model with `weights` substituted) per token over the windows."""
         got = logprobs_with(self.model, self.original, self.windows, weights)
-        kl = [(np.exp(p) * (p - q)).sum(axis=-1).mean() for p, q in zip(self.reference_logprobs, got)]
+        kl = [kl_rows(p, q).mean() for p, q in zip(self.reference_logprobs, got)]
         return float(np.mean(kl))
 
     def weight(self, name: str) -> np.ndarray:

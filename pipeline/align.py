@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from manifests.identity import file_identity, portable_name, read_json, sha256_file
-from pipeline.backend_protocol import ChunkSchedule, validate_ids
+from pipeline.backend_protocol import ChunkSchedule, kl_rows, log_softmax, validate_ids
 from pipeline.errors import CmfdeployError
 
 FORMAT = "cmfdeploy.alignment/1"
@@ -167,15 +167,6 @@ class ReferenceFixtures:
 
 # ---------------------------------------------------------------- comparisons
 
-def _log_softmax(logits: np.ndarray) -> np.ndarray:
-    shifted = logits.astype(np.float64) - logits.max(-1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
-
-
-def kl_rows(log_p: np.ndarray, log_q: np.ndarray) -> np.ndarray:
-    return np.sum(np.exp(log_p) * (log_p - log_q), axis=-1)
-
-
 def compare(got: np.ndarray, want: np.ndarray, tol: Tolerance) -> dict:
     """The error record of one comparison (positions x vocab); passed iff nothing lies outside."""
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
@@ -191,7 +182,7 @@ def compare(got: np.ndarray, want: np.ndarray, tol: Tolerance) -> dict:
         "mean_abs": float(delta.mean()),
         "outside": outside,
         "top1_agreement": float(top1.mean()),
-        "kl_mean": float(np.mean(kl_rows(_log_softmax(want), _log_softmax(got)))),
+        "kl_mean": float(np.mean(kl_rows(log_softmax(want), log_softmax(got)))),
         "passed": outside == 0,
     }
 
@@ -254,17 +245,28 @@ class Intended:
         with torch.no_grad():
             return self.model(torch.from_numpy(validate_ids(ids, self.name, self.args.vocab_size, self.context))).numpy()
 
-    def extend_many(self, snapshot, suffixes) -> list[np.ndarray]:
-        """`extend` of each suffix from one snapshot, as one batch (`Decoder.forward_branches`)."""
+    def prefill_batch(self, prefixes) -> list:
+        empty = np.zeros(self.cache_shape, self.cache_dtype)
+        return self._branches([((empty, empty, 0), ids) for ids in prefixes])
+
+    def extend_batch(self, branches) -> list[np.ndarray]:
+        return [logits for logits, _ in self._branches(branches)]
+
+    def _branches(self, branches) -> list:
+        """`chunk` of each (snapshot, ids) as one batch (`Decoder.forward_branches`), with the
+        snapshots after them."""
         import torch
 
-        keys, values, position = snapshot
         tokens = [torch.from_numpy(validate_ids(ids, self.name, self.args.vocab_size, self.context, position))
-                  for ids in suffixes]
+                  for (_, _, position), ids in branches]
         with torch.no_grad():
-            branches = self.model.forward_branches(tokens, position, torch.tensor(np.asarray(keys, np.float32)),
-                                                   torch.tensor(np.asarray(values, np.float32)))
-        return [logits.numpy() for logits in branches]
+            logits, keys, values = self.model.forward_branches(
+                tokens, [position for (_, _, position), _ in branches],
+                *(torch.from_numpy(np.stack([snapshot[part] for snapshot, _ in branches]).astype(np.float32))
+                  for part in (0, 1)))
+        keys, values = keys.numpy().astype(self.cache_dtype), values.numpy().astype(self.cache_dtype)
+        return [(rows.numpy(), (keys[i], values[i], position + len(ids)))
+                for i, (rows, ((_, _, position), ids)) in enumerate(zip(logits, branches))]
 
     def prefill(self, ids):
         empty = np.zeros(self.cache_shape, self.cache_dtype)
@@ -507,8 +509,8 @@ def measure_quality(intended, inputs: QualityInputs, budget: Budget, all_figures
     nll = {"fp32": 0.0, "package": 0.0}
     kl_sum = agree = count = 0
     for tokens, logits in zip(inputs.windows, inputs.fp32_logits):
-        log_p = _log_softmax(logits)[:-1]
-        log_q = log_p if same else _log_softmax(intended.logits(tokens))[:-1]
+        log_p = log_softmax(logits)[:-1]
+        log_q = log_p if same else log_softmax(intended.logits(tokens))[:-1]
         rows, targets = np.arange(len(tokens) - 1), tokens[1:]
         nll["fp32"] -= log_p[rows, targets].sum()
         nll["package"] -= log_q[rows, targets].sum()

@@ -11,6 +11,19 @@ from pipeline.errors import CmfdeployError
 BACKENDS = ("auto", "torch", "coreml", "coreml-executor", "coreml-macos", "mlx")
 
 
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Row-wise log-softmax of a backend's logits, in float64 (summed log-probs and KL must
+    not lose digits to float32)."""
+    x = np.asarray(logits, dtype=np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def kl_rows(log_p: np.ndarray, log_q: np.ndarray) -> np.ndarray:
+    """KL(p || q) per row of two log-softmaxed rows."""
+    return np.sum(np.exp(log_p) * (log_p - log_q), axis=-1)
+
+
 class BackendError(CmfdeployError):
     """An artifact no backend can open as asked, or input a backend cannot run."""
 
@@ -55,9 +68,10 @@ class Backend(Protocol):
         """`extend`, and the snapshot after ids too (generation's decode step); the given
         snapshot stays unchanged."""
 
-    # Optional, by presence: `extend_many(snapshot, [ids, ...]) -> [logits, ...]`, each
-    # `extend(snapshot, ids)`, run together where the backend can batch branches (scoring's
-    # candidates); a backend without it gets one `extend` per branch.
+    # Optional, by presence, where a backend can batch (scoring's items and candidates; a
+    # backend without them gets one call per prefix or branch):
+    #   `prefill_batch([ids, ...]) -> [(logits, snapshot), ...]`, each `prefill(ids)`;
+    #   `extend_batch([(snapshot, ids), ...]) -> [logits, ...]`, each `extend(snapshot, ids)`.
 
 
 def validate_ids(ids, backend_name: str, vocab_size: int, context: int, offset: int = 0) -> np.ndarray:

@@ -64,11 +64,23 @@ class TorchBackend:
     def extend(self, snapshot: KVCache, ids: np.ndarray) -> np.ndarray:
         return self.advance(snapshot, ids)[0]
 
+    def prefill_batch(self, prefixes: list[np.ndarray]) -> list[tuple[np.ndarray, KVCache]]:
+        empty = KVCache.empty(self.args, self.context)
+        return self._branches([(empty, ids) for ids in prefixes])
+
+    def extend_batch(self, branches: list[tuple[KVCache, np.ndarray]]) -> list[np.ndarray]:
+        return [logits for logits, _ in self._branches(branches)]
+
     @torch.no_grad()
-    def extend_many(self, snapshot: KVCache, suffixes: list[np.ndarray]) -> list[np.ndarray]:
-        tokens = [self._ids(ids, snapshot.position) for ids in suffixes]
-        branches = self.model.forward_branches(tokens, snapshot.position, snapshot.keys, snapshot.values)
-        return [logits.numpy() for logits in branches]
+    def _branches(self, branches: list[tuple[KVCache, np.ndarray]]) -> list[tuple[np.ndarray, KVCache]]:
+        """`advance` of each (snapshot, ids) as one batch (`Decoder.forward_branches`)."""
+        tokens = [self._ids(ids, snapshot.position) for snapshot, ids in branches]
+        logits, keys, values = self.model.forward_branches(
+            tokens, [snapshot.position for snapshot, _ in branches],
+            torch.stack([snapshot.keys for snapshot, _ in branches]),
+            torch.stack([snapshot.values for snapshot, _ in branches]))
+        return [(rows.numpy(), KVCache(keys[i], values[i], snapshot.position + len(ids)))
+                for i, (rows, (snapshot, ids)) in enumerate(zip(logits, branches))]
 
     @torch.no_grad()
     def advance(self, snapshot: KVCache, ids: np.ndarray) -> tuple[np.ndarray, KVCache]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipeline.errors import CmfdeployError
-from pipeline.scoring import log_softmax
+from pipeline.backend_protocol import log_softmax
 
 
 class EvaluateError(CmfdeployError):

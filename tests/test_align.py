@@ -285,3 +285,21 @@ def test_reference_fixtures_command_reproduces_the_frozen_fixtures(tmp_path):
         assert np.abs(made.cases[name].logits - case.logits).max() <= bound
     with np.load(tmp_path / "ref" / "logits.npz") as a, np.load(FIXTURE_REFERENCE / "logits.npz") as b:
         assert np.abs(a["long_kv_step_logits"] - b["long_kv_step_logits"]).max() <= bound
+
+
+def test_the_intended_reference_batches_as_it_runs_one_at_a_time(fixture_packages):
+    """The gates score items through `Intended.prefill_batch` / `extend_batch`: each branch
+    from its own snapshot must match `prefill` / `extend` of that branch alone, within FP32's
+    bound (the same float32 operations in another batching), caches within the cache bound."""
+    package = fixture_packages / "chunk_kv"
+    intended, _ = intended_for_package(package, load_manifest(package))
+    prefixes = [np.arange(1, 20), np.arange(5, 12), np.array([3])]
+    batched = intended.prefill_batch(prefixes)
+    singles = [intended.prefill(prefix) for prefix in prefixes]
+    for (logits, (keys, values, position)), (want, (want_keys, want_values, want_position)) in zip(batched, singles):
+        assert position == want_position and np.abs(logits - want).max() <= intended.tolerance.atol
+        for got, ref in ((keys, want_keys), (values, want_values)):
+            assert np.abs(got[..., :position, :] - ref[..., :position, :]).max() <= intended.cache_tolerance.atol
+    branches = [(snapshot, np.array([7, 8, 9])) for _, snapshot in batched] + [(batched[0][1], np.array([4]))]
+    for got, (snapshot, ids) in zip(intended.extend_batch(branches), branches):
+        assert np.abs(got - intended.extend(snapshot, ids)).max() <= intended.tolerance.atol

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from _hf_models import load_saved, save_hf_model
-from pipeline.models.numerics import model_logits_bound
+from pipeline.models.numerics import model_cache_bound, model_logits_bound
 from pipeline.models import CachedStep, KVCache, ModelArgs, build_model
 from pipeline.models.errors import ContextOverflow
 from pipeline.models.hf_config import arch_from_hf_config
@@ -98,19 +98,27 @@ def test_traced_step_follows_position_and_length(model, ids):
 @torch.no_grad()
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe", "gemma"])
 def test_batched_branches_equal_one_branch_at_a_time(family, tmp_path):
-    """`forward_branches` (scoring's candidates as one vmapped batch, right-padded) against
-    `forward_cached` of each branch from the same snapshot: the same float32 operations in
-    another batching, within two float32 evaluations' bound; padding never reaches a real row."""
+    """`forward_branches` (scoring's prefixes and candidates as one vmapped batch, right-padded,
+    each branch from its own cache and position) against `forward_cached` of each branch: the
+    same float32 operations in another batching, within two float32 evaluations' bound;
+    padding never reaches a real row, and each branch writes the cache its own run writes."""
     save_hf_model(family, tmp_path, seed=5)
     config, weights = load_saved(tmp_path)
     arch, moe = arch_from_hf_config(config)
     model = build_model(ModelArgs.from_header({"arch": arch, "moe": moe}), weights)
     ids = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(9))
-    cache = KVCache.empty(model.args, 64)
-    model.forward_cached(ids[:30], cache)
-    suffixes = [ids[30:33], ids[33:34], ids[34:40]]
-    batched = model.forward_branches(suffixes, cache.position, cache.keys, cache.values)
-    bound = model_logits_bound(model, 64)
-    for suffix, got in zip(suffixes, batched):
-        want = model.forward_cached(suffix, cache.snapshot())
-        assert got.shape == want.shape and (got - want).abs().max().item() <= bound
+    shared, other, empty = KVCache.empty(model.args, 64), KVCache.empty(model.args, 64), KVCache.empty(model.args, 64)
+    model.forward_cached(ids[:30], shared)
+    model.forward_cached(ids[:7], other)
+    branches = [(shared, ids[30:33]), (shared, ids[33:34]), (other, ids[34:40]), (empty, ids[:11])]
+    logits, keys, values = model.forward_branches(
+        [suffix for _, suffix in branches], [cache.position for cache, _ in branches],
+        torch.stack([cache.keys for cache, _ in branches]), torch.stack([cache.values for cache, _ in branches]))
+    bound, cache_bound = model_logits_bound(model, 64), model_cache_bound(model, 64)
+    for i, (cache, suffix) in enumerate(branches):
+        alone = cache.snapshot()
+        want = model.forward_cached(suffix, alone)
+        assert logits[i].shape == want.shape and (logits[i] - want).abs().max().item() <= bound
+        written = slice(0, alone.position)  # the padding's slots past it are never read
+        for got, ref in ((keys[i], alone.keys), (values[i], alone.values)):
+            assert (got[..., written, :] - ref[..., written, :]).abs().max().item() <= cache_bound

@@ -27,6 +27,7 @@ from pipeline.scoring import (
     load_items,
     rank_differences,
     read_run,
+    score_item,
     score_items,
     summarize,
     write_run,
@@ -67,6 +68,17 @@ def test_prefix_extend_scores_equal_independent_full_forward_scores(cloze_result
         # evaluations of the fixture, pipeline/models/numerics.py).
         slack = 2 * bound * np.array(result.n_tokens)
         assert np.all(np.abs(result.scores - np.array(expected)) <= slack), item.id
+
+
+def test_batched_scoring_equals_one_item_at_a_time(backend, tokenizer, cloze_results):
+    """The torch backend scores ITEM_BATCH items per batch (prefixes, then every candidate);
+    one `prefill` and one `extend` per candidate must give the same scores: two float32
+    evaluations, each log-prob within 2 max|Δ logit| (pipeline/models/numerics.py)."""
+    bound = model_logits_bound(load_reference(CMF_PATH)[0], 128)
+    for item, batched in zip(load_items(CLOZE)[:12], cloze_results):  # one full batch of 8, one partial
+        single = score_item(backend, tokenizer, item)
+        assert single.n_tokens == batched.n_tokens and single.id == batched.id
+        assert np.all(np.abs(single.scores - batched.scores) <= 2 * bound * np.array(single.n_tokens)), item.id
 
 
 def test_fixture_ranks_held_out_cloze_far_above_chance(cloze_results):

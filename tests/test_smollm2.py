@@ -16,7 +16,7 @@ from pipeline.evaluate import perplexity, windows
 from pipeline.models import KVCache
 from pipeline.models.numerics import model_logits_bound
 from pipeline.reference import load_reference
-from pipeline.scoring import log_softmax
+from pipeline.backend_protocol import log_softmax
 from pipeline.tokenizer import tokenizer_from_artifact
 
 pytestmark = pytest.mark.slow

@@ -269,21 +269,25 @@ class Decoder(nn.Module):
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
         return head(h), torch.stack(new_keys), torch.stack(new_values)
 
-    def forward_branches(self, suffixes: list[torch.Tensor], position: int, key_cache, value_cache) -> list:
-        """Logits [T_i, vocab] of each suffix (int [T_i]) run after the same cache at `position`,
-        as one batch (torch.func.vmap of `forward_with_cache_tensors`). A few-token chunk is
-        bound by reading the weights, which the batch reads once for all its branches.
-        Suffixes are right-padded to the longest; causality keeps the padding out of every
-        real row, and the caches the branches would write are dropped."""
+    def forward_branches(self, suffixes: list[torch.Tensor], positions: list[int], key_caches, value_caches):
+        """Each branch i: suffix i (int [T_i]) run after its own cache at positions[i]
+        (key_caches / value_caches [B, layers, 1, kv_heads, context, head_dim]; an expanded
+        view shares one), as one batch (torch.func.vmap of `forward_with_cache_tensors`).
+        Returns the logits [T_i, vocab] of each branch and the caches [B, ...] each wrote.
+        A few-token chunk is bound by reading the weights, which the batch reads once for
+        all its branches. Suffixes are right-padded to the longest; causality keeps the
+        padding out of every real row, and the slots it wrote lie past the branch's
+        position + T_i, where every later query masks them (the dirty-tail invariant)."""
         width = max(len(s) for s in suffixes)
         batch = torch.stack([F.pad(s, (0, width - len(s))) for s in suffixes])[:, None]  # [B, 1, width]
-        at = torch.tensor([position])
+        at = torch.tensor(positions, dtype=torch.int64)[:, None]  # [B, 1]
 
-        def branch(ids):
-            return self.forward_with_cache_tensors(ids, at, key_cache, value_cache)[0][0]
+        def branch(ids, position, keys, values):
+            logits, new_keys, new_values = self.forward_with_cache_tensors(ids, position, keys, values)
+            return logits[0], new_keys, new_values
 
-        logits = torch.func.vmap(branch)(batch)
-        return [logits[i, :len(s)] for i, s in enumerate(suffixes)]
+        logits, keys, values = torch.func.vmap(branch)(batch, at, key_caches, value_caches)
+        return [logits[i, :len(s)] for i, s in enumerate(suffixes)], keys, values
 
     def forward(self, ids):
         """Logits [T, vocab] of one sequence from position 0 (ids [T] or [1, T])."""
