@@ -28,6 +28,8 @@ BUDGET ?= ppl=2%,top1=0.95
 # ALL_FIGURES=1: score the scoring set for every package, not only those within budget on the
 # held-out text (over budget there, no item can change the verdict; it costs ~100 s a gate on SmolLM2).
 ALL_FIGURES ?=
+# Recipes the survey runs at a time, each in its own process with an equal share of the cores.
+SURVEY_JOBS ?= 2
 QUALITY_FLAGS = --budget "$(BUDGET)" --quality-text $(QUALITY_TEXT) --items $(ITEMS) $(if $(ALL_FIGURES),--all-figures)
 # Its calibration lines feed calibration-aware recipes, its held-out lines the quality part.
 QUALITY_TEXT ?= fixtures/botchan.txt
@@ -98,7 +100,7 @@ $(OUT)/align/%.passed: $(OUT)/coreml/stateless/manifest.json $(REFERENCE)/index.
 
 $(OUT)/survey/survey.json: $(OUT)/align/chunk_kv.passed $(ITEMS)
 	$(CLI) survey $(OUT)/coreml/chunk_kv --fp32-gate $(OUT)/align/chunk_kv --fixtures $(REFERENCE) \
-	  -o $(OUT)/survey --recipes $(RECIPES) $(QUALITY_FLAGS) --force
+	  -o $(OUT)/survey --recipes $(RECIPES) $(QUALITY_FLAGS) --jobs $(SURVEY_JOBS) --force
 
 $(OUT)/scores/fp32-chunk_kv/manifest.json: $(OUT)/align/chunk_kv.passed $(ITEMS)
 	$(CLI) score $(OUT)/coreml/chunk_kv $(ITEMS) -o $(OUT)/scores/fp32-chunk_kv --force

@@ -477,6 +477,23 @@ class QualityInputs:
             self._fp32_logits = [self.fp32.logits(w) for w in self.windows]
         return self._fp32_logits
 
+    def use_fp32_scores(self, run_dir: Path, package_dir: Path) -> None:
+        """Take FP32's item scores from a finished scoring run of this scoring set on the FP32
+        package at `package_dir` (a survey's scores/fp32, shared by its worker processes)
+        instead of scoring them again; a run of anything else is refused, naming the field."""
+        from pipeline.scoring import read_run
+
+        path, manifest = Path(run_dir) / "manifest.json", read_json(Path(run_dir) / "manifest.json")
+        expected = {"scoring_set.sha256": (manifest["scoring_set"]["sha256"], sha256_file(self.items_path)),
+                    "backend": (manifest["backend"], self.fp32.name),
+                    "source.manifest_sha256": (manifest["source"]["manifest_sha256"],
+                                               sha256_file(Path(package_dir) / "manifest.json"))}
+        for field, (got, want) in expected.items():
+            if got != want:
+                raise GateFailed(f"{path}: field {field!r} is {got!r}, not {want!r}: not the FP32 baseline of "
+                                 f"{self.items_path} on {package_dir}")
+        self._fp32_scores = read_run(run_dir)
+
     @property
     def fp32_scores(self) -> list:
         from pipeline.scoring import score_items

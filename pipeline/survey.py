@@ -21,6 +21,12 @@ once or not at all. Nested artifacts were written inside the staging folder; the
 `manifests.chain` follows it, pinned by manifest sha256.
 """
 
+import json
+import os
+import selectors
+import subprocess
+import sys
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -276,6 +282,78 @@ def size_vs_error_plot(path: Path, survey: dict) -> Path:
 # --- the stage --------------------------------------------------------------------------
 
 
+def survey_context(settings: dict) -> dict:
+    """What `survey_recipe` needs, from the JSON-able `settings` run_survey records (a worker
+    process rebuilds it from them). With `settings["baseline"]` (a scoring run folder) the
+    FP32 side of the scoring set is read from that run instead of scored again."""
+    package_dir = Path(settings["package_dir"])
+    manifest = package_manifest.verify_package(package_dir).data
+    _, fp32 = align.intended_for_package(package_dir, manifest)
+    quality = align.quality_inputs_for(package_dir, manifest, fp32, settings["quality_text"], Path(settings["items"]))
+    if settings.get("baseline"):
+        quality.use_fp32_scores(Path(settings["baseline"]), package_dir)
+    return {
+        "backend": settings["backend"],
+        "budget": align.parse_budget(settings["budget"]),
+        "fixtures": align.ReferenceFixtures(settings["fixtures_dir"]),
+        "fp32_gate": settings["fp32_gate"],
+        "fp32_bytes": manifest["package_bytes"],
+        "quality": quality,
+        "calibration_ids": calibration_ids(quality.tokenizer, Path(settings["quality_text"])),
+        "mixed_bpw": settings["mixed_bpw"],
+        "all_figures": settings["all_figures"],
+    }
+
+
+def _recipes_in_workers(recipes: tuple[str, ...], staging: Path, settings: dict, jobs: int, bar) -> list[dict]:
+    """Each recipe's record from `jobs` worker processes (`python -m pipeline.survey`), each
+    with an equal share of the cores for its BLAS threads: two 1-thread processes get through
+    ~1.2x the items of one 2-thread process on two cores, and overlap each other's
+    single-threaded parts (MIL passes, GPTQ's column loop, k-means). A worker builds its
+    context once, reads the FP32 baseline from scores/fp32, then takes recipe names on stdin
+    and answers each with its record as one JSON line, writing into the same staging folder
+    (its recipe's own subfolders). JSON in, JSON out: no pickle."""
+    threads = str(max(1, (os.cpu_count() or 1) // jobs))
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "OPENBLAS_NUM_THREADS": threads}
+    order = json.dumps({"staging": str(staging), "settings": {**settings, "baseline": str(staging / "scores" / "fp32")}})
+    waiting, records, workers = list(recipes), {}, []
+    with tempfile.TemporaryDirectory(prefix="cmfdeploy-survey-") as logs, selectors.DefaultSelector() as ready:
+        for index in range(min(jobs, len(recipes))):
+            log = open(Path(logs) / f"worker-{index}.log", "w+")
+            worker = subprocess.Popen([sys.executable, "-m", "pipeline.survey", order], env=env, text=True,
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
+            workers.append((worker, log))
+            ready.register(worker.stdout, selectors.EVENT_READ, (worker, log, [waiting.pop(0)]))
+            _send(worker, ready.get_key(worker.stdout).data[2][0])
+        try:
+            while len(records) < len(recipes):
+                for key, _ in ready.select():
+                    worker, log, current = key.data
+                    line = worker.stdout.readline()
+                    if not line:
+                        log.seek(0)
+                        raise SurveyError(f"{staging}: the worker surveying recipe {current[0]} exited "
+                                          f"{worker.wait()}:\n{log.read()[-4000:]}")
+                    records[current[0]] = json.loads(line)
+                    bar.update()
+                    if waiting:
+                        current[0] = waiting.pop(0)
+                        _send(worker, current[0])
+        finally:
+            for worker, log in workers:
+                worker.stdin.close()
+                if len(records) < len(recipes):  # a failure: the others' work is lost with the staging folder
+                    worker.kill()
+                worker.wait()
+                log.close()
+    return [records[name] for name in recipes]
+
+
+def _send(worker: subprocess.Popen, recipe: str) -> None:
+    worker.stdin.write(recipe + "\n")
+    worker.stdin.flush()
+
+
 def run_survey(
     package_dir: str | Path,
     fp32_alignment_dir: str | Path,
@@ -290,6 +368,7 @@ def run_survey(
     mixed_bpw: float | None = None,
     progress: bool = True,
     all_figures: bool = False,
+    jobs: int = 1,
 ) -> dict:
     """Survey `recipes` on the FP32 package at `package_dir`; the survey record (survey.json).
 
@@ -298,39 +377,39 @@ def run_survey(
     the held-out quality lines the gates measure on (`pipeline.text_roles`).
     `mixed_bpw` overrides the mixed recipe's budget in bits per weight. `all_figures` scores
     the scoring set for every recipe, not only those within budget on the held-out text.
+    `jobs` > 1 surveys that many recipes at a time, each in its own process (`_recipes_in_workers`).
     """
     package_dir, out_dir, items_path = Path(package_dir), Path(out_dir), Path(scoring_items)
     recipes = tuple(recipes)
     unknown = sorted(set(recipes) - set(RECIPES))
     if unknown or not recipes:
         raise SurveyError(f"{out_dir}: recipes {unknown or '(none)'} are not among {list(RECIPES)}")
+    if jobs < 1:
+        raise SurveyError(f"{out_dir}: jobs {jobs} must be at least 1")
     refuse_existing(out_dir, force)
     source = package_manifest.verify_package(package_dir)
     if source.format != package_manifest.COREML_FORMAT:
         raise SurveyError(f"{package_dir / MANIFEST_NAME}: field 'format' is {source.format!r}; "
                           f"a survey starts from an FP32 package ({package_manifest.COREML_FORMAT})")
     gate = fp32_gate(package_dir, Path(fp32_alignment_dir), out_dir)
-    parsed_budget = align.parse_budget(budget)
-    fixtures = align.ReferenceFixtures(fixtures_dir)
-    _, fp32 = align.intended_for_package(package_dir, source.data)
-    quality = align.quality_inputs_for(package_dir, source.data, fp32, quality_text, items_path)
-    context = {
-        "backend": backend,
-        "budget": parsed_budget,
-        "fixtures": fixtures,
-        "fp32_gate": gate,
-        "fp32_bytes": source["package_bytes"],
-        "quality": quality,
-        "calibration_ids": calibration_ids(quality.tokenizer, Path(quality_text)),
-        "mixed_bpw": mixed_bpw,
-        "all_figures": all_figures,
-    }
+    settings = {"package_dir": str(package_dir), "fixtures_dir": str(fixtures_dir), "budget": budget,
+                "backend": backend, "quality_text": str(quality_text), "items": str(items_path),
+                "mixed_bpw": mixed_bpw, "all_figures": all_figures, "fp32_gate": gate}
+    context = survey_context(settings)
+    quality, fixtures, parsed_budget = context["quality"], context["fixtures"], context["budget"]
     with staged_output(out_dir, force) as staging:
         scoring.write_run(quality.fp32_scores, staging / "scores" / "fp32", artifact=package_dir,
                           backend_name=quality.fp32.name, items_path=items_path)
         baseline_run = read_json(staging / "scores" / "fp32" / MANIFEST_NAME)
-        records = [survey_recipe(name, package_dir, staging, context)
-                   for name in tqdm(recipes, desc="survey", unit="recipe", disable=not progress)]
+        bar = tqdm(total=len(recipes), desc="survey", unit="recipe", disable=not progress)
+        if jobs == 1:
+            records = []
+            for name in recipes:
+                records.append(survey_recipe(name, package_dir, staging, context))
+                bar.update()
+        else:
+            records = _recipes_in_workers(recipes, staging, settings, jobs, bar)
+        bar.close()
         fp32_summary = scoring.summarize(quality.fp32_scores)
         survey = {
             "format": FORMAT,
@@ -410,3 +489,13 @@ def load_survey(survey_dir: str | Path, hashes: bool = True) -> dict:
     # accept exactly that one extra file.
     check_files(survey_dir, {**survey["files"], REPORT_NAME: file_identity(survey_dir / REPORT_NAME)}, hashes=hashes)
     return survey
+
+
+if __name__ == "__main__":  # a survey worker (`_recipes_in_workers`): recipe names in, records out
+    order, records_out = json.loads(sys.argv[1]), sys.stdout
+    sys.stdout = sys.stderr  # stdout carries the records alone
+    worker_context = survey_context(order["settings"])
+    for recipe in sys.stdin:
+        record = survey_recipe(recipe.strip(), Path(order["settings"]["package_dir"]), Path(order["staging"]),
+                               worker_context)
+        print(json.dumps(record), file=records_out, flush=True)

@@ -320,3 +320,25 @@ def test_existing_output_and_unknown_recipes_are_refused(survey, tmp_path, capsy
     assert code == 1 and capsys.readouterr().err.startswith(f"OutputExists: {survey.path}")
     with pytest.raises(SurveyError, match="not among"):
         run_survey(survey.package, survey.fp32_gate, FIXTURE_REFERENCE, survey.items, tmp_path / "o", recipes=("int3",))
+
+
+def test_a_survey_in_two_worker_processes_measures_what_one_process_does(survey, tmp_path):
+    """jobs=2: recipes surveyed by worker processes (JSON orders and records) into one staging
+    folder. The packages are the same bytes (their codes are elementwise functions of the
+    weights), the records the same fields, and every quality figure the same up to two float32
+    evaluations of the fixture (the workers run 1 BLAS thread): each NLL within 2 max|Δ logit|."""
+    names = ("int8-b32", "int4-b32")
+    parallel = run_survey(survey.package, survey.fp32_gate, FIXTURE_REFERENCE, survey.items, tmp_path / "s",
+                          recipes=names, jobs=2, progress=False)
+    assert load_survey(tmp_path / "s") == json.loads(json.dumps(parallel))
+    bundle = upstream_path(survey.package, read_json(survey.package / "manifest.json")["source"])
+    bound = model_logits_bound(load_reference(bundle)[0], 128)
+    for name, record in zip(names, parallel["recipes"]):
+        serial = _records(survey)[name]
+        assert record["name"] == name and record.keys() == serial.keys()
+        for blob in ("model.mlpackage/Data/com.apple.CoreML/weights/weight.bin",):
+            assert sha256_file(tmp_path / "s" / "packages" / name / blob) == sha256_file(
+                survey.path / "packages" / name / blob)
+        got, want = record["gate"]["quality"], serial["gate"]["quality"]
+        assert abs(np.log1p(got["ppl_change"]) - np.log1p(want["ppl_change"])) <= 4 * bound
+        assert record["gate"]["exact"] and record["scoring"].keys() == serial["scoring"].keys()
