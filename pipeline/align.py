@@ -262,7 +262,7 @@ class Intended:
         with torch.no_grad():
             logits, keys, values = self.model.forward_branches(
                 tokens, [position for (_, _, position), _ in branches],
-                *(torch.from_numpy(np.stack([snapshot[part] for snapshot, _ in branches]).astype(np.float32))
+                *(torch.from_numpy(np.stack([snapshot[part] for snapshot, _ in branches]).astype(np.float32, copy=False))
                   for part in (0, 1)))
         keys, values = keys.numpy().astype(self.cache_dtype), values.numpy().astype(self.cache_dtype)
         return [(rows.numpy(), (keys[i], values[i], position + len(ids)))

@@ -282,12 +282,13 @@ def size_vs_error_plot(path: Path, survey: dict) -> Path:
 # --- the stage --------------------------------------------------------------------------
 
 
-def survey_context(settings: dict) -> dict:
+def survey_context(settings: dict, manifest: dict | None = None) -> dict:
     """What `survey_recipe` needs, from the JSON-able `settings` run_survey records (a worker
-    process rebuilds it from them). With `settings["baseline"]` (a scoring run folder) the
-    FP32 side of the scoring set is read from that run instead of scored again."""
+    process rebuilds it from them). `manifest`: the FP32 package's, already verified by the
+    caller (otherwise it is verified here). With `settings["baseline"]` (a scoring run
+    folder) the FP32 side of the scoring set is read from that run instead of scored again."""
     package_dir = Path(settings["package_dir"])
-    manifest = package_manifest.verify_package(package_dir).data
+    manifest = manifest or package_manifest.verify_package(package_dir).data
     _, fp32 = align.intended_for_package(package_dir, manifest)
     quality = align.quality_inputs_for(package_dir, manifest, fp32, settings["quality_text"], Path(settings["items"]))
     if settings.get("baseline"):
@@ -399,7 +400,7 @@ def run_survey(
     settings = {"package_dir": str(package_dir), "fixtures_dir": str(fixtures_dir), "budget": budget,
                 "backend": backend, "quality_text": str(quality_text), "items": str(items_path),
                 "mixed_bpw": mixed_bpw, "all_figures": all_figures, "fp32_gate": gate}
-    context = survey_context(settings)
+    context = survey_context(settings, source.data)  # verified above: 538 MB not hashed twice on SmolLM2
     quality, fixtures, parsed_budget = context["quality"], context["fixtures"], context["budget"]
     with staged_output(out_dir, force) as staging:
         scoring.write_run(quality.fp32_scores, staging / "scores" / "fp32", artifact=package_dir,

@@ -37,6 +37,7 @@ from pipeline.align import (
     require_passed,
 )
 from pipeline.cli import main
+from pipeline.models.numerics import model_cache_bound, model_logits_bound
 
 PATTERNS = ("one_shot", "single_tokens", "split_3", "half_half")
 
@@ -269,7 +270,6 @@ def test_compare_counts_nonfinite_outputs_as_outside():
 
 def test_reference_fixtures_command_reproduces_the_frozen_fixtures(tmp_path):
     from fixtures.corpus import corpus_lines, split_lines
-    from pipeline.models.numerics import model_logits_bound
     from pipeline.reference import load_reference
 
     text = tmp_path / "held_out.txt"
@@ -289,17 +289,20 @@ def test_reference_fixtures_command_reproduces_the_frozen_fixtures(tmp_path):
 
 def test_the_intended_reference_batches_as_it_runs_one_at_a_time(fixture_packages):
     """The gates score items through `Intended.prefill_batch` / `extend_batch`: each branch
-    from its own snapshot must match `prefill` / `extend` of that branch alone, within FP32's
-    bound (the same float32 operations in another batching), caches within the cache bound."""
+    from its own snapshot must match `prefill` / `extend` of that branch alone. Two float32
+    evaluations of one model in another batching: within the worst-case bound of two such
+    evaluations (pipeline/models/numerics.py), which holds on any machine; caches likewise."""
     package = fixture_packages / "chunk_kv"
     intended, _ = intended_for_package(package, load_manifest(package))
+    bound = model_logits_bound(intended.model, intended.context)
+    cache_bound = model_cache_bound(intended.model, intended.context)
     prefixes = [np.arange(1, 20), np.arange(5, 12), np.array([3])]
     batched = intended.prefill_batch(prefixes)
     singles = [intended.prefill(prefix) for prefix in prefixes]
     for (logits, (keys, values, position)), (want, (want_keys, want_values, want_position)) in zip(batched, singles):
-        assert position == want_position and np.abs(logits - want).max() <= intended.tolerance.atol
+        assert position == want_position and np.abs(logits - want).max() <= bound
         for got, ref in ((keys, want_keys), (values, want_values)):
-            assert np.abs(got[..., :position, :] - ref[..., :position, :]).max() <= intended.cache_tolerance.atol
+            assert np.abs(got[..., :position, :] - ref[..., :position, :]).max() <= cache_bound
     branches = [(snapshot, np.array([7, 8, 9])) for _, snapshot in batched] + [(batched[0][1], np.array([4]))]
     for got, (snapshot, ids) in zip(intended.extend_batch(branches), branches):
-        assert np.abs(got - intended.extend(snapshot, ids)).max() <= intended.tolerance.atol
+        assert np.abs(got - intended.extend(snapshot, ids)).max() <= bound

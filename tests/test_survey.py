@@ -325,8 +325,10 @@ def test_existing_output_and_unknown_recipes_are_refused(survey, tmp_path, capsy
 def test_a_survey_in_two_worker_processes_measures_what_one_process_does(survey, tmp_path):
     """jobs=2: recipes surveyed by worker processes (JSON orders and records) into one staging
     folder. The packages are the same bytes (their codes are elementwise functions of the
-    weights), the records the same fields, and every quality figure the same up to two float32
-    evaluations of the fixture (the workers run 1 BLAS thread): each NLL within 2 max|Δ logit|."""
+    weights), the records the same fields, and the perplexity change the same up to two float32
+    evaluations of the fixture (the workers run 1 BLAS thread): log(1 + ppl change) is the mean
+    NLL of the package less FP32's, and each mean NLL moves by at most 2 max|Δ logit|
+    (target logit plus log-sum-exp), so the two runs' values differ by at most 4 bounds."""
     names = ("int8-b32", "int4-b32")
     parallel = run_survey(survey.package, survey.fp32_gate, FIXTURE_REFERENCE, survey.items, tmp_path / "s",
                           recipes=names, jobs=2, progress=False)
