@@ -85,6 +85,10 @@ class ExecutorPackage(_Package):
     def predict(self, inputs: Mapping[str, object], state=None) -> dict[str, np.ndarray]:
         return self.executor.run(inputs, state)
 
+    def predict_batch(self, batch: list[Mapping[str, object]]) -> list[dict[str, np.ndarray]]:
+        """`predict` of each input set, the weights read once for all (`Executor.run_batch`)."""
+        return self.executor.run_batch(batch)
+
     def make_state(self):
         return self.executor.make_state()
 
@@ -122,6 +126,11 @@ class MacPackage(_Package):
         feed = {name: np.asarray(value) for name, value in inputs.items()}
         out = self.model.predict(feed, state=state) if state is not None else self.model.predict(feed)
         return {name: np.asarray(value) for name, value in out.items()}
+
+    def predict_batch(self, batch: list[Mapping[str, object]]) -> list[dict[str, np.ndarray]]:
+        """Core ML's batch prediction (MLModel.predict of a list of input dicts)."""
+        outs = self.model.predict([{name: np.asarray(value) for name, value in inputs.items()} for inputs in batch])
+        return [{name: np.asarray(value) for name, value in out.items()} for out in outs]
 
     def make_state(self):
         return self.model.make_state()

@@ -105,14 +105,20 @@ class ChunkKVRunner(_CacheRunner):
         self.cache_shape = tuple(_features(package, "inputs", "chunk_kv")["key_cache"]["shape"])
 
     def run(self, snapshot: KVSnapshot, ids) -> tuple[np.ndarray, KVSnapshot]:
+        feed, end = self._feed(snapshot, ids)
+        return self._result(self.package.predict(feed), end)
+
+    def run_batch(self, branches) -> list[tuple[np.ndarray, KVSnapshot]]:
+        """`run` of each (snapshot, ids) in one batch prediction (`predict_batch`)."""
+        feeds, ends = zip(*(self._feed(snapshot, ids) for snapshot, ids in branches))
+        return [self._result(out, end) for out, end in zip(self.package.predict_batch(list(feeds)), ends)]
+
+    def _feed(self, snapshot: KVSnapshot, ids) -> tuple[dict, int]:
         ids = _input_ids(ids)
-        end = self._end(snapshot, ids)
-        out = self.package.predict({
-            "input_ids": ids,
-            "position": np.array([snapshot.position], dtype=np.int32),
-            "key_cache": snapshot.key_cache,
-            "value_cache": snapshot.value_cache,
-        })
+        return {"input_ids": ids, "position": np.array([snapshot.position], dtype=np.int32),
+                "key_cache": snapshot.key_cache, "value_cache": snapshot.value_cache}, self._end(snapshot, ids)
+
+    def _result(self, out: dict, end: int) -> tuple[np.ndarray, KVSnapshot]:
         next_snapshot = self._snapshot(out["new_key_cache"], out["new_value_cache"], end)
         return np.asarray(out["logits"], dtype=np.float32)[0], next_snapshot
 
@@ -158,7 +164,7 @@ class PackageBackend:
     Stateless packages have no cache, so `extend` recomputes prefix + suffix in one call
     and returns the suffix's logits; chunk-KV and stateful packages run the prefix once
     and branch from its snapshot, and offer their runner as `chunks` (the ChunkSchedule
-    capability of the protocol).
+    capability of the protocol). `prefill_batch`/`extend_batch` batch chunk-KV predictions.
     """
 
     def __init__(self, package, chunk: int | None = None):
@@ -170,9 +176,22 @@ class PackageBackend:
             raise PackageInterfaceError(f"{package.path}: --chunk needs a chunk_kv or stateful package, not {kind}")
         self.chunk = chunk
         self.context = self.kv.context if self.kv else package.manifest["package"]["context"]
+        # One prediction per branch (no chunking) of a package without states: a batch of
+        # them shares its weight reads (`ChunkKVRunner.run_batch`); other kinds run one by one.
+        self._batches = kind == "chunk_kv" and not chunk
 
     def logits(self, ids) -> np.ndarray:
         return self.prefill(ids)[0]
+
+    def prefill_batch(self, prefixes) -> list:
+        if not self._batches:
+            return [self.prefill(ids) for ids in prefixes]
+        return self.kv.run_batch([(self.kv.empty(), np.asarray(ids)) for ids in prefixes])
+
+    def extend_batch(self, branches) -> list[np.ndarray]:
+        if not self._batches:
+            return [self.extend(snapshot, ids) for snapshot, ids in branches]
+        return [logits for logits, _ in self.kv.run_batch([(snapshot, np.asarray(ids)) for snapshot, ids in branches])]
 
     def prefill(self, ids):
         ids = np.asarray(ids)

@@ -291,22 +291,28 @@ def _upstream_fp32(package_dir: Path, manifest: dict) -> tuple[Path, dict]:
     return fp32_dir, load_manifest(fp32_dir)
 
 
+def package_bundle(package_dir: Path, manifest: dict) -> Path:
+    """The bundle a package was converted from (through its FP32 package, if compressed)."""
+    from manifests.chain import upstream_path
+
+    fp32_dir, fp32_manifest = _upstream_fp32(package_dir, manifest)
+    return upstream_path(fp32_dir, fp32_manifest["source"])
+
+
 def intended_for_package(package_dir: Path, manifest: dict) -> tuple[Intended, Intended]:
     """(the package's intended numerics, FP32's), both on the reference model of its bundle;
     one and the same object for an FP32 package with a float32 cache."""
     import torch
 
     from coreml.decoded import decoded_weights
-    from manifests.chain import upstream_path
     from pipeline.reference import load_reference
 
-    fp32_dir, fp32_manifest = _upstream_fp32(package_dir, manifest)
-    bundle = upstream_path(fp32_dir, fp32_manifest["source"])
+    bundle = package_bundle(package_dir, manifest)
     fp32_model, args, _ = load_reference(bundle)
     kind, context = manifest["package"]["kind"], manifest["package"]["context"]
     fp32 = Intended(fp32_model, args, context, np.float32, "fp32")
     cache_dtype = CACHE_DTYPES.get(kind, np.float32)
-    if fp32_dir != package_dir:
+    if _upstream_fp32(package_dir, manifest)[0] != package_dir:
         model, _, _ = load_reference(bundle)
         model.load_state_dict({name: torch.from_numpy(w) for name, w in decoded_weights(package_dir).items()},
                               strict=False)
@@ -455,18 +461,20 @@ def _dirty_tail(cache: np.ndarray, position: int) -> np.ndarray:
 
 class QualityInputs:
     """The held-out text and scoring set a quality part is measured on, with FP32's side
-    computed once (a survey measures every recipe against the same FP32 figures)."""
+    computed once (a survey measures every recipe against the same FP32 figures). `bundle`:
+    the bundle (or CMF) whose tokenizer reads them and whose reference `fp32` is."""
 
-    def __init__(self, fp32, tokenizer, text_path: Path, items_path: Path, window: int):
+    def __init__(self, fp32, bundle: Path, text_path: Path, items_path: Path, window: int):
         from pipeline.evaluate import windows
         from pipeline.scoring import load_items
         from pipeline.text_roles import text_roles
+        from pipeline.tokenizer import tokenizer_from_artifact
 
-        self.fp32, self.tokenizer = fp32, tokenizer
+        self.fp32, self.bundle, self.tokenizer = fp32, Path(bundle), tokenizer_from_artifact(bundle)
         self.text_path, self.items_path = Path(text_path), Path(items_path)
         lines = self.text_path.read_text(encoding="utf-8").splitlines()
-        ids = tokenizer.encode(" ".join(text_roles(lines, str(self.text_path))["quality"]))
-        self.windows = windows(np.asarray(ids, np.int64), window, tokenizer.bos_id)
+        ids = self.tokenizer.encode(" ".join(text_roles(lines, str(self.text_path))["quality"]))
+        self.windows = windows(np.asarray(ids, np.int64), window, self.tokenizer.bos_id)
         self.items = load_items(self.items_path)
         self._fp32_scores = self._fp32_logits = None
 
@@ -477,21 +485,27 @@ class QualityInputs:
             self._fp32_logits = [self.fp32.logits(w) for w in self.windows]
         return self._fp32_logits
 
-    def use_fp32_scores(self, run_dir: Path, package_dir: Path) -> None:
-        """Take FP32's item scores from a finished scoring run of this scoring set on the FP32
-        package at `package_dir` (a survey's scores/fp32, shared by its worker processes)
-        instead of scoring them again; a run of anything else is refused, naming the field."""
-        from pipeline.scoring import read_run
+    def use_fp32_scores(self, run_dir: Path) -> None:
+        """Take FP32's item scores from a finished scoring run of this scoring set by the FP32
+        reference of this bundle (the FP32 gate's `--scores-out`, or a survey's scores/fp32
+        shared by its worker processes) instead of scoring them again. The run is verified;
+        one of another scoring set, backend or bundle is refused, naming the field."""
+        from manifests.chain import upstream_path
+        from manifests.identity import load_manifest
+        from pipeline.scoring import read_run, verify_scores
 
-        path, manifest = Path(run_dir) / "manifest.json", read_json(Path(run_dir) / "manifest.json")
+        run_dir = Path(run_dir)
+        manifest = verify_scores(run_dir).data
+        scored = upstream_path(run_dir, manifest["source"])
         expected = {"scoring_set.sha256": (manifest["scoring_set"]["sha256"], sha256_file(self.items_path)),
                     "backend": (manifest["backend"], self.fp32.name),
-                    "source.manifest_sha256": (manifest["source"]["manifest_sha256"],
-                                               sha256_file(Path(package_dir) / "manifest.json"))}
+                    "source (its bundle's manifest sha256)": (
+                        sha256_file(package_bundle(scored, load_manifest(scored)) / "manifest.json"),
+                        sha256_file(self.bundle / "manifest.json"))}
         for field, (got, want) in expected.items():
             if got != want:
-                raise GateFailed(f"{path}: field {field!r} is {got!r}, not {want!r}: not the FP32 baseline of "
-                                 f"{self.items_path} on {package_dir}")
+                raise GateFailed(f"{run_dir / 'manifest.json'}: field {field!r} is {got!r}, not {want!r}: not the "
+                                 f"FP32 baseline of {self.items_path} on the bundle {self.bundle}")
         self._fp32_scores = read_run(run_dir)
 
     @property
@@ -728,24 +742,20 @@ def package_recipe(manifest: dict) -> str:
 
 def quality_inputs_for(package_dir: Path, manifest: dict, fp32: Intended, quality_text, items) -> QualityInputs:
     """The quality text and scoring set, tokenized by the package's bundle."""
-    from manifests.chain import upstream_path
-    from pipeline.tokenizer import tokenizer_from_artifact
-
-    fp32_dir, fp32_manifest = _upstream_fp32(package_dir, manifest)
-    bundle = upstream_path(fp32_dir, fp32_manifest["source"])
-    return QualityInputs(fp32, tokenizer_from_artifact(bundle), quality_text, items, fp32.context)
+    return QualityInputs(fp32, package_bundle(package_dir, manifest), quality_text, items, fp32.context)
 
 
 def align_package(package_dir, fixtures_dir, out_dir, *, budget: Budget | str = DEFAULT_BUDGET,
                   quality_text=DEFAULT_QUALITY_TEXT, items=DEFAULT_ITEMS, backend: str = "auto",
                   force: bool = False, quality: QualityInputs | None = None, scores_out=None,
-                  all_figures: bool = False) -> dict:
+                  all_figures: bool = False, fp32_scores=None) -> dict:
     """Gate the package at `package_dir`; write `out_dir/{alignment.json,.md,.png}` and a manifest.
 
     The report is written whatever the outcome; a failed gate then raises GateFailed.
     `quality` shares one FP32 side across calls (the survey); `scores_out` writes the
     quality part's scoring run there (`pipeline.scoring.write_run`) where the scoring set
-    was measured; `all_figures` measures it even over budget (`measure_quality`).
+    was measured; `all_figures` measures it even over budget (`measure_quality`);
+    `fp32_scores` reads FP32's side of it from that run (`QualityInputs.use_fp32_scores`).
     """
     from coreml.runner import open_package_backend
     from manifests.chain import verify_chain
@@ -755,6 +765,8 @@ def align_package(package_dir, fixtures_dir, out_dir, *, budget: Budget | str = 
 
     package_dir, out_dir = Path(package_dir), Path(out_dir)
     refuse_existing(out_dir, force)  # before minutes of gating, not after
+    if scores_out is not None:
+        refuse_existing(Path(scores_out), force)
     budget = parse_budget(budget) if isinstance(budget, str) else budget
     chain = verify_chain(package_dir)
     manifest = load_manifest(package_dir)
@@ -769,6 +781,8 @@ def align_package(package_dir, fixtures_dir, out_dir, *, budget: Budget | str = 
     candidate = open_package_backend(package_dir, backend=backend)
     intended, fp32 = intended_for_package(package_dir, manifest)
     quality = quality or quality_inputs_for(package_dir, manifest, fp32, quality_text, items)
+    if fp32_scores is not None:
+        quality.use_fp32_scores(fp32_scores)
     recipe = package_recipe(manifest)
     body = gate_backend(candidate, intended, fixtures, quality, budget, frozen=recipe == "fp32",
                         patterns=ALL_PATTERNS if recipe == "fp32" else COMPRESSED_PATTERNS, check=kind,
@@ -805,7 +819,8 @@ def align_package(package_dir, fixtures_dir, out_dir, *, budget: Budget | str = 
     if scores_out is not None and intended is quality.fp32:
         scores = quality.fp32_scores  # FP32 is its own quality baseline: its scores are the baseline's
     if scores_out is not None and scores is not None:
-        write_run(scores, scores_out, artifact=package_dir, backend_name=intended.name, items_path=quality.items_path)
+        write_run(scores, scores_out, artifact=package_dir, backend_name=intended.name, items_path=quality.items_path,
+                  force=force)
     if not report["passed"]:
         raise GateFailed(f"{package_dir}: {_failure(report)}; report at {out_dir / REPORT_NAME}")
     return report

@@ -7,7 +7,8 @@ from pipeline.align import DEFAULT_BUDGET, DEFAULT_ITEMS, DEFAULT_QUALITY_TEXT, 
 
 def _align(args) -> int:
     report = align_package(args.package, args.fixtures, args.out, budget=args.budget, quality_text=args.quality_text,
-                           items=args.items, backend=args.backend, force=args.force, all_figures=args.all_figures)
+                           items=args.items, backend=args.backend, force=args.force, all_figures=args.all_figures,
+                           scores_out=args.scores_out, fp32_scores=args.fp32_scores)
     summary, quality = report["summary"], report["quality"]
     print(f"gate passed ({report['package']['kind']}, {report['candidate_backend']}, {report['numerics']}): "
           f"exact ({summary['comparisons']} comparisons, max |Δ| {summary['max_abs']:.3g}), "
@@ -47,6 +48,11 @@ def register(subparsers) -> None:
     p.add_argument("-o", "--out", required=True, help="report directory to create")
     add_quality_arguments(p)
     p.add_argument("--backend", default="auto", help="auto, coreml-executor or coreml-macos")
+    p.add_argument("--scores-out", metavar="RUN",
+                   help="write the quality part's scoring run here (for an FP32 package: FP32's own scores, "
+                        "the baseline later gates and surveys of the same bundle read with --fp32-scores)")
+    p.add_argument("--fp32-scores", metavar="RUN",
+                   help="FP32's scoring run of the same scoring set and bundle: read, not scored again")
     p.add_argument("--force", action="store_true", help="replace an existing report directory")
     p.set_defaults(func=_align)
 

@@ -292,7 +292,7 @@ def survey_context(settings: dict, manifest: dict | None = None) -> dict:
     _, fp32 = align.intended_for_package(package_dir, manifest)
     quality = align.quality_inputs_for(package_dir, manifest, fp32, settings["quality_text"], Path(settings["items"]))
     if settings.get("baseline"):
-        quality.use_fp32_scores(Path(settings["baseline"]), package_dir)
+        quality.use_fp32_scores(Path(settings["baseline"]))
     return {
         "backend": settings["backend"],
         "budget": align.parse_budget(settings["budget"]),
@@ -374,6 +374,7 @@ def run_survey(
     progress: bool = True,
     all_figures: bool = False,
     jobs: int = 1,
+    fp32_scores: str | Path | None = None,
 ) -> dict:
     """Survey `recipes` on the FP32 package at `package_dir`; the survey record (survey.json).
 
@@ -383,6 +384,8 @@ def run_survey(
     `mixed_bpw` overrides the mixed recipe's budget in bits per weight. `all_figures` scores
     the scoring set for every recipe, not only those within budget on the held-out text.
     `jobs` > 1 surveys that many recipes at a time, each in its own process (`_recipes_in_workers`).
+    `fp32_scores`: FP32's scoring run of the same scoring set and bundle (the FP32 gate's
+    `scores_out`), read instead of scored again (`QualityInputs.use_fp32_scores` checks it).
     """
     package_dir, out_dir, items_path = Path(package_dir), Path(out_dir), Path(scoring_items)
     recipes = tuple(recipes)
@@ -399,7 +402,8 @@ def run_survey(
     gate = fp32_gate(package_dir, Path(fp32_alignment_dir), out_dir)
     settings = {"package_dir": str(package_dir), "fixtures_dir": str(fixtures_dir), "budget": budget,
                 "backend": backend, "quality_text": str(quality_text), "items": str(items_path),
-                "mixed_bpw": mixed_bpw, "all_figures": all_figures, "fp32_gate": gate}
+                "mixed_bpw": mixed_bpw, "all_figures": all_figures, "fp32_gate": gate,
+                "baseline": str(fp32_scores) if fp32_scores else None}
     context = survey_context(settings, source.data)  # verified above: 538 MB not hashed twice on SmolLM2
     quality, fixtures, parsed_budget = context["quality"], context["fixtures"], context["budget"]
     with staged_output(out_dir, force) as staging:

@@ -18,6 +18,9 @@ def register(subparsers) -> None:
     survey.add_argument("--mixed-bpw", type=float,
                         help="bits-per-weight budget of the mixed recipe (default: coreml.recipes.MIXED_BPW)")
     add_quality_arguments(survey)
+    survey.add_argument("--fp32-scores", metavar="RUN",
+                        help="FP32's scoring run of the same scoring set and bundle (align --scores-out of the "
+                             "FP32 gate): read, not scored again")
     survey.add_argument("--jobs", type=int, default=1,
                         help="recipes surveyed at a time, each in its own process with an equal share of the cores")
     survey.add_argument("--force", action="store_true", help="replace an existing output")
@@ -42,7 +45,8 @@ def _survey(args: argparse.Namespace) -> int:
     survey = run_survey(args.package, args.fp32_gate, args.fixtures, args.items, args.out,
                         **({"recipes": args.recipes} if args.recipes else {}),
                         force=args.force, backend=args.backend, budget=args.budget, quality_text=args.quality_text,
-                        mixed_bpw=args.mixed_bpw, all_figures=args.all_figures, jobs=args.jobs)
+                        mixed_bpw=args.mixed_bpw, all_figures=args.all_figures, jobs=args.jobs,
+                        fp32_scores=args.fp32_scores)
     for record in survey["recipes"]:
         if record["status"] == "measured":
             gate, quality = record["gate"], record["gate"]["quality"]

@@ -229,11 +229,10 @@ def test_an_mlx_artifact_is_gated_by_the_same_code(items):
     chunk patterns and snapshot checks are reported as not offered, not passed."""
     from mlx_runtime.backend import MlxBackend
     from pipeline.reference import load_reference
-    from pipeline.tokenizer import tokenizer_from_artifact
 
     model, args, _ = load_reference(FIXTURE_CMF)
     fp32 = Intended(model, args, args.max_position_embeddings)
-    quality = QualityInputs(fp32, tokenizer_from_artifact(FIXTURE_CMF), DEFAULT_QUALITY_TEXT, items, fp32.context)
+    quality = QualityInputs(fp32, FIXTURE_CMF, DEFAULT_QUALITY_TEXT, items, fp32.context)
     candidate = MlxBackend(FIXTURE_CMF)
     report = gate_backend(candidate, fp32, ReferenceFixtures(FIXTURE_REFERENCE), quality, Budget(), frozen=True)
     assert report["candidate_backend"] == "mlx" and report["summary"]["exact"], report["summary"]
@@ -306,3 +305,29 @@ def test_the_intended_reference_batches_as_it_runs_one_at_a_time(fixture_package
     branches = [(snapshot, np.array([7, 8, 9])) for _, snapshot in batched] + [(batched[0][1], np.array([4]))]
     for got, (snapshot, ids) in zip(intended.extend_batch(branches), branches):
         assert np.abs(got - intended.extend(snapshot, ids)).max() <= bound
+
+
+def test_a_chunk_kv_package_batches_as_it_runs_one_at_a_time(fixture_packages):
+    """Scoring runs a chunk-KV package's branches as one batch prediction (the executor applies
+    each constant-weight `linear` to all their rows at once): every branch must match its own
+    prediction. The same float32 program in another summation order of the products: within
+    the worst-case bound of two float32 evaluations (pipeline/models/numerics.py); caches likewise."""
+    from coreml.runner import open_package_backend
+
+    package = fixture_packages / "chunk_kv"
+    backend = open_package_backend(package)
+    intended, _ = intended_for_package(package, load_manifest(package))
+    bound = model_logits_bound(intended.model, intended.context)
+    cache_bound = model_cache_bound(intended.model, intended.context)
+    prefixes = [np.arange(1, 20), np.arange(5, 12), np.array([3])]
+    batched = backend.prefill_batch(prefixes)
+    for (logits, snapshot), prefix in zip(batched, prefixes):
+        want, want_snapshot = backend.prefill(prefix)
+        assert snapshot.position == want_snapshot.position == len(prefix)
+        assert logits.shape == want.shape and np.abs(logits - want).max() <= bound
+        for got, ref in ((snapshot.key_cache, want_snapshot.key_cache), (snapshot.value_cache, want_snapshot.value_cache)):
+            assert np.abs(got - ref).max() <= cache_bound
+    branches = [(snapshot, np.array([7, 8, 9])) for _, snapshot in batched] + [(batched[0][1], np.array([4]))]
+    for got, (snapshot, ids) in zip(backend.extend_batch(branches), branches):
+        want = backend.extend(snapshot, ids)
+        assert got.shape == want.shape and np.abs(got - want).max() <= bound

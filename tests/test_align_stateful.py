@@ -153,3 +153,34 @@ def test_package_backend_branches_a_stateful_package(fixture_stateful):
     np.testing.assert_array_equal(np.concatenate([prefix_logits, suffix_logits]), checked["got"])
     assert np.abs(checked["got"] - checked["want"]).max() <= intended.tolerance.atol and checked["cache_outside"] == 0
     np.testing.assert_array_equal(backend.extend(snapshot, case.input_ids[40:56]), suffix_logits)
+
+
+def test_the_stateful_gate_reads_fp32_scores_of_its_bundle_and_refuses_others(
+        gate, fixture_packages, fixture_stateful, items, tmp_path, capsys):
+    """make's FP32 chunk_kv gate writes FP32's scores of the scoring set (--scores-out); the
+    stateful gate of the same bundle reads them (--fp32-scores) instead of scoring them again,
+    and judges its items as when it scores FP32 itself (the same reference, the same code).
+    A run of another scoring set or of another numerics is refused, naming the field."""
+    fp32_run, gated = tmp_path / "fp32-scores", tmp_path / "stateful-gate"
+    common = ["--fixtures", str(FIXTURE_REFERENCE), "--items", str(items)]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["align", str(fixture_packages / "chunk_kv"), "-o", str(tmp_path / "chunk-gate"), *common,
+                     "--scores-out", str(fp32_run)]) == 0
+        assert main(["align", str(fixture_stateful), "-o", str(gated), *common, "--fp32-scores", str(fp32_run)]) == 0
+    assert read_json(fp32_run / MANIFEST_NAME)["backend"] == "torch-fp32"
+    quality, scored_itself = read_json(gated / "alignment.json")["quality"], gate[1]["quality"]
+    assert quality["items_top1_changed"] == scored_itself["items_top1_changed"]
+    assert quality["perplexity"] == scored_itself["perplexity"]
+
+    other_items, fp16_run = tmp_path / "other.jsonl", tmp_path / "fp16-scores"
+    other_items.write_text("\n".join(items.read_text().splitlines()[:3]) + "\n")
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["align", str(fixture_stateful), "-o", str(tmp_path / "g2"), *common,
+                     "--scores-out", str(fp16_run)]) == 0
+    for run, field in ((fp16_run, "backend"), (fp32_run, "scoring_set.sha256")):
+        flags = common if run == fp16_run else ["--fixtures", str(FIXTURE_REFERENCE), "--items", str(other_items)]
+        capsys.readouterr()
+        assert main(["align", str(fixture_stateful), "-o", str(tmp_path / f"refused-{field}"), *flags,
+                     "--fp32-scores", str(run)]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("GateFailed: ") and f"field '{field}'" in err and "not the FP32 baseline" in err

@@ -131,6 +131,24 @@ def test_state_snapshot_by_read_and_write_branches_exactly(paths):
         branch.write_state("k_cache", np.zeros(3))
 
 
+def test_run_batch_matches_run_and_refuses_stateful_functions(paths):
+    """`run_batch` gives each input set `run`'s outputs: the products of its rows stacked with
+    other inputs' differ only in summation order (within TOL / KV_TOL, two float32
+    evaluations); a function with states is refused, since each call owns its state."""
+    pkg = open_package(paths["kv"])
+    rng = np.random.default_rng(3)
+    feeds = [{"ids": _ids(T, pos), "position": np.array([pos], np.int32),
+              "k_cache": rng.normal(size=mm.cache_shape()).astype(np.float32),
+              "v_cache": rng.normal(size=mm.cache_shape()).astype(np.float32)} for pos, T in CHUNKS]
+    for got, feed in zip(pkg.predict_batch(feeds), feeds):
+        want = pkg.predict(feed)
+        assert got.keys() == want.keys() and all(got[k].shape == want[k].shape for k in want)
+        assert np.abs(got["logits"] - want["logits"]).max() <= TOL
+        assert max(np.abs(got[k] - want[k]).max() for k in ("k_out", "v_out")) <= KV_TOL
+    with pytest.raises(MilError, match="without states"):
+        open_package(paths["stateful"]).predict_batch([{"ids": _ids(1, 0), "position": np.array([0], np.int32)}])
+
+
 def test_stateful_package_needs_a_state(paths):
     pkg = open_package(paths["stateful"])
     with pytest.raises(MilError, match="state"):

@@ -328,11 +328,15 @@ def test_a_survey_in_two_worker_processes_measures_what_one_process_does(survey,
     weights), the records the same fields, and the perplexity change the same up to two float32
     evaluations of the fixture (the workers run 1 BLAS thread): log(1 + ppl change) is the mean
     NLL of the package less FP32's, and each mean NLL moves by at most 2 max|Δ logit|
-    (target logit plus log-sum-exp), so the two runs' values differ by at most 4 bounds."""
+    (target logit plus log-sum-exp), so the two runs' values differ by at most 4 bounds.
+    FP32's item scores are read from the first survey's run (`fp32_scores`, as make passes the
+    FP32 gate's), so its baseline is that run's to the byte."""
     names = ("int8-b32", "int4-b32")
     parallel = run_survey(survey.package, survey.fp32_gate, FIXTURE_REFERENCE, survey.items, tmp_path / "s",
-                          recipes=names, jobs=2, progress=False)
+                          recipes=names, jobs=2, progress=False, fp32_scores=survey.path / "scores" / "fp32")
     assert load_survey(tmp_path / "s") == json.loads(json.dumps(parallel))
+    assert (tmp_path / "s" / "scores" / "fp32" / "scores.jsonl").read_bytes() == (
+        survey.path / "scores" / "fp32" / "scores.jsonl").read_bytes()
     bundle = upstream_path(survey.package, read_json(survey.package / "manifest.json")["source"])
     bound = model_logits_bound(load_reference(bundle)[0], 128)
     for name, record in zip(names, parallel["recipes"]):

@@ -59,6 +59,8 @@ class _Step:
     static: dict  # operands known when the executor is built (attributes, consts, immediates)
     # (input key, operands, is_list); an operand is a variable name or a _Known value
     dynamic: tuple[tuple[str, tuple, bool], ...]
+    # A `linear` whose weight is a constant: `run_batch` applies it to every input's rows at once
+    rows_at_once: bool = False
 
 
 @dataclass(frozen=True)
@@ -164,7 +166,8 @@ class Executor:
                 static[key] = values if key in lists else values[0]
             else:
                 dynamic.append((key, operands, key in lists))
-        return _Step(op, OPS[op.type].fn, where, static, tuple(dynamic))
+        rows_at_once = op.type == "linear" and [key for key, _, _ in dynamic] == ["x"]
+        return _Step(op, OPS[op.type].fn, where, static, tuple(dynamic), rows_at_once)
 
     def _fold(self, step: _Step) -> None:
         if step.dynamic:
@@ -204,6 +207,43 @@ class Executor:
         return State({s.name: np.zeros(s.shape, s.dtype.numpy) for s in self.function.spec_states})
 
     def run(self, inputs: Mapping[str, object], state: State | None = None) -> dict[str, np.ndarray]:
+        env = self._start(inputs, state)
+        for step, dead in zip(self._steps, self._dead_after):
+            self._store(step, self._call(step, self._bind(step, env)), env)
+            for name in dead:
+                del env[name]
+        return self._outputs(env)
+
+    def run_batch(self, batch: list[Mapping[str, object]]) -> list[dict[str, np.ndarray]]:
+        """`run` of each input set (of a function without states), op by op across the batch,
+        with every `linear` of a constant weight applied to all their rows in one product. A
+        few-token call is bound by reading the weights (538 MB on SmolLM2-135M), which a batch
+        then reads once; each row's sums are `run`'s up to the product's summation order."""
+        if self.function.spec_states:
+            raise MilError(f"{self.where}: run_batch takes functions without states; run each with its own")
+        envs = [self._start(inputs, None) for inputs in batch]
+        for step, dead in zip(self._steps, self._dead_after):
+            if step.rows_at_once:
+                self._linear_rows(step, envs)
+            else:
+                for env in envs:
+                    self._store(step, self._call(step, self._bind(step, env)), env)
+            for env in envs:
+                for name in dead:
+                    del env[name]
+        return [self._outputs(env) for env in envs]
+
+    def _linear_rows(self, step: _Step, envs: list[dict[str, object]]) -> None:
+        xs = [np.asarray(self._bind(step, env)["x"]) for env in envs]
+        rows = np.concatenate([x.reshape(-1, x.shape[-1]) for x in xs])
+        products = self._call(step, {**step.static, "x": rows})
+        start = 0
+        for env, x in zip(envs, xs):
+            count = x.size // x.shape[-1]
+            self._store(step, products[start:start + count].reshape(*x.shape[:-1], products.shape[-1]), env)
+            start += count
+
+    def _start(self, inputs: Mapping[str, object], state: State | None) -> dict[str, object]:
         env: dict[str, object] = dict(self.constants)
         env.update(self._check_inputs(inputs))
         if self.function.spec_states:
@@ -213,10 +253,9 @@ class Executor:
             if missing:
                 raise MilError(f"{self.where}: state object lacks {sorted(missing)}")
             env.update(state.cells)
-        for step, dead in zip(self._steps, self._dead_after):
-            self._store(step, self._call(step, self._bind(step, env)), env)
-            for name in dead:
-                del env[name]
+        return env
+
+    def _outputs(self, env: dict[str, object]) -> dict[str, np.ndarray]:
         outputs = {}
         for feature, var in zip(self.function.spec_outputs, self.function.block.outputs):
             value = np.asarray(env[var])
