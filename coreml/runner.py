@@ -184,9 +184,9 @@ class PackageBackend:
         return self.prefill(ids)[0]
 
     def prefill_batch(self, prefixes) -> list:
-        if not self._batches:
-            return [self.prefill(ids) for ids in prefixes]
-        return self.kv.run_batch([(self.kv.empty(), np.asarray(ids)) for ids in prefixes])
+        prefilled = (self.kv.run_batch([(self.kv.empty(), np.asarray(ids)) for ids in prefixes]) if self._batches
+                     else [self.prefill(ids) for ids in prefixes])
+        return [(logits[-1:], snapshot) for logits, snapshot in prefilled]
 
     def extend_batch(self, branches) -> list[np.ndarray]:
         if not self._batches:

@@ -247,12 +247,12 @@ class Intended:
 
     def prefill_batch(self, prefixes) -> list:
         empty = np.zeros(self.cache_shape, self.cache_dtype)
-        return self._branches([((empty, empty, 0), ids) for ids in prefixes])
+        return self._branches([((empty, empty, 0), ids) for ids in prefixes], last_only=True)
 
     def extend_batch(self, branches) -> list[np.ndarray]:
         return [logits for logits, _ in self._branches(branches)]
 
-    def _branches(self, branches) -> list:
+    def _branches(self, branches, last_only: bool = False) -> list:
         """`chunk` of each (snapshot, ids) as one batch (`Decoder.forward_branches`), with the
         snapshots after them."""
         import torch
@@ -263,7 +263,7 @@ class Intended:
             logits, keys, values = self.model.forward_branches(
                 tokens, [position for (_, _, position), _ in branches],
                 *(torch.from_numpy(np.stack([snapshot[part] for snapshot, _ in branches]).astype(np.float32, copy=False))
-                  for part in (0, 1)))
+                  for part in (0, 1)), last_only=last_only)
         keys, values = keys.numpy().astype(self.cache_dtype), values.numpy().astype(self.cache_dtype)
         return [(rows.numpy(), (keys[i], values[i], position + len(ids)))
                 for i, (rows, ((_, _, position), ids)) in enumerate(zip(logits, branches))]

@@ -70,7 +70,8 @@ class Backend(Protocol):
 
     # Optional, by presence, where a backend can batch (scoring's items and candidates; a
     # backend without them gets one call per prefix or branch):
-    #   `prefill_batch([ids, ...]) -> [(logits, snapshot), ...]`, each `prefill(ids)`;
+    #   `prefill_batch([ids, ...]) -> [(logits, snapshot), ...]`, each `prefill(ids)` but with
+    #   the logits of its last token alone [1, vocab] (what branching from it reads);
     #   `extend_batch([(snapshot, ids), ...]) -> [logits, ...]`, each `extend(snapshot, ids)`.
 
 

@@ -66,19 +66,20 @@ class TorchBackend:
 
     def prefill_batch(self, prefixes: list[np.ndarray]) -> list[tuple[np.ndarray, KVCache]]:
         empty = KVCache.empty(self.args, self.context)
-        return self._branches([(empty, ids) for ids in prefixes])
+        return self._branches([(empty, ids) for ids in prefixes], last_only=True)
 
     def extend_batch(self, branches: list[tuple[KVCache, np.ndarray]]) -> list[np.ndarray]:
         return [logits for logits, _ in self._branches(branches)]
 
     @torch.no_grad()
-    def _branches(self, branches: list[tuple[KVCache, np.ndarray]]) -> list[tuple[np.ndarray, KVCache]]:
+    def _branches(self, branches: list[tuple[KVCache, np.ndarray]], last_only: bool = False
+                  ) -> list[tuple[np.ndarray, KVCache]]:
         """`advance` of each (snapshot, ids) as one batch (`Decoder.forward_branches`)."""
         tokens = [self._ids(ids, snapshot.position) for snapshot, ids in branches]
         logits, keys, values = self.model.forward_branches(
             tokens, [snapshot.position for snapshot, _ in branches],
             torch.stack([snapshot.keys for snapshot, _ in branches]),
-            torch.stack([snapshot.values for snapshot, _ in branches]))
+            torch.stack([snapshot.values for snapshot, _ in branches]), last_only=last_only)
         return [(rows.numpy(), KVCache(keys[i], values[i], snapshot.position + len(ids)))
                 for i, (rows, (snapshot, ids)) in enumerate(zip(logits, branches))]
 

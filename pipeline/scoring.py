@@ -200,8 +200,7 @@ def score_item(backend: Backend, tokenizer: Tokenizer, item: Item) -> ItemScores
     return _item_scores(item, prefix_logits, suffixes, iter([backend.extend(snapshot, ids) for ids in _fed(suffixes)]))
 
 
-def _score_batch(backend: Backend, tokenizer: Tokenizer, items: list[Item]) -> list[ItemScores]:
-    encoded = [_encoded(backend, tokenizer, item) for item in items]
+def _score_batch(backend: Backend, items: list[Item], encoded: list) -> list[ItemScores]:
     prefilled = backend.prefill_batch([prefix for prefix, _ in encoded])
     branches = [(snapshot, ids) for (_, snapshot), (_, suffixes) in zip(prefilled, encoded) for ids in _fed(suffixes)]
     rows_after = iter(backend.extend_batch(branches) if branches else [])
@@ -210,11 +209,18 @@ def _score_batch(backend: Backend, tokenizer: Tokenizer, items: list[Item]) -> l
 
 
 def score_items(backend: Backend, tokenizer: Tokenizer, items: list[Item]) -> list[ItemScores]:
-    """Every item's scores; `ITEM_BATCH` items at a time where the backend batches."""
+    """Every item's scores, in the items' order; `ITEM_BATCH` items at a time where the backend
+    batches, items of like prefix lengths together (a batch pads its prefixes to its longest:
+    9% more tokens in the file order of SmolLM2's cloze set, 0.4% sorted)."""
     if not (hasattr(backend, "prefill_batch") and hasattr(backend, "extend_batch")):
         return [score_item(backend, tokenizer, item) for item in items]
-    return [scores for start in range(0, len(items), ITEM_BATCH)
-            for scores in _score_batch(backend, tokenizer, items[start:start + ITEM_BATCH])]
+    encoded = [_encoded(backend, tokenizer, item) for item in items]
+    order = sorted(range(len(items)), key=lambda i: len(encoded[i][0]))
+    scored = {}
+    for start in range(0, len(order), ITEM_BATCH):
+        batch = order[start:start + ITEM_BATCH]
+        scored.update(zip(batch, _score_batch(backend, [items[i] for i in batch], [encoded[i] for i in batch])))
+    return [scored[i] for i in range(len(items))]
 
 
 def summarize(results: list[ItemScores]) -> dict:

@@ -122,3 +122,9 @@ def test_batched_branches_equal_one_branch_at_a_time(family, tmp_path):
         written = slice(0, alone.position)  # the padding's slots past it are never read
         for got, ref in ((keys[i], alone.keys), (values[i], alone.values)):
             assert (got[..., written, :] - ref[..., written, :]).abs().max().item() <= cache_bound
+    last, _, _ = model.forward_branches(  # scoring's prefixes: the head on each last token alone
+        [suffix for _, suffix in branches], [cache.position for cache, _ in branches],
+        torch.stack([cache.keys for cache, _ in branches]), torch.stack([cache.values for cache, _ in branches]),
+        last_only=True)
+    for rows, all_rows in zip(last, logits):
+        assert rows.shape == all_rows[-1:].shape and (rows - all_rows[-1:]).abs().max().item() <= bound

@@ -252,6 +252,13 @@ class Decoder(nn.Module):
         [1, T, vocab] and the caches with slots position..position+T-1 written. The inputs
         are never modified.
         """
+        hidden, keys, values = self.hidden_with_cache_tensors(ids, position, key_cache, value_cache)
+        return self.logits_of(hidden), torch.stack(keys), torch.stack(values)
+
+    def hidden_with_cache_tensors(self, ids, position, key_cache, value_cache):
+        """`forward_with_cache_tensors` short of the head: the final-normed hidden states, and
+        each layer's written caches as lists (stacked after the head, the converted program's
+        op order stays what it was)."""
         step = CacheStep(ids, position, key_cache[0, 0, 0, :, 0])
         freqs = step.positions[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -265,29 +272,36 @@ class Decoder(nn.Module):
             h, keys, values = layer(h, cos, sin, step, key_cache[i], value_cache[i])
             new_keys.append(keys)
             new_values.append(values)
-        h = self.model.norm(h)
-        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return head(h), torch.stack(new_keys), torch.stack(new_values)
+        return self.model.norm(h), new_keys, new_values
 
-    def forward_branches(self, suffixes: list[torch.Tensor], positions: list[int], key_caches, value_caches):
+    def logits_of(self, hidden):
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return head(hidden)
+
+    def forward_branches(self, suffixes: list[torch.Tensor], positions: list[int], key_caches, value_caches,
+                         last_only: bool = False):
         """Each branch i: suffix i (int [T_i]) run after its own cache at positions[i]
         (key_caches / value_caches [B, layers, 1, kv_heads, context, head_dim]; an expanded
-        view shares one), as one batch (torch.func.vmap of `forward_with_cache_tensors`).
-        Returns the logits [T_i, vocab] of each branch and the caches [B, ...] each wrote.
+        view shares one), as one batch (torch.func.vmap of `hidden_with_cache_tensors`).
+        Returns the logits [T_i, vocab] of each branch (with `last_only`, of its last token
+        alone [1, vocab]) and the caches [B, ...] each wrote.
         A few-token chunk is bound by reading the weights, which the batch reads once for
         all its branches. Suffixes are right-padded to the longest; causality keeps the
         padding out of every real row, and the slots it wrote lie past the branch's
-        position + T_i, where every later query masks them (the dirty-tail invariant)."""
+        position + T_i, where every later query masks them (the dirty-tail invariant). The
+        head, a fifth of SmolLM2's weights, runs on the wanted rows only, never on padding."""
         width = max(len(s) for s in suffixes)
         batch = torch.stack([F.pad(s, (0, width - len(s))) for s in suffixes])[:, None]  # [B, 1, width]
         at = torch.tensor(positions, dtype=torch.int64)[:, None]  # [B, 1]
 
         def branch(ids, position, keys, values):
-            logits, new_keys, new_values = self.forward_with_cache_tensors(ids, position, keys, values)
-            return logits[0], new_keys, new_values
+            hidden, new_keys, new_values = self.hidden_with_cache_tensors(ids, position, keys, values)
+            return hidden[0], torch.stack(new_keys), torch.stack(new_values)
 
-        logits, keys, values = torch.func.vmap(branch)(batch, at, key_caches, value_caches)
-        return [logits[i, :len(s)] for i, s in enumerate(suffixes)], keys, values
+        hidden, keys, values = torch.func.vmap(branch)(batch, at, key_caches, value_caches)
+        rows = [hidden[i, len(s) - 1 if last_only else 0:len(s)] for i, s in enumerate(suffixes)]
+        logits = self.logits_of(torch.cat(rows)).split([len(r) for r in rows])
+        return list(logits), keys, values
 
     def forward(self, ids):
         """Logits [T, vocab] of one sequence from position 0 (ids [T] or [1, T])."""
