@@ -28,8 +28,10 @@ BUDGET ?= ppl=2%,top1=0.95
 # ALL_FIGURES=1: score the scoring set for every package, not only those within budget on the
 # held-out text (over budget there, no item can change the verdict; it costs ~100 s a gate on SmolLM2).
 ALL_FIGURES ?=
-# Recipes the survey runs at a time, each in its own process with an equal share of the cores.
+# Recipes the survey runs at a time, and package kinds the conversion makes at a time, each in
+# its own process with an equal share of the cores.
 SURVEY_JOBS ?= 2
+COREML_JOBS ?= 2
 QUALITY_FLAGS = --budget "$(BUDGET)" --quality-text $(QUALITY_TEXT) --items $(ITEMS) $(if $(ALL_FIGURES),--all-figures)
 # Its calibration lines feed calibration-aware recipes, its held-out lines the quality part.
 QUALITY_TEXT ?= fixtures/botchan.txt
@@ -88,7 +90,7 @@ $(OUT)/bundle/manifest.json: $(MODEL) | $(INSTALLED)
 	$(CLI) bundle $(MODEL) -o $(OUT)/bundle --force
 
 $(OUT)/coreml/stateless/manifest.json: $(OUT)/bundle/manifest.json
-	$(CLI) coreml $(OUT)/bundle -o $(OUT)/coreml --kinds stateless chunk_kv stateful --context $(CONTEXT) --force
+	$(CLI) coreml $(OUT)/bundle -o $(OUT)/coreml --kinds stateless chunk_kv stateful --context $(CONTEXT) --jobs $(COREML_JOBS) --force
 
 $(OUT)/reference/index.json: $(OUT)/bundle/manifest.json
 	$(CLI) reference-fixtures $(MODEL) -o $(OUT)/reference --text fixtures/botchan.txt --context $(CONTEXT) --force

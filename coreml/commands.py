@@ -15,6 +15,8 @@ def register(subparsers) -> None:
     convert.add_argument("-o", "--out", required=True, help="output directory; one subfolder per package kind")
     convert.add_argument("--kinds", nargs="+", help="stateless, chunk_kv, stateful (default: all three)")
     convert.add_argument("--context", type=int, help="KV/flexible-length context (default: max_position_embeddings)")
+    convert.add_argument("--jobs", type=int, default=1,
+                         help="package kinds converted at a time, each in its own process with an equal share of the cores")
     convert.add_argument("--force", action="store_true", help="replace an existing output")
     convert.set_defaults(func=_coreml)
 
@@ -31,14 +33,14 @@ def _coreml(args: argparse.Namespace) -> int:
 
     kinds = args.kinds or KINDS
     # disable=False explicitly: the quiet CLI disables tqdm's default to silence coremltools' bars.
-    with tqdm(total=export_steps(kinds), unit="stage", disable=False) as bar:
+    with tqdm(total=export_steps(kinds, args.jobs), unit="stage", disable=False) as bar:
 
         def progress(stage: str) -> None:
             bar.set_description(stage)
             bar.update(1)
 
         manifests = export_coreml(args.bundle, args.out, kinds, force=args.force, context=args.context,
-                                  progress=progress)
+                                  progress=progress, jobs=args.jobs)
     for kind, manifest in manifests.items():
         print(f"{kind}: {manifest.path} ({manifest['package_bytes']} bytes)")
     return 0

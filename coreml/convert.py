@@ -13,9 +13,13 @@ The chunk-KV graph is checked against the reference on fixed chunk schedules bef
 anything is converted; a graph that fails is refused, never shipped.
 """
 
+import json
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
@@ -35,6 +39,7 @@ from pipeline.errors import CmfdeployError, UnsupportedModel
 from pipeline.models import CachedStep, KVCache, ModelArgs, build_model
 from pipeline.models.numerics import model_cache_bound, model_logits_bound
 from pipeline.reference import load_reference
+from pipeline.workers import thread_share_env
 
 KINDS = ("stateless", "chunk_kv", "stateful")
 # Chunk schedules (token counts per call) that together exercise a first call longer than
@@ -51,6 +56,10 @@ class ScheduleMismatch(CmfdeployError):
 
 class UnknownKind(CmfdeployError):
     """A requested package kind is not one this converter builds."""
+
+
+class ConversionFailed(CmfdeployError):
+    """A worker process converting one package kind (`export_coreml(jobs=...)`) failed."""
 
 
 @dataclass(frozen=True)
@@ -505,8 +514,11 @@ EXPORTERS = {"stateless": _export_stateless, "chunk_kv": _export_chunk_kv, "stat
 STEPS_PER_KIND = {"stateless": 3, "chunk_kv": 3, "stateful": 4}
 
 
-def export_steps(kinds: Iterable[str]) -> int:
+def export_steps(kinds: Iterable[str], jobs: int = 1) -> int:
     """How many times `export_coreml` calls `progress` for these kinds (for a progress bar)."""
+    kinds = tuple(kinds)
+    if jobs > 1 and len(kinds) > 1:
+        return 1 + len(kinds)  # one step as each worker's kind is done
     return 1 + sum(STEPS_PER_KIND.get(k, 0) for k in kinds)  # an unknown kind is export_coreml's to refuse
 
 
@@ -517,12 +529,14 @@ def export_coreml(
     force: bool = False,
     context: int | None = None,
     progress: Callable[[str], None] | None = None,
+    jobs: int = 1,
 ) -> dict[str, Manifest]:
     """Convert the bundle at `bundle_dir` into `out_dir/<kind>/` packages; manifests by kind.
 
     The bundle is verified (hashes included) before anything is built from it; the whole
     output appears at once (temp sibling + rename) or not at all. `context` caps the
-    package context below the model's max_position_embeddings.
+    package context below the model's max_position_embeddings. `jobs` > 1 converts that
+    many kinds at a time, each in a worker process (`_kinds_in_workers`).
     """
     kinds, out_dir = tuple(kinds), Path(out_dir)
     unknown = [k for k in kinds if k not in EXPORTERS]
@@ -532,13 +546,48 @@ def export_coreml(
     refuse_existing(out_dir, force)
     step("verify the bundle and build the reference model")
     ref = reference_for_export(Path(bundle_dir), context)
-    # Each package's source record takes its relative path from the package's final folder,
-    # not the staging one it is written in.
-    refs = {kind: replace(ref, source=artifact_source(ref.bundle_dir, relative_to=out_dir / kind)) for kind in kinds}
-    manifests = {}
     with staged_output(out_dir, force) as staging:
-        for kind in kinds:
-            manifests[kind] = EXPORTERS[kind](refs[kind], staging / kind, step)
-    # The manifests were written in the staging folder; point them at the final one.
-    return {kind: Manifest(out_dir / kind, m.data) for kind, m in manifests.items()}
+        if jobs > 1 and len(kinds) > 1:
+            del ref  # each worker builds its own; this one's weights need not sit here meanwhile
+            _kinds_in_workers(kinds, Path(bundle_dir), staging, out_dir, context, jobs, step)
+        else:
+            for kind in kinds:
+                # A package's source record takes its relative path from its final folder, not the staging one.
+                EXPORTERS[kind](replace(ref, source=artifact_source(ref.bundle_dir, relative_to=out_dir / kind)),
+                                staging / kind, step)
+    return {kind: Manifest(out_dir / kind, load_manifest(out_dir / kind)) for kind in kinds}
+
+
+def _kinds_in_workers(kinds: tuple[str, ...], bundle_dir: Path, staging: Path, out_dir: Path, context: int | None,
+                      jobs: int, step: Callable[[str], None]) -> None:
+    """Each kind converted by a worker process (`python -m coreml.convert ORDER`) with a 1/jobs
+    share of the cores, at most `jobs` at a time, the longest (stateful: half the total on
+    SmolLM2) first. Tracing, coremltools' MIL passes and saving run mostly on one core, so
+    two workers take about the longest kind's time instead of the sum. Each verifies the
+    bundle and builds its reference model itself: JSON in, a package folder out."""
+    env = thread_share_env(jobs)
+
+    def convert(kind: str) -> str:
+        order = json.dumps({"kind": kind, "bundle": str(bundle_dir), "context": context,
+                            "package_dir": str(staging / kind), "final_dir": str(out_dir / kind)})
+        done = subprocess.run([sys.executable, "-m", "coreml.convert", order], env=env, capture_output=True, text=True)
+        if done.returncode:
+            raise ConversionFailed(f"{out_dir / kind}: its worker process exited {done.returncode}:\n"
+                                   f"{done.stderr[-4000:]}")
+        return kind
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        for finished in as_completed([pool.submit(convert, kind) for kind in sorted(kinds, key=lambda k: k != "stateful")]):
+            step(f"{finished.result()}: converted")
+
+
+def _worker(order: dict) -> None:
+    """One kind of `_kinds_in_workers`, its package's source record relative to its final folder."""
+    ref = reference_for_export(Path(order["bundle"]), order["context"])
+    ref = replace(ref, source=artifact_source(ref.bundle_dir, relative_to=Path(order["final_dir"])))
+    EXPORTERS[order["kind"]](ref, Path(order["package_dir"]), lambda stage: None)
+
+
+if __name__ == "__main__":
+    _worker(json.loads(sys.argv[1]))
 

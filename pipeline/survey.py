@@ -22,7 +22,6 @@ once or not at all. Nested artifacts were written inside the staging folder; the
 """
 
 import json
-import os
 import selectors
 import subprocess
 import sys
@@ -56,6 +55,7 @@ from pipeline import align, scoring
 from pipeline.errors import CmfdeployError
 from pipeline.report import md_table, scatter_plot
 from pipeline.text_roles import text_roles
+from pipeline.workers import thread_share_env
 
 FORMAT = "cmfdeploy.survey/1"
 FOLDER_FORMAT = "cmfdeploy.survey_folder/1"
@@ -314,8 +314,7 @@ def _recipes_in_workers(recipes: tuple[str, ...], staging: Path, settings: dict,
     context once, reads the FP32 baseline from scores/fp32, then takes recipe names on stdin
     and answers each with its record as one JSON line, writing into the same staging folder
     (its recipe's own subfolders). JSON in, JSON out: no pickle."""
-    threads = str(max(1, (os.cpu_count() or 1) // jobs))
-    env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "OPENBLAS_NUM_THREADS": threads}
+    env = thread_share_env(jobs)
     order = json.dumps({"staging": str(staging), "settings": {**settings, "baseline": str(staging / "scores" / "fp32")}})
     # Calibration-aware recipes measure the model before they code it, the longest compressions
     # (mixed: 170 s of one worker on SmolLM2): started first, they do not leave one worker

@@ -19,9 +19,11 @@ from _coreml_models import CONTEXT, VOCAB, make_bundle
 from pipeline.models.numerics import model_logits_bound
 from coreml.convert import (
     CHECK_SCHEDULES,
+    ConversionFailed,
     ScheduleMismatch,
     UnknownKind,
     check_chunk_schedules,
+    _kinds_in_workers,
     export_coreml,
     reference_for_export,
 )
@@ -173,6 +175,34 @@ def test_manifests_bind_the_package_to_its_bundle_code_and_program(built, statef
     assert stateful["package"]["functions"] == {"prefill": {"dims": {"T": [1, CONTEXT]}},
                                                 "decode": {"dims": {"T": [1, 1]}}}
     assert sorted(stateful["op_histogram"]) == ["decode", "prefill"]
+
+
+def test_kinds_converted_in_worker_processes_are_the_serial_packages(built, stateful, tmp_path):
+    """jobs=2: each kind in its own process (1 BLAS thread) gives the serial conversion's
+    package: the same weights to the byte, the same program op for op, the same manifest
+    but for the measured check figures and seconds (those are figures of another run); the
+    source record points at the bundle from the package's final folder."""
+    bundle, serial_dir, serial = built
+    parallel = export_coreml(bundle, tmp_path / "packages", jobs=2)
+    serial = {**serial, "stateful": stateful}
+    assert list(parallel) == ["stateless", "chunk_kv", "stateful"]
+    for kind, manifest in parallel.items():
+        assert manifest.path == tmp_path / "packages" / kind and verify_package(manifest.path).data == manifest.data
+        weights = "model.mlpackage/Data/com.apple.CoreML/weights/weight.bin"
+        assert sha256_file(manifest.path / weights) == sha256_file(serial[kind].path / weights)
+        assert manifest["op_histogram"] == serial[kind]["op_histogram"]
+        figures = ("checks", "conversion", "environment", "files", "package_bytes", "source")
+        assert {k: v for k, v in manifest.data.items() if k not in figures} == {
+            k: v for k, v in serial[kind].data.items() if k not in figures}
+        assert manifest["checks"].keys() == serial[kind]["checks"].keys()
+        assert (manifest.path / manifest["source"]["relative_path"]).resolve() == bundle.resolve()
+        assert {**manifest["source"], "relative_path": None} == {**serial[kind]["source"], "relative_path": None}
+
+
+def test_a_failing_worker_is_a_typed_error_with_its_output(tmp_path):
+    with pytest.raises(ConversionFailed, match=r"chunk_kv: its worker process exited 1:\n(.|\n)*no-bundle"):
+        _kinds_in_workers(("chunk_kv",), tmp_path / "no-bundle", tmp_path / "staging", tmp_path / "out", None, 2,
+                          lambda stage: None)
 
 
 def test_schedule_check_refuses_a_graph_that_ignores_position(reference):
