@@ -65,13 +65,18 @@ def _affine(nbits: int, block: int = 32) -> dict:
     return {"kind": "affine", "nbits": nbits, "block_size": block, "dtype": "fp16"}
 
 
+def _symmetric(nbits: int, block: int = 32) -> dict:
+    return {"kind": "symmetric", "nbits": nbits, "block_size": block, "dtype": "fp16"}
+
+
 def _palette(nbits: int) -> dict:
     return {"kind": "kmeans", "nbits": nbits, "tile": PALETTE_TILE, "dtype": "fp16"}
 
 
 # name -> params, recorded verbatim in the manifest. Keys: `quantize` (coremltools
 # OpLinearQuantizerConfig), `code` (codes computed by coreml.codes and written by
-# emit_code: `affine` min/max per block with fp16 scale and offset, `kmeans` one fp16 LUT
+# emit_code: `affine` min/max per block with fp16 scale and offset, `symmetric` absmax per
+# block with an fp16 scale and signed codes, `kmeans` one fp16 LUT
 # per tile of 32 output rows x 32 input columns), `embedding` (the tied embedding/head's own
 # step: "fp16" behind constexpr_cast, or a `code`), `quantize_lut` (joint: the palette's LUT
 # quantized after palettization), `mixed` (per-layer choice among recipes, from measured
@@ -79,6 +84,11 @@ def _palette(nbits: int) -> dict:
 RECIPES: dict[str, dict] = {
     "int8-b32": {"quantize": _linear("int8")},
     "int4-b32": {"code": _affine(4)},
+    # The grid a Q4_1/Q8_0 GGUF import carries: the layers' affine uint4 per 32 (fp16 scale
+    # and offset, as Q4_1 stores them) and the tied embedding/head's int8 per 32 with an fp16
+    # scale (Q8_0's own), 5.0 and 8.5 bits. docs/COMPRESSION.md: the 4-bit head is what costs
+    # int4-b32 its top-1 agreement.
+    "int4-b32-emb8": {"code": _affine(4), "embedding": _symmetric(8)},
     "palette6-gc32": {"code": _palette(6)},
     "palette4-gc32": {"code": _palette(4)},
     "int8-b32-embfp16": {"quantize": _linear("int8"), "embedding": "fp16"},
@@ -254,8 +264,8 @@ def estimated_bits(shape: tuple[int, ...], params: dict) -> float:
     width = 16 if code.get("dtype") == "fp16" else 32
     if code["kind"] == "fp16":
         return 16 * n
-    if code["kind"] == "affine":
-        return n * code["nbits"] + n / code["block_size"] * 2 * width
+    if code["kind"] in ("affine", "symmetric"):  # a scale per block, and an offset if affine
+        return n * code["nbits"] + n / code["block_size"] * (2 if code["kind"] == "affine" else 1) * width
     tiles = shape[0] // code["tile"][0] * (shape[1] // code["tile"][1])
     return n * code["nbits"] + tiles * (1 << code["nbits"]) * width
 
@@ -426,9 +436,11 @@ def encoder(params: dict) -> Callable[[np.ndarray], object]:
         return lambda w: w.astype(np.float16)
     if params["kind"] == "affine":
         return lambda w: codes.affine_blocks(w, params["nbits"], params["block_size"], dtype)
+    if params["kind"] == "symmetric":
+        return lambda w: codes.symmetric_blocks(w, params["nbits"], params["block_size"], dtype)
     if params["kind"] == "kmeans":
         return lambda w: codes.kmeans_tiles(w, params["nbits"], tuple(params["tile"]), dtype=dtype)
-    raise UnknownRecipe(f"code step kind {params['kind']!r} is not one of fp16, affine, kmeans")
+    raise UnknownRecipe(f"code step kind {params['kind']!r} is not one of fp16, affine, symmetric, kmeans")
 
 
 def apply_recipe(mlmodel, program, recipe: str, steps: dict[str, dict[str, dict]],

@@ -44,7 +44,8 @@ def source(tmp_path_factory):
 def compressed(source, tmp_path_factory):
     out = tmp_path_factory.mktemp("compressed")
     return {recipe: compress_package(source.path, recipe, out / recipe)
-            for recipe in ("int4-b32", "palette4-gc32", "palette6-gc32", "int8-b32-embfp16", "palette4-int8lut")}
+            for recipe in ("int4-b32", "int4-b32-emb8", "palette4-gc32", "palette6-gc32", "int8-b32-embfp16",
+                           "palette4-int8lut")}
 
 
 def _decompressed_weights(manifest) -> dict[str, np.ndarray]:
@@ -63,7 +64,8 @@ def _decompressed_weights(manifest) -> dict[str, np.ndarray]:
     return weights
 
 
-@pytest.mark.parametrize("recipe", ["int4-b32", "palette4-gc32", "palette6-gc32", "int8-b32-embfp16", "palette4-int8lut"])
+@pytest.mark.parametrize("recipe", ["int4-b32", "int4-b32-emb8", "palette4-gc32", "palette6-gc32", "int8-b32-embfp16",
+                                    "palette4-int8lut"])
 def test_compressed_package_matches_the_reference_with_decompressed_weights(source, compressed, recipe):
     manifest = compressed[recipe]
     original = random_weights(seed=1)
@@ -103,6 +105,8 @@ def test_selection_records_every_constant_and_why(compressed):
     assert joint["chain"] == ["constexpr_blockwise_shift_scale", "constexpr_lut_to_dense"]  # int8 LUT, then LUT
     cast = compressed["int8-b32-embfp16"]["selection"]["weights"]["model_model_embed_tokens_weight"]
     assert cast["chain"] == ["constexpr_cast"]
+    int8 = compressed["int4-b32-emb8"]["selection"]["weights"]["model_model_embed_tokens_weight"]
+    assert int8["chain"] == ["constexpr_blockwise_shift_scale", "constexpr_cast"] and "kind=symmetric,nbits=8" in int8["how"]
 
 
 def test_manifest_binds_source_package_and_recipe(source, compressed):
@@ -117,7 +121,7 @@ def test_manifest_binds_source_package_and_recipe(source, compressed):
         assert manifest["size_bytes"] == on_disk < source["package_bytes"]
         assert manifest["package"] == source["package"]
     sizes = {r: m["size_bytes"] for r, m in compressed.items()}
-    assert sizes["int4-b32"] < sizes["int8-b32-embfp16"]
+    assert sizes["int4-b32"] < sizes["int4-b32-emb8"] < sizes["int8-b32-embfp16"]
 
 
 def _weight(name, shape, consumers=("linear",), hf=True):
