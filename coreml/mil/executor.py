@@ -277,7 +277,8 @@ class Executor:
             _check_shape(feature, value.shape, f"{self.where}: input {name!r}")
             if not np.can_cast(value.dtype, feature.dtype.numpy, casting="same_kind"):
                 raise MilError(f"{self.where}: input {name!r} has dtype {value.dtype}, expected {feature.dtype.name}")
-            checked[name] = value.astype(feature.dtype.numpy)
+            # No copy when the dtype already is the declared one: every op returns a new array.
+            checked[name] = value.astype(feature.dtype.numpy, copy=False)
         return checked
 
 
