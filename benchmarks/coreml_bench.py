@@ -10,7 +10,7 @@ is also given as a multiple of the FP32 weight bytes (target: <= 4x; meaningless
 1M-parameter fixture, whose peak is the interpreter with torch and coremltools loaded).
 
 Executor: the saved packages on the numpy MIL executor against torch eager running the FP32
-reference model (`pipeline.reference.load_reference`) on the same tokens, in this process:
+reference model (`pipeline.ground.reference.load_reference`) on the same tokens, in this process:
 a 128-token stateless call against one full forward, and 32 single-token steps after a
 96-token prefill (chunk-KV through `coreml.runner.ChunkKVRunner`, stateful through its
 `decode` function) against `forward_cached`. Ratios are executor / torch (target: <= 3x); both
@@ -104,8 +104,8 @@ def speed(bundle: Path, packages: dict[str, Path], ids: np.ndarray, repeats: int
 
     import coreml.mil  # noqa: F401 - imported up front, so no open time below includes coremltools' import
     from coreml.runner import ChunkKVRunner
-    from pipeline.models import KVCache
-    from pipeline.reference import load_reference
+    from pipeline.ground.models import KVCache
+    from pipeline.ground.reference import load_reference
 
     torch.set_num_threads(THREADS)
     model, args, _ = load_reference(bundle)
@@ -185,8 +185,8 @@ def compressed_open(package: Path, work: Path, recipes: tuple[str, ...]) -> dict
 
 
 def bench_model(label: str, cmf: Path, kinds: tuple[str, ...], repeats: int, work: Path, log) -> dict:
-    from pipeline.bundle import export_bundle
-    from pipeline.tokenizer import tokenizer_from_artifact
+    from pipeline.stages.bundle import export_bundle
+    from pipeline.ground.tokenizer import tokenizer_from_artifact
 
     bundle = work / "bundle"
     fp32_bytes = 4 * export_bundle(cmf, bundle)["parameter_count"]
@@ -256,8 +256,8 @@ def main() -> None:
             cmf = args.smollm2_cmf
             if cmf is None:
                 from conftest import _smollm2_gguf
-                from pipeline.importers.gguf import import_gguf
-                from pipeline.importers.quant_policy import QuantPolicy
+                from pipeline.stages.importers.gguf import import_gguf
+                from pipeline.stages.importers.quant_policy import QuantPolicy
 
                 cmf = work / "SmolLM2-135M-Instruct-f32.cmf"
                 print("  smollm2: import the GGUF as f32 ...", flush=True)

@@ -34,8 +34,8 @@ def main() -> int:
     args = parser.parse_args()
 
     from coreml.convert import export_coreml
-    from pipeline.align import align_package
-    from pipeline.bundle import export_bundle
+    from pipeline.stages.align import align_package
+    from pipeline.stages.bundle import export_bundle
 
     defects = 0
     with tempfile.TemporaryDirectory() as tmp:

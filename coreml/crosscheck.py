@@ -31,7 +31,7 @@ from coreml.mil.loader import (
 )
 from coreml.manifest import BUNDLE_SHA_KEY, COREML_FORMAT
 from manifests.identity import MANIFEST_NAME
-from pipeline.errors import IdentityError
+from pipeline.ground.errors import IdentityError
 
 # Ops whose fp16 output is storage (a constant, the fp16 state, the casts around it), not
 # arithmetic: they do not make a program compute in fp16.

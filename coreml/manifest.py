@@ -29,7 +29,7 @@ from manifests.identity import (
     sha256_file,
     write_json,
 )
-from pipeline.errors import IdentityError
+from pipeline.ground.errors import IdentityError
 
 COREML_FORMAT = "cmfdeploy.coreml/1"
 COMPRESSED_FORMAT = "cmfdeploy.compressed/1"

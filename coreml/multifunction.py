@@ -24,7 +24,7 @@ from coremltools import _SPECIFICATION_VERSION_IOS_18
 from coremltools.proto import MIL_pb2, Model_pb2
 
 from coreml.mil.loader import BlobEntry, BlobStorage, blob_file, mil_dtype, model_path, program_spec
-from pipeline.errors import CmfdeployError
+from pipeline.ground.errors import CmfdeployError
 
 SOURCE_FUNCTION = "main"  # the one function of a single-function package
 

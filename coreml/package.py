@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from manifests.identity import MANIFEST_NAME, load_manifest
-from pipeline.errors import CmfdeployError
+from pipeline.ground.errors import CmfdeployError
 
 MODEL_NAME = "model.mlpackage"
 ENGINES = ("executor", "macos")

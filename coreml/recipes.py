@@ -42,7 +42,7 @@ from coreml.calibration import Calibration
 from coreml import manifest as package_manifest
 from manifests.identity import Manifest, artifact_source
 from manifests.output import refuse_existing, staged_output
-from pipeline.errors import CmfdeployError, UnsupportedModel
+from pipeline.ground.errors import CmfdeployError, UnsupportedModel
 
 WEIGHT_THRESHOLD = 2048
 EMBEDDING = "model.embed_tokens.weight"
@@ -551,7 +551,7 @@ def _gptq_encoders(weights: list[Weight], recipe: dict, hessians: Mapping[str, n
 
 def _native_plan(package_dir: Path, source: dict, weights: list[Weight]) -> dict[str, tuple]:
     """MIL name -> (code or None, why) from the CMF the package's chain starts from."""
-    from pipeline.cmf import open_cmf
+    from pipeline.ground.cmf import open_cmf
 
     path = cmf_native.source_cmf(package_dir, source)
     if path is None:
@@ -591,7 +591,7 @@ def compress_package(
         )
     if RECIPES[recipe].get("calibration") and (calibration_ids is None or len(calibration_ids) < 2):
         raise RecipePrecondition(f"{package_dir}: recipe {recipe} measures on calibration text and got no "
-                                 f"calibration_ids (pipeline.text_roles: text_roles(lines)['calibration'])")
+                                 f"calibration_ids (pipeline.ground.text_roles: text_roles(lines)['calibration'])")
     start = time.perf_counter()
     mlmodel = ct.models.MLModel(str(mlpackage), skip_model_load=True)
     program = load_program(mlmodel)

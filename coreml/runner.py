@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from coreml.package import open_package
-from pipeline.errors import CmfdeployError
+from pipeline.ground.errors import CmfdeployError
 
 
 class PackageInterfaceError(CmfdeployError):

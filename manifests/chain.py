@@ -21,16 +21,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from manifests.identity import MANIFEST_NAME, Manifest, check_file, is_recorded_file, portable_name, read_json, sha256_file
-from pipeline.errors import IdentityError
+from pipeline.ground.errors import IdentityError
 
 VERIFIERS = {
-    "cmfdeploy.bundle/1": "pipeline.bundle:verify_bundle",
+    "cmfdeploy.bundle/1": "pipeline.ground.bundle_format:verify_bundle",
     "cmfdeploy.coreml/1": "coreml.manifest:verify_package",
-    "cmfdeploy.alignment/1": "pipeline.align:verify_alignment",
+    "cmfdeploy.alignment/1": "pipeline.stages.align:verify_alignment",
     "cmfdeploy.compressed/1": "coreml.manifest:verify_package",
-    "cmfdeploy.release/1": "pipeline.release:verify_release",
-    "cmfdeploy.scores/1": "pipeline.scoring:verify_scores",
-    "cmfdeploy.survey_folder/1": "pipeline.survey:verify_survey",
+    "cmfdeploy.release/1": "pipeline.stages.release:verify_release",
+    "cmfdeploy.scores/1": "pipeline.stages.scoring:verify_scores",
+    "cmfdeploy.survey_folder/1": "pipeline.stages.survey:verify_survey",
 }
 # What each verifier checks beyond the file inventory, as `verify-artifact` reports it.
 CHECKS = {

@@ -8,7 +8,7 @@ copying file and field and both values.
 
 from pathlib import Path
 
-from pipeline.errors import IdentityError
+from pipeline.ground.errors import IdentityError
 
 _MISSING = object()
 

@@ -13,7 +13,7 @@ from functools import cache
 from pathlib import Path, PurePosixPath
 
 from manifests.output import staged_file
-from pipeline.errors import IdentityError
+from pipeline.ground.errors import IdentityError
 
 MANIFEST_NAME = "manifest.json"
 # A detached signature over the manifest (manifests.signing); it cannot be in the inventory it signs.
@@ -186,7 +186,7 @@ def artifact_source(artifact_dir: str | Path, relative_to: str | Path | None = N
 
 
 def cmf_source(cmf) -> dict:
-    """The `source` record of a manifest built straight from an open CMF (`pipeline.cmf.CmfFile`):
+    """The `source` record of a manifest built straight from an open CMF (`pipeline.ground.cmf.CmfFile`):
     every file's size and sha256 and the envelope hashes, as `manifests.chain` re-checks them."""
     paths = [Path(p) for p in cmf.paths]
     identities = [file_identity(p) for p in paths]

@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from pipeline.errors import OutputBusy, OutputExists, OutputWriteFailed
+from pipeline.ground.errors import OutputBusy, OutputExists, OutputWriteFailed
 
 
 def refuse_existing(path: str | os.PathLike, force: bool) -> None:

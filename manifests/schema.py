@@ -12,7 +12,7 @@ from importlib import resources
 from jsonschema import Draft202012Validator
 from referencing import Registry, Resource
 
-from pipeline.errors import IdentityError
+from pipeline.ground.errors import IdentityError
 
 SCHEMA_FILES = {
     "cmfdeploy.bundle/1": "bundle.schema.json",

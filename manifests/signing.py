@@ -14,8 +14,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from manifests.identity import MANIFEST_NAME, SIGNATURE_NAME
-from pipeline.cmf.errors import SignatureError
-from pipeline.cmf.verify import load_signing_key, signature_problem, write_signature
+from pipeline.ground.cmf.errors import SignatureError
+from pipeline.ground.cmf.verify import load_signing_key, signature_problem, write_signature
 
 
 def sign_manifest(folder: str | Path, key_path: str | Path) -> Path:

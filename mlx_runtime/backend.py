@@ -1,5 +1,5 @@
 """`MlxBackend`: the MLX runtime behind the scoring/logits harness's Backend protocol
-(`pipeline.backends`). Snapshots are immutable `cache.Snapshot`s; `extend` branches from
+(`pipeline.stages.backends`). Snapshots are immutable `cache.Snapshot`s; `extend` branches from
 one without changing it."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from pipeline.backend_protocol import validate_ids
-from pipeline.cmf import open_cmf
-from pipeline.reference import task_mask
+from pipeline.ground.backend_protocol import validate_ids
+from pipeline.ground.cmf import open_cmf
+from pipeline.ground.reference import task_mask
 from mlx_runtime.cache import KVCache, Snapshot
 from mlx_runtime.generate import GEMM_MIN_TOKENS
 from mlx_runtime.models import Model, forward, load_model

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from pipeline.models.errors import ContextOverflow
+from pipeline.ground.models.errors import ContextOverflow
 
 STEP = 256
 

@@ -1,5 +1,5 @@
 """Token generation on MLX: chunked prefill, then decode steps that stay on the device; sampling,
-timing and prompts are the runtime-independent ones of `pipeline.generation`.
+timing and prompts are the runtime-independent ones of `pipeline.ground.generation`.
 
 Prompt chunks of `GEMM_MIN_TOKENS` or more run their projections as dense GEMMs over a
 transient expansion of each weight (see `weights.expanded_matmul`); shorter chunks and every
@@ -14,8 +14,8 @@ from collections.abc import Iterator
 import mlx.core as mx
 import numpy as np
 
-from pipeline.generation import Sampling, Stats, sample
-from pipeline.models.errors import ContextOverflow
+from pipeline.ground.generation import Sampling, Stats, sample
+from pipeline.ground.models.errors import ContextOverflow
 from mlx_runtime.cache import KVCache
 from mlx_runtime.models import Model, forward
 

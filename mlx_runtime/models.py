@@ -1,4 +1,4 @@
-"""The decoder families of the reference model (`pipeline.models`) on MLX, weights packed.
+"""The decoder families of the reference model (`pipeline.ground.models`) on MLX, weights packed.
 
 Dense Llama / Qwen2 / Qwen3 / Gemma and Qwen MoE, one forward for all of them: every
 capability is recognised by tensor presence (spec §2), exactly as the reference decoder
@@ -20,14 +20,14 @@ from dataclasses import dataclass, replace
 import mlx.core as mx
 import numpy as np
 
-from pipeline.cmf import CmfFile
-from pipeline.cmf.masks import TaskMask
-from pipeline.cmf.skills import skill_tensor_source
-from pipeline.errors import UnsupportedModel
-from pipeline.models import ModelArgs
-from pipeline.models.errors import ModelConfigError
-from pipeline.models.rope import rope_inv_freq
-from pipeline.models.weights import WeightLedger
+from pipeline.ground.cmf import CmfFile
+from pipeline.ground.cmf.masks import TaskMask
+from pipeline.ground.cmf.skills import skill_tensor_source
+from pipeline.ground.errors import UnsupportedModel
+from pipeline.ground.models import ModelArgs
+from pipeline.ground.models.errors import ModelConfigError
+from pipeline.ground.models.rope import rope_inv_freq
+from pipeline.ground.models.weights import WeightLedger
 from mlx_runtime.cache import KVCache
 from mlx_runtime.weights import GROUP, Linear, LoadReport, Packed, expanded_matmul, load_linear, lookup, matmul
 
@@ -255,7 +255,7 @@ def load_model(cmf: CmfFile, mask: TaskMask | None = None, skill: str | None = N
     """The model of an open CMF file, weights packed on MLX; `mask` a task mask, `skill` an id."""
     if cmf.is_skill_file:
         raise UnsupportedModel(f"{cmf.path.name}: a skill file (feature bit 6) never runs on its own; "
-                               "apply it to its base (pipeline.cmf.skills.apply_skill_file) and load that")
+                               "apply it to its base (pipeline.ground.cmf.skills.apply_skill_file) and load that")
     args = ModelArgs.from_header(cmf.header, source=cmf.path.name)
     for index, layer_type in enumerate(args.layer_types):
         if layer_type != "FullAttention":

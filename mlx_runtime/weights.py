@@ -23,9 +23,9 @@ from dataclasses import dataclass, field, replace
 import mlx.core as mx
 import numpy as np
 
-from pipeline.cmf import CmfFile, DType
-from pipeline.cmf.dtypes import GROUP, _q2tp_scales, ladder, tile_rungs, vbit_row_bytes
-from pipeline.errors import UnsupportedModel
+from pipeline.ground.cmf import CmfFile, DType
+from pipeline.ground.cmf.dtypes import GROUP, _q2tp_scales, ladder, tile_rungs, vbit_row_bytes
+from pipeline.ground.errors import UnsupportedModel
 
 Shape = tuple[int, int]
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.bundle import export_bundle
-from pipeline.cmf import write_cmf
+from pipeline.stages.bundle import export_bundle
+from pipeline.ground.cmf import write_cmf
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB, CONTEXT = 4, 64, 4, 2, 16, 128, 256, 128
 

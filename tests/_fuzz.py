@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipeline.errors import CmfdeployError
+from pipeline.ground.errors import CmfdeployError
 
 HANG_SECONDS = 10
 MEMORY_BUDGET = 1 << 30  # far above any fixture reader's working set (a few MB), far below the machine

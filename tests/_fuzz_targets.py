@@ -26,8 +26,8 @@ from coreml.crosscheck import check_package
 from coreml.mil.loader import load_program
 from manifests.chain import verify_chain
 from manifests.identity import MANIFEST_NAME, canonical_json, read_json
-from pipeline.bundle import WEIGHTS_NAME, safetensors_header, verify_bundle
-from pipeline.errors import CmfdeployError
+from pipeline.ground.bundle_format import WEIGHTS_NAME, safetensors_header, verify_bundle
+from pipeline.ground.errors import CmfdeployError
 
 SPEC = "model.mlpackage/Data/com.apple.CoreML/model.mlmodel"
 WEIGHTS = "model.mlpackage/Data/com.apple.CoreML/weights/weight.bin"

@@ -13,9 +13,9 @@ from pathlib import Path
 
 from conftest import FIXTURE_REFERENCE
 
-from pipeline.survey import run_survey
+from pipeline.stages.survey import run_survey
 from fixtures.make_scoring_set import OUT as CLOZE
-from pipeline.align import GateFailed, align_package
+from pipeline.stages.align import GateFailed, align_package
 
 SURVEY_RECIPES = ("int8-b32", "int4-b32", "palette4-gc32", "mixed")
 SCORING_ITEMS = 8

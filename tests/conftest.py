@@ -16,16 +16,16 @@ FIXTURE_REFERENCE = ROOT / "fixtures" / "reference"
 @pytest.fixture(scope="session")
 def fixture_exact():
     """The gates' exactness bound on the fixture's logits over its 128-token context
-    (`pipeline.align.exact_tolerances`, derived from the model's shapes and weights)."""
-    from pipeline.align import exact_tolerances
-    from pipeline.reference import load_reference
+    (`pipeline.stages.align.exact_tolerances`, derived from the model's shapes and weights)."""
+    from pipeline.stages.align import exact_tolerances
+    from pipeline.ground.reference import load_reference
 
     return exact_tolerances(load_reference(FIXTURE_CMF)[0], 128)[0]
 
 
 @pytest.fixture(scope="session")
 def fixture_bundle(tmp_path_factory) -> Path:
-    from pipeline.bundle import export_bundle
+    from pipeline.stages.bundle import export_bundle
 
     out = tmp_path_factory.mktemp("fixture") / "bundle"
     export_bundle(FIXTURE_CMF, out)
@@ -76,8 +76,8 @@ def smollm2_cmf(smollm2_gguf) -> Path:
     import hashlib
 
     from manifests.identity import sha256_file
-    from pipeline.importers.gguf import import_gguf
-    from pipeline.importers.quant_policy import QuantPolicy
+    from pipeline.stages.importers.gguf import import_gguf
+    from pipeline.stages.importers.quant_policy import QuantPolicy
 
     importer = hashlib.sha256()
     for name in ("gguf.py", "common.py", "quant_policy.py"):
@@ -87,7 +87,7 @@ def smollm2_cmf(smollm2_gguf) -> Path:
     if not path.exists():
         import shutil
 
-        from pipeline.errors import OutputExists
+        from pipeline.ground.errors import OutputExists
 
         for stale in path.parent.parent.glob("*"):  # 540 MB each: keep only the current key
             if stale != path.parent:

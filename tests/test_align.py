@@ -16,7 +16,7 @@ from coreml.recipes import compress_package
 from coreml.runner import ChunkKVRunner, PackageBackend, open_package_backend
 from manifests.chain import verify_artifact
 from manifests.identity import load_manifest, read_json
-from pipeline.align import (
+from pipeline.stages.align import (
     COMPRESSED_PATTERNS,
     DEFAULT_QUALITY_TEXT,
     Budget,
@@ -37,7 +37,7 @@ from pipeline.align import (
     require_passed,
 )
 from pipeline.cli import main
-from pipeline.models.numerics import model_cache_bound, model_logits_bound
+from pipeline.ground.models.numerics import model_cache_bound, model_logits_bound
 
 PATTERNS = ("one_shot", "single_tokens", "split_3", "half_half")
 
@@ -228,7 +228,7 @@ def test_an_mlx_artifact_is_gated_by_the_same_code(items):
     (the frozen fixtures), FP32 quality, A/B/A branching; it exposes no cache snapshots, so the
     chunk patterns and snapshot checks are reported as not offered, not passed."""
     from mlx_runtime.backend import MlxBackend
-    from pipeline.reference import load_reference
+    from pipeline.ground.reference import load_reference
 
     model, args, _ = load_reference(FIXTURE_CMF)
     fp32 = Intended(model, args, args.max_position_embeddings)
@@ -269,7 +269,7 @@ def test_compare_counts_nonfinite_outputs_as_outside():
 
 def test_reference_fixtures_command_reproduces_the_frozen_fixtures(tmp_path):
     from fixtures.corpus import corpus_lines, split_lines
-    from pipeline.reference import load_reference
+    from pipeline.ground.reference import load_reference
 
     text = tmp_path / "held_out.txt"
     text.write_text("\n".join(split_lines(corpus_lines())[1]), encoding="utf-8")
@@ -277,7 +277,7 @@ def test_reference_fixtures_command_reproduces_the_frozen_fixtures(tmp_path):
     made, frozen = ReferenceFixtures(tmp_path / "ref"), ReferenceFixtures(FIXTURE_REFERENCE)
     assert made.checkpoint_sha256 == frozen.checkpoint_sha256
     # Frozen logits came from another CPU's float32 kernels: equal within two evaluations'
-    # worst-case float32 error (pipeline/models/numerics.py), not bitwise. Ids are integers: exact.
+    # worst-case float32 error (pipeline/ground/models/numerics.py), not bitwise. Ids are integers: exact.
     bound = model_logits_bound(load_reference(FIXTURE_CMF)[0], len(frozen.cases["long"].input_ids))
     for name, case in frozen.cases.items():
         np.testing.assert_array_equal(made.cases[name].input_ids, case.input_ids)
@@ -290,7 +290,7 @@ def test_the_intended_reference_batches_as_it_runs_one_at_a_time(fixture_package
     """The gates score items through `Intended.prefill_batch` / `extend_batch`: each branch
     from its own snapshot must match `prefill` / `extend` of that branch alone. Two float32
     evaluations of one model in another batching: within the worst-case bound of two such
-    evaluations (pipeline/models/numerics.py), which holds on any machine; caches likewise."""
+    evaluations (pipeline/ground/models/numerics.py), which holds on any machine; caches likewise."""
     package = fixture_packages / "chunk_kv"
     intended, _ = intended_for_package(package, load_manifest(package))
     bound = model_logits_bound(intended.model, intended.context)
@@ -312,7 +312,7 @@ def test_a_chunk_kv_package_batches_as_it_runs_one_at_a_time(fixture_packages):
     """Scoring runs a chunk-KV package's branches as one batch prediction (the executor applies
     each constant-weight `linear` to all their rows at once): every branch must match its own
     prediction. The same float32 program in another summation order of the products: within
-    the worst-case bound of two float32 evaluations (pipeline/models/numerics.py); caches likewise."""
+    the worst-case bound of two float32 evaluations (pipeline/ground/models/numerics.py); caches likewise."""
     from coreml.runner import open_package_backend
 
     package = fixture_packages / "chunk_kv"

@@ -17,7 +17,7 @@ from coreml.package import open_package
 from coreml.runner import PackageBackend, PackageInterfaceError, StatefulRunner
 from manifests.chain import verify_artifact
 from manifests.identity import MANIFEST_NAME, inventory, read_json, write_json
-from pipeline.align import (
+from pipeline.stages.align import (
     BRANCH_A,
     BRANCH_B,
     GateFailed,

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("pipeline.bundle", "pipeline.align", "pipeline.survey", "pipeline.scoring", "pipeline.release")
+STAGES = ("pipeline.stages.bundle", "pipeline.stages.align", "pipeline.stages.survey", "pipeline.stages.scoring", "pipeline.stages.release")
 RUNTIMES = ("coreml", "mlx_runtime")
-GROUND = ("pipeline/cmf", "pipeline/models", "pipeline/backend_protocol.py", "pipeline/errors.py", "manifests")
+GROUND = ("pipeline/ground/cmf", "pipeline/ground/models", "pipeline/ground/backend_protocol.py", "pipeline/ground/errors.py", "manifests")
 
 
 def _imports(path: Path) -> set[str]:
@@ -41,6 +41,6 @@ def _reaching(paths: list[Path], targets: tuple[str, ...]) -> dict[str, list[str
     ("ground", GROUND, STAGES + RUNTIMES),
 ])
 def test_no_layer_imports_a_layer_above_it(layer, roots, above):
-    # The CLI modules of a runtime (coreml/commands.py, mlx_runtime/commands.py) are the CLI layer.
+    # The CLI modules of a runtime (pipeline/cli/coreml_commands.py, pipeline/cli/mlx_commands.py) are the CLI layer.
     paths = [p for p in _modules(*roots) if p.name != "commands.py" or layer == "ground"]
     assert _reaching(paths, above) == {}, f"{layer} importing a layer above it"

@@ -17,16 +17,17 @@ from safetensors import safe_open
 from safetensors.numpy import load_file
 
 from _hf_models import load_saved, save_hf_model
-from pipeline.models.numerics import model_logits_bound
+from pipeline.ground.models.numerics import model_logits_bound
 from manifests.identity import MANIFEST_NAME, read_json, write_json
 from manifests.schema import validate
-from pipeline.bundle import NonFiniteWeights, export_bundle, verify_bundle
-from pipeline.cmf import Masks, TaskMask, write_cmf
-from pipeline.cmf.skills import add_skill
-from pipeline.errors import IdentityError, OutputExists, UnsupportedModel
-from pipeline.models import ModelArgs, build_model
-from pipeline.models.hf_config import arch_from_hf_config
-from pipeline.reference import load_reference
+from pipeline.ground.bundle_format import verify_bundle
+from pipeline.stages.bundle import NonFiniteWeights, export_bundle
+from pipeline.ground.cmf import Masks, TaskMask, write_cmf
+from pipeline.ground.cmf.skills import add_skill
+from pipeline.ground.errors import IdentityError, OutputExists, UnsupportedModel
+from pipeline.ground.models import ModelArgs, build_model
+from pipeline.ground.models.hf_config import arch_from_hf_config
+from pipeline.ground.reference import load_reference
 
 CONFORMANCE = Path("/work/shared/cmf-conformance")
 MODEL_CASES = ["model_f32_a", "model_f16_b", "model_q8_row_a", "model_q4_block_c", "model_q8_2f_b",
@@ -121,7 +122,7 @@ def test_task_is_baked_exactly(tmp_path, task):
         masked, _, _ = load_reference(cmf, task=task)
     baked, _, _ = load_reference(tmp_path / "b")
     with torch.no_grad():
-        # Zeroed weights vs masked activations: other sums of the same terms (pipeline/models/numerics.py).
+        # Zeroed weights vs masked activations: other sums of the same terms (pipeline/ground/models/numerics.py).
         torch.testing.assert_close(baked(IDS), masked(IDS), rtol=0, atol=model_logits_bound(masked, len(IDS)))
 
 
@@ -284,7 +285,7 @@ def test_verify_bundle_without_hashes_checks_sizes_only(bundle, tmp_path):
 
 _EXPORT = """
 import sys
-from pipeline.bundle import export_bundle
+from pipeline.stages.bundle import export_bundle
 export_bundle(sys.argv[1], sys.argv[2])
 """
 

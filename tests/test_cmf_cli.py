@@ -12,7 +12,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from pipeline.cli import main
-from pipeline.cmf import open_cmf
+from pipeline.ground.cmf import open_cmf
 
 VECTORS = Path("/work/shared/cmf-conformance")
 
@@ -118,7 +118,7 @@ def test_dump_npz(tmp_path, capsys):
 
 
 def test_dump_with_a_skill_keys_by_base_name(tmp_path, capsys):
-    from pipeline.cmf.skills import add_skill
+    from pipeline.ground.cmf.skills import add_skill
 
     model = tmp_path / "m.cmf"
     shutil.copy(VECTORS / "model_f32_a.cmf", model)

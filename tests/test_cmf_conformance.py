@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.cmf import hash64, open_cmf, verify_cmf
-from pipeline.cmf.errors import CmfError
-from pipeline.cmf.masks import pack_rows
+from pipeline.ground.cmf import hash64, open_cmf, verify_cmf
+from pipeline.ground.cmf.errors import CmfError
+from pipeline.ground.cmf.masks import pack_rows
 
 VECTORS = Path("/work/shared/cmf-conformance")
 CASES = [c["case"] for c in json.loads((VECTORS / "index.json").read_text())]

@@ -1,7 +1,7 @@
 """The dtype table against the independent conformance vectors, plus encoder round trips.
 
 Payloads are sliced straight from the container bytes using each case's JSON,
-so these tests depend only on pipeline.cmf.dtypes, not on the reader.
+so these tests depend only on pipeline.ground.cmf.dtypes, not on the reader.
 """
 
 import json
@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.cmf.dtypes import DTYPES, dtype_by_name, dtype_for_id
-from pipeline.cmf.errors import Bounds, Parse
-from pipeline.models.numerics import gamma
+from pipeline.ground.cmf.dtypes import DTYPES, dtype_by_name, dtype_for_id
+from pipeline.ground.cmf.errors import Bounds, Parse
+from pipeline.ground.models.numerics import gamma
 
 CONF = Path("/work/shared/cmf-conformance")
 

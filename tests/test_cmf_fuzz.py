@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from _fuzz import HANG_SECONDS, deadline, interesting, mutate_bytes
 
-from pipeline.cmf import Masks, TaskMask, open_cmf, verify_cmf, write_cmf
-from pipeline.cmf.errors import CmfError
-from pipeline.cmf.skills import add_skill
+from pipeline.ground.cmf import Masks, TaskMask, open_cmf, verify_cmf, write_cmf
+from pipeline.ground.cmf.errors import CmfError
+from pipeline.ground.cmf.skills import add_skill
 
 VECTORS = Path("/work/shared/cmf-conformance")
 CASES_PER_BASE = 500

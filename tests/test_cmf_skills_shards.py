@@ -6,10 +6,10 @@ import struct
 import numpy as np
 import pytest
 
-from pipeline.cmf import hash64, open_cmf, verify_cmf, write_cmf
-from pipeline.cmf.errors import ShardError, SkillError
-from pipeline.cmf.skills import add_skill, apply_skill_file, export_skill_file, skill_tensor_source
-from pipeline.cmf.writer import RawTensor
+from pipeline.ground.cmf import hash64, open_cmf, verify_cmf, write_cmf
+from pipeline.ground.cmf.errors import ShardError, SkillError
+from pipeline.ground.cmf.skills import add_skill, apply_skill_file, export_skill_file, skill_tensor_source
+from pipeline.ground.cmf.writer import RawTensor
 
 ARCH = {"arch_name": "llama", "hidden_size": 32, "intermediate_size": 64, "num_layers": 1, "num_attention_heads": 4}
 
@@ -185,7 +185,7 @@ def test_signing_a_sharded_model_signs_every_file(sharded, tmp_path):
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
     from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
 
-    from pipeline.cmf import sign_cmf
+    from pipeline.ground.cmf import sign_cmf
 
     paths, _ = sharded
     key = tmp_path / "key.raw"

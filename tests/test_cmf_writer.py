@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.cmf import DTYPES, Masks, RawTensor, TaskMask, dtype_by_name, hash64, open_cmf, verify_cmf, write_cmf
-from pipeline.cmf.errors import CmfError, Parse
-from pipeline.cmf.masks import encode_masks
-from pipeline.errors import OutputExists
+from pipeline.ground.cmf import DTYPES, Masks, RawTensor, TaskMask, dtype_by_name, hash64, open_cmf, verify_cmf, write_cmf
+from pipeline.ground.cmf.errors import CmfError, Parse
+from pipeline.ground.cmf.masks import encode_masks
+from pipeline.ground.errors import OutputExists
 
 VECTORS = Path("/work/shared/cmf-conformance")
 ENCODABLE = [dt.name for dt in DTYPES.values() if dt.encode is not None]

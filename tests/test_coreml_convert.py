@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from _coreml_models import CONTEXT, VOCAB, make_bundle
-from pipeline.models.numerics import model_logits_bound
+from pipeline.ground.models.numerics import model_logits_bound
 from coreml.convert import (
     CHECK_SCHEDULES,
     ConversionFailed,
@@ -32,8 +32,8 @@ from coreml.mil.loader import load_program
 from coreml.package import open_package
 from manifests.identity import sha256_file
 from pipeline.cli import main
-from pipeline.errors import IdentityError, OutputExists
-from pipeline.models import CachedStep, KVCache
+from pipeline.ground.errors import IdentityError, OutputExists
+from pipeline.ground.models import CachedStep, KVCache
 
 
 
@@ -162,7 +162,7 @@ def test_manifests_bind_the_package_to_its_bundle_code_and_program(built, statef
         assert manifest["package_bytes"] == on_disk
         code = manifest["conversion"]["code"]["files"]
         assert code["coreml/convert.py"] == sha256_file(Path(__file__).parents[1] / "coreml/convert.py")
-        assert "pipeline/models/base.py" in code
+        assert "pipeline/ground/models/base.py" in code
         assert manifest["environment"]["packages"]["coremltools"] == ct.__version__
         weights = manifest["package"]["weights"]
         assert weights["model_model_embed_tokens_weight"] == ["model.embed_tokens.weight"]

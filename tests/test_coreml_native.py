@@ -15,9 +15,9 @@ from coreml.mil.executor import Executor
 from coreml.mil.loader import load_program
 from coreml.package import open_package
 from coreml.recipes import RecipePrecondition, compress_package
-from pipeline.bundle import export_bundle
-from pipeline.cmf import open_cmf, write_cmf
-from pipeline.reference import load_reference
+from pipeline.stages.bundle import export_bundle
+from pipeline.ground.cmf import open_cmf, write_cmf
+from pipeline.ground.reference import load_reference
 
 # The package computes in fp32 like the torch reference; 1e-4 is the FP32 conversion's own
 # bound on these O(1) logits (tests/test_coreml_recipes.py TOLERANCE).

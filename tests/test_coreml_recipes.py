@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from _coreml_models import VOCAB, make_bundle, random_weights
-from pipeline.models.numerics import U32, model_logits_bound
+from pipeline.ground.models.numerics import U32, model_logits_bound
 from coreml.convert import export_coreml
 from coreml.manifest import verify_package
 from coreml import codes
@@ -29,8 +29,8 @@ from coreml.recipes import (
     plan_selection,
 )
 from manifests.identity import sha256_file
-from pipeline.errors import IdentityError, OutputExists
-from pipeline.models import ModelArgs, build_model
+from pipeline.ground.errors import IdentityError, OutputExists
+from pipeline.ground.models import ModelArgs, build_model
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +79,7 @@ def test_compressed_package_matches_the_reference_with_decompressed_weights(sour
         expected = model(torch.tensor(ids, dtype=torch.long)).numpy()
         original_logits = build_model(model.args, original)(torch.tensor(ids, dtype=torch.long)).numpy()
     # Float32 package vs float32 reference on the same decompressed weights, each side rounding
-    # (q - zero) * scale (or a LUT entry) once: the derived bound (pipeline/models/numerics.py).
+    # (q - zero) * scale (or a LUT entry) once: the derived bound (pipeline/ground/models/numerics.py).
     bound = model_logits_bound(model, len(ids), weight_rtol=2 * U32)
     assert np.abs(logits - expected).max() <= bound
     assert np.abs(logits - original_logits).max() > 10 * bound  # the compression is real

@@ -14,10 +14,10 @@ import torch
 
 from coreml.convert import export_coreml
 from coreml.package import open_package
-from pipeline.bundle import export_bundle
-from pipeline.models.numerics import model_logits_bound
-from pipeline.reference import load_reference
-from pipeline.tokenizer import tokenizer_from_artifact
+from pipeline.stages.bundle import export_bundle
+from pipeline.ground.models.numerics import model_logits_bound
+from pipeline.ground.reference import load_reference
+from pipeline.ground.tokenizer import tokenizer_from_artifact
 
 pytestmark = pytest.mark.slow
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -50,7 +50,7 @@ def test_stateless_package_matches_reference_on_botchan(converted, smollm2_cmf):
     delta = float(np.abs(got[0] - expected).max())
     print(f"SmolLM2 stateless package (executor) vs torch reference, {EXCERPT_TOKENS} tokens: max |Δ| {delta:.3g}")
     # float32 package vs float32 reference: only summation order differs; the probable form of
-    # the derived bound (the worst case is as wide as the logits' spread; pipeline/models/numerics.py).
+    # the derived bound (the worst case is as wide as the logits' spread; pipeline/ground/models/numerics.py).
     assert delta <= model_logits_bound(model, EXCERPT_TOKENS, probable=True)
     assert np.array_equal(got[0].argmax(-1), expected.argmax(-1))
 

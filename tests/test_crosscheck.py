@@ -14,9 +14,9 @@ import pytest
 
 from coreml.manifest import verify_package
 from manifests.identity import MANIFEST_NAME, file_identity, read_json, write_json
-from pipeline.bundle import safetensors_header, verify_bundle
+from pipeline.ground.bundle_format import safetensors_header, verify_bundle
 from pipeline.cli import main
-from pipeline.errors import IdentityError
+from pipeline.ground.errors import IdentityError
 
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCE = ROOT / "fixtures" / "reference"
@@ -190,7 +190,7 @@ def test_a_bundle_header_that_disagrees_with_the_source_cmf_is_refused(fixture_b
 
 
 def test_a_gate_manifest_whose_verdict_or_summary_differs_from_its_report_is_refused(fixture_packages, tmp_path):
-    from pipeline.align import align_package, verify_alignment
+    from pipeline.stages.align import align_package, verify_alignment
 
     gate = tmp_path / "gate"
     align_package(fixture_packages / "stateless", REFERENCE, gate)

@@ -13,13 +13,14 @@ import torch
 from tokenizers import Tokenizer
 
 from _hf_models import load_saved, save_hf_model
-from pipeline.models.numerics import model_logits_bound
-from pipeline.backends import BackendError, TorchBackend, open_backend
-from pipeline.bundle import export_bundle
+from pipeline.ground.models.numerics import model_logits_bound
+from pipeline.ground.torch_backend import TorchBackend
+from pipeline.stages.backends import BackendError, open_backend
+from pipeline.stages.bundle import export_bundle
 from pipeline.cli import main
-from pipeline.cmf import write_cmf
-from pipeline.models.hf_config import arch_from_hf_config
-from pipeline.reference import load_reference
+from pipeline.ground.cmf import write_cmf
+from pipeline.ground.models.hf_config import arch_from_hf_config
+from pipeline.ground.reference import load_reference
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 BOS = 1
@@ -41,7 +42,7 @@ def artifact(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def bound(artifact):
-    """Max |Δ logit| of two float32 evaluations of the artifact (pipeline/models/numerics.py): ours and
+    """Max |Δ logit| of two float32 evaluations of the artifact (pipeline/ground/models/numerics.py): ours and
     transformers', or ours at other lengths, over its whole context."""
     model, args, _ = load_reference(artifact[0])
     return model_logits_bound(model, args.max_position_embeddings)

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from pipeline.models.numerics import gamma, model_logits_bound
+from pipeline.ground.models.numerics import gamma, model_logits_bound
 from _one_thread import one_thread  # noqa: F401 (autouse fixture)
 
 from fixtures.corpus import BOTCHAN, corpus_lines, split_lines
@@ -26,9 +26,9 @@ from fixtures.train_fixture import (
     transformers_model,
 )
 from manifests.identity import sha256_file
-from pipeline.cmf import open_cmf, verify_cmf
-from pipeline.models import KVCache
-from pipeline.reference import load_reference
+from pipeline.ground.cmf import open_cmf, verify_cmf
+from pipeline.ground.models import KVCache
+from pipeline.ground.reference import load_reference
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def hf_model():
 @pytest.fixture(scope="module")
 def bound():
     """Max |Δ logit| of two float32 evaluations of the fixture over its 128-token context (any
-    kernels, any CPU: pipeline/models/numerics.py). The frozen logits came from another machine."""
+    kernels, any CPU: pipeline/ground/models/numerics.py). The frozen logits came from another machine."""
     return model_logits_bound(load_reference(CMF_PATH)[0], 128)
 
 

@@ -17,12 +17,12 @@ from tokenizers import Tokenizer as HfTokenizer
 from conftest import FIXTURE_CMF
 from manifests.chain import verify_chain
 from manifests.identity import file_identity, load_manifest, read_json, write_json
-from pipeline import align
-from pipeline.backends import open_backend
+from pipeline.stages import align
+from pipeline.stages.backends import open_backend
 from pipeline.cli import build_parser, main
-from pipeline.errors import IdentityError
-from pipeline.generation import Sampling, generate
-from pipeline.tokenizer import tokenizer_from_artifact
+from pipeline.ground.errors import IdentityError
+from pipeline.ground.generation import Sampling, generate
+from pipeline.ground.tokenizer import tokenizer_from_artifact
 
 PROMPT = "I was sent to a middle school in the country."
 TOKENS = 48  # the fixture's context is 128; the prompt is 15 tokens with BOS
@@ -55,9 +55,9 @@ def reference(prompt):
 
 def _fp32_bound(fp16_cache: bool = False) -> float:
     """Two float32 evaluations of the fixture over 128 positions differ by at most this
-    (worst case, pipeline/models/numerics.py); one side's fp16 K/V adds its rounding."""
-    from pipeline.models.numerics import model_logits_bound
-    from pipeline.reference import load_reference
+    (worst case, pipeline/ground/models/numerics.py); one side's fp16 K/V adds its rounding."""
+    from pipeline.ground.models.numerics import model_logits_bound
+    from pipeline.ground.reference import load_reference
 
     return model_logits_bound(load_reference(FIXTURE_CMF)[0], 128, fp16_cache=fp16_cache)
 

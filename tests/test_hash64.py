@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.cmf.hash64 import hash64
+from pipeline.ground.cmf.hash64 import hash64
 
 MASK = (1 << 64) - 1
 

@@ -11,15 +11,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from _hf_models import save_hf_model
-from pipeline.models.numerics import model_logits_bound
+from pipeline.ground.models.numerics import model_logits_bound
 from pipeline.cli import main
-from pipeline.cmf import dtype_by_name, open_cmf
-from pipeline.errors import OutputExists, UnsupportedModel
-from pipeline.importers.gguf import import_gguf, unpermute_rows
-from pipeline.importers.hf import import_hf
-from pipeline.importers.quant_policy import QuantPolicy, role_of
-from pipeline.models.errors import ModelConfigError
-from pipeline.reference import load_reference
+from pipeline.ground.cmf import dtype_by_name, open_cmf
+from pipeline.ground.errors import OutputExists, UnsupportedModel
+from pipeline.stages.importers.gguf import import_gguf, unpermute_rows
+from pipeline.stages.importers.hf import import_hf
+from pipeline.stages.importers.quant_policy import QuantPolicy, role_of
+from pipeline.ground.models.errors import ModelConfigError
+from pipeline.ground.reference import load_reference
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 FIXTURE_TOKENIZER = Path(__file__).resolve().parent.parent / "fixtures" / "tokenizer.json"

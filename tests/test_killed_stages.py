@@ -21,7 +21,7 @@ import pytest
 from conftest import FIXTURE_CMF, FIXTURE_REFERENCE, ROOT
 
 from manifests.chain import verify_artifact, verify_chain
-from pipeline.errors import CmfdeployError
+from pipeline.ground.errors import CmfdeployError
 
 # Seconds after the staging folder appears: at once, early in the work, later in it.
 KILL_DELAYS = (0.0, 0.4, 1.5)
@@ -78,7 +78,7 @@ def _assert_killed_runs_leave_nothing_complete(command: list[str], out: Path, ve
 
 @pytest.fixture(scope="module")
 def gate(fixture_packages, tmp_path_factory) -> Path:
-    from pipeline.align import align_package
+    from pipeline.stages.align import align_package
 
     out = tmp_path_factory.mktemp("killed") / "gate-chunk_kv"
     align_package(fixture_packages / "chunk_kv", FIXTURE_REFERENCE, out)
@@ -126,7 +126,7 @@ def test_killed_align(fixture_packages, tmp_path):
 
 
 def test_killed_survey(fixture_packages, gate, items, tmp_path):
-    from pipeline.survey import load_survey
+    from pipeline.stages.survey import load_survey
 
     def verify(folder):
         load_survey(folder)  # survey.json and every file it records

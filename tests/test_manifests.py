@@ -24,8 +24,8 @@ from manifests.identity import (
     write_json,
 )
 from manifests.schema import COMMON_FILE, SCHEMA_FILES, load_schema, validate
-from pipeline.bundle import export_bundle
-from pipeline.errors import IdentityError
+from pipeline.stages.bundle import export_bundle
+from pipeline.ground.errors import IdentityError
 
 CONFORMANCE = Path("/work/shared/cmf-conformance")
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import _mil_modules as mm
-from pipeline.models.numerics import decoder_chain, gamma, logits_bound
+from pipeline.ground.models.numerics import decoder_chain, gamma, logits_bound
 from coreml.convert import _beyond_one_fp16_step
 from coreml.mil import Executor, MilError, UnsupportedOp, load_program
 from coreml.mil.ops import OPS, OpDef
@@ -19,7 +19,7 @@ from coreml.package import PackageError, open_package
 
 
 def _bounds() -> tuple[float, float]:
-    """(logits, K/V) bounds of two float32 evaluations of the tiny decoder (pipeline/models/numerics.py).
+    """(logits, K/V) bounds of two float32 evaluations of the tiny decoder (pipeline/ground/models/numerics.py).
 
     Every variant attends over at most MAX_LEN positions. A cached key or value is rope of a
     DIM-long dot with the attention-normed input: gamma(2 DIM + 3) relative (mean of squares,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.models.numerics import U32, assert_within_sums, gamma
+from pipeline.ground.models.numerics import U32, assert_within_sums, gamma
 from coreml.mil import MilError
 from coreml.mil.loader import DTYPE_BY_NAME, unpack_subbyte
 from coreml.mil.ops import OPS

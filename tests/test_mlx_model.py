@@ -1,4 +1,4 @@
-"""The MLX runtime against the PyTorch reference decoder (pipeline.models) running the same
+"""The MLX runtime against the PyTorch reference decoder (pipeline.ground.models) running the same
 decoded weights: random-weight transformers models written to CMF in every dtype the writer
 produces, task masks and skills, the KV cache's snapshot/extend/trim, greedy generation,
 chat templates (against transformers' renderer) and the CLI."""
@@ -11,19 +11,19 @@ import pytest
 import torch
 
 from _hf_models import load_saved, save_hf_model
-from pipeline.models.numerics import model_logits_bound
+from pipeline.ground.models.numerics import model_logits_bound
 from _one_thread import one_thread  # noqa: F401 (autouse fixture)
-from pipeline.backends import open_backend
+from pipeline.stages.backends import open_backend
 from pipeline.cli import main
-from pipeline.cmf import DTYPES, open_cmf, write_cmf
-from pipeline.cmf.skills import add_skill
-from pipeline.errors import UnsupportedModel
-from pipeline.models import KVCache as TorchCache
-from pipeline.models.hf_config import arch_from_hf_config
-from pipeline.reference import load_reference
-from pipeline.tokenizer import load_tokenizer
+from pipeline.ground.cmf import DTYPES, open_cmf, write_cmf
+from pipeline.ground.cmf.skills import add_skill
+from pipeline.ground.errors import UnsupportedModel
+from pipeline.ground.models import KVCache as TorchCache
+from pipeline.ground.models.hf_config import arch_from_hf_config
+from pipeline.ground.reference import load_reference
+from pipeline.ground.tokenizer import load_tokenizer
 from mlx_runtime.backend import MlxBackend
-from pipeline.chat import CHATML, ChatTemplateError, render_chat
+from pipeline.ground.chat import CHATML, ChatTemplateError, render_chat
 from mlx_runtime.generate import Sampling, Stats, generate, sample
 from mlx_runtime.models import forward, load_model
 
@@ -64,7 +64,7 @@ def _reference_logits(path: Path, ids, **options) -> np.ndarray:
 
 
 def _bound(path: Path, **options) -> float:
-    """Max |Δ logit| of MLX vs torch float32 on the model's decoded weights (pipeline/models/numerics.py),
+    """Max |Δ logit| of MLX vs torch float32 on the model's decoded weights (pipeline/ground/models/numerics.py),
     over its whole context."""
     model, args, _ = load_reference(path, **options)
     return model_logits_bound(model, args.max_position_embeddings, weight_rtol=MLX_WEIGHT_RTOL)
@@ -155,7 +155,7 @@ def test_trim_rewinds_the_cache(qwen3_q4):
 
 
 def test_backend_refuses_bad_ids(qwen3_q4):
-    from pipeline.backends import BackendError
+    from pipeline.stages.backends import BackendError
 
     backend = open_backend(qwen3_q4, "mlx")
     with pytest.raises(BackendError, match="token id 128"):
@@ -259,7 +259,7 @@ def test_resident_memory_is_the_packed_weights(tmp_path_factory):
 
 
 def test_skill_files_are_refused(tmp_path_factory):
-    from pipeline.cmf.skills import export_skill_file
+    from pipeline.ground.cmf.skills import export_skill_file
 
     path = _write(tmp_path_factory, "qwen3", "f16", seed=5)
     name = "model.layers.0.self_attn.q_proj.weight"
@@ -353,7 +353,7 @@ def test_cli_errors_are_one_line(with_tokenizer, tmp_path, capsys):
 
 
 def test_cli_score_matches_the_torch_backend(with_tokenizer, tmp_path):
-    from pipeline.scoring import read_run, score
+    from pipeline.stages.scoring import read_run, score
 
     items = tmp_path / "items.jsonl"
     items.write_text('{"id": "a", "context": "I am a cat.", "candidates": [" As yet", " I have", " no name"], '

@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-CHECK = ("import sys, mlx_runtime.backend, mlx_runtime.commands, mlx_runtime.models, mlx_runtime.generate; "
+CHECK = ("import sys, mlx_runtime.backend, pipeline.cli.mlx_commands, mlx_runtime.models, mlx_runtime.generate; "
          "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
 
 

@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from _mlx_artifacts import cached_build, save_transformers_fp32
-from pipeline.importers.gguf import import_gguf
-from pipeline.importers.quant_policy import QuantPolicy
-from pipeline.models.numerics import model_logits_bound
-from pipeline.reference import load_reference
-from pipeline.tokenizer import tokenizer_from_artifact
+from pipeline.stages.importers.gguf import import_gguf
+from pipeline.stages.importers.quant_policy import QuantPolicy
+from pipeline.ground.models.numerics import model_logits_bound
+from pipeline.ground.reference import load_reference
+from pipeline.ground.tokenizer import tokenizer_from_artifact
 from mlx_runtime.backend import MlxBackend
-from pipeline.chat import chat_ids
+from pipeline.ground.chat import chat_ids
 from mlx_runtime.generate import generate
 
 pytestmark = pytest.mark.slow
@@ -79,7 +79,7 @@ def test_f32_logits_match_transformers(built, reference, f32_backend):
     want = _reference_logits(reference, ids)
     got = f32_backend.logits(ids)
     # Two float32 evaluations of one model over 64 positions: the probable form of the derived
-    # bound (the worst case, 10, is as wide as SmolLM2's logit spread; pipeline/models/numerics.py).
+    # bound (the worst case, 10, is as wide as SmolLM2's logit spread; pipeline/ground/models/numerics.py).
     bound = model_logits_bound(load_reference(cmfs["f32"])[0], 64, probable=True)
     assert np.abs(got - want).max() <= bound
     _, snap = f32_backend.prefill(ids[:60])  # then single tokens on the decode path

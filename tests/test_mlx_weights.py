@@ -1,7 +1,7 @@
-"""Every MLX dtype handler against the CMF decoder (pipeline.cmf): the effective weights the
+"""Every MLX dtype handler against the CMF decoder (pipeline.ground.cmf): the effective weights the
 kernels run are the decoder's output, and quantized matmuls equal x @ decode(W).T.
 
-Payloads come from two independent sources: the encoders of pipeline.cmf.dtypes on random
+Payloads come from two independent sources: the encoders of pipeline.ground.cmf.dtypes on random
 weights, and the conformance vectors' dtype_* files (random but valid payloads that reach
 every code value)."""
 
@@ -13,16 +13,16 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from pipeline.cmf import DTYPES, dtype_by_name, open_cmf
-from pipeline.cmf.dtypes import GROUP, _q2tp_scales, ladder, tile_rungs
-from pipeline.errors import UnsupportedModel
+from pipeline.ground.cmf import DTYPES, dtype_by_name, open_cmf
+from pipeline.ground.cmf.dtypes import GROUP, _q2tp_scales, ladder, tile_rungs
+from pipeline.ground.errors import UnsupportedModel
 from mlx_runtime.weights import HANDLERS, Packed, dense, linear_from_payload, load_linear, lookup, matmul
 
 CONFORMANCE = Path("/work/shared/cmf-conformance")
 ENCODED = [dt.name for dt in DTYPES.values() if dt.encode is not None]
 U32 = 2.0**-24  # float32 unit roundoff
 # The ladder dtypes run code * t + bias where the decoder runs (code - k) * t. With the same
-# rung t (both take pipeline.cmf.dtypes.ladder's bits), q4tp's -8t is exact and code * t
+# rung t (both take pipeline.ground.cmf.dtypes.ladder's bits), q4tp's -8t is exact and code * t
 # (code <= 15) and the sum round once each: at |code - 8| = 1 that is (9 + 1) u of |w|, plus
 # the decoder's own u, 11u; q2tp's -1.5t, 3t, the sum and the decoder's product give 5u. Both
 # are under 16u = 2^-20 relative, and zeros stay exact zeros.

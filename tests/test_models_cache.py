@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from _hf_models import load_saved, save_hf_model
-from pipeline.models.numerics import model_cache_bound, model_logits_bound
-from pipeline.models import CachedStep, KVCache, ModelArgs, build_model
-from pipeline.models.errors import ContextOverflow
-from pipeline.models.hf_config import arch_from_hf_config
+from pipeline.ground.models.numerics import model_cache_bound, model_logits_bound
+from pipeline.ground.models import CachedStep, KVCache, ModelArgs, build_model
+from pipeline.ground.models.errors import ContextOverflow
+from pipeline.ground.models.hf_config import arch_from_hf_config
 
 SCHEDULES = [[1, 3, 124], [128], [3, 1, 124], [124, 3, 1], [127, 1]]
 
@@ -39,7 +39,7 @@ def _run(model, ids, schedule, cache):
 def test_any_chunk_schedule_gives_the_full_forward(model, ids, schedule):
     expected = model(ids)
     got = _run(model, ids, schedule, KVCache.empty(model.args, 160))
-    # Other chunk lengths, other kernels and sums: two float32 evaluations (pipeline/models/numerics.py).
+    # Other chunk lengths, other kernels and sums: two float32 evaluations (pipeline/ground/models/numerics.py).
     assert (got - expected).abs().max().item() <= model_logits_bound(model, 160)
 
 

@@ -14,15 +14,15 @@ import pytest
 import torch
 
 from _hf_models import load_saved, save_hf_model
-from pipeline.models.numerics import gamma, model_logits_bound
-from pipeline.cmf import write_cmf
-from pipeline.cmf.masks import TaskMask
-from pipeline.cmf.skills import add_skill, export_skill_file
-from pipeline.errors import UnsupportedModel
-from pipeline.models import ModelArgs, MoeArgs, build_model
-from pipeline.models.errors import ModelConfigError
-from pipeline.models.hf_config import arch_from_hf_config
-from pipeline.reference import load_reference, skill_blend_weights
+from pipeline.ground.models.numerics import gamma, model_logits_bound
+from pipeline.ground.cmf import write_cmf
+from pipeline.ground.cmf.masks import TaskMask
+from pipeline.ground.cmf.skills import add_skill, export_skill_file
+from pipeline.ground.errors import UnsupportedModel
+from pipeline.ground.models import ModelArgs, MoeArgs, build_model
+from pipeline.ground.models.errors import ModelConfigError
+from pipeline.ground.models.hf_config import arch_from_hf_config
+from pipeline.ground.reference import load_reference, skill_blend_weights
 
 CONFORMANCE = Path("/work/shared/cmf-conformance")
 
@@ -65,7 +65,7 @@ def _mask(args, ffn=None, heads=None, gates=None, experts=None):
 
 def _assert_close(got, expected, header, weights, weight_rtol=0.0):
     """Two float32 evaluations of one function (other shapes, so other kernels and sums):
-    within the derived bound of pipeline/models/numerics.py for the model `header`/`weights` builds."""
+    within the derived bound of pipeline/ground/models/numerics.py for the model `header`/`weights` builds."""
     model = build_model(ModelArgs.from_header(header), weights)
     assert (got - expected).abs().max().item() <= model_logits_bound(model, len(got), weight_rtol=weight_rtol)
 
@@ -148,7 +148,7 @@ def test_ffn_bits_on_a_router_layer_are_refused(moe):
         build_model(args, weights, _mask(args, ffn=ffn))
 
 
-# -- CMF files: a conformance model with masks, and skills written by pipeline.cmf
+# -- CMF files: a conformance model with masks, and skills written by pipeline.ground.cmf
 
 
 def _bits(hex_rows, width):
@@ -158,7 +158,7 @@ def _bits(hex_rows, width):
 
 def test_conformance_task_mask_matches_hand_zeroed_weights():
     """model_masks_tok_a's "sparse-random" task (heads, neurons and a gated-off layer 1),
-    with the bits decoded here from the vectors' own hex, not by pipeline.cmf."""
+    with the bits decoded here from the vectors' own hex, not by pipeline.ground.cmf."""
     case = json.loads((CONFORMANCE / "model_masks_tok_a.json").read_text())
     task = next(t for t in case["masks"]["decoded"] if t["name"] == "sparse-random")
     with np.load(CONFORMANCE / "model_masks_tok_a.expected.npz", allow_pickle=False) as npz:

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from _hf_models import load_saved, save_hf_model
-from pipeline.models.numerics import model_logits_bound
-from pipeline.errors import UnsupportedModel
-from pipeline.models import KVCache, ModelArgs, build_model
-from pipeline.models.hf_config import arch_from_hf_config
+from pipeline.ground.models.numerics import model_logits_bound
+from pipeline.ground.errors import UnsupportedModel
+from pipeline.ground.models import KVCache, ModelArgs, build_model
+from pipeline.ground.models.hf_config import arch_from_hf_config
 
 CASES = {
     "llama-llama3-rope": ("llama", {}),

@@ -6,7 +6,7 @@ import stat
 import pytest
 
 from manifests.output import refuse_existing, staged_file, staged_output
-from pipeline.errors import OutputBusy, OutputExists
+from pipeline.ground.errors import OutputBusy, OutputExists
 
 
 def _umask() -> int:

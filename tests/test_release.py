@@ -8,13 +8,13 @@ import pytest
 from _survey_models import built_survey, failed_gate
 from conftest import FIXTURE_REFERENCE
 
-from pipeline.survey import ForeignGate
+from pipeline.stages.survey import ForeignGate
 from manifests.chain import verify_chain
 from manifests.identity import read_json, sha256_file
-from pipeline.align import GateFailed, align_package
+from pipeline.stages.align import GateFailed, align_package
 from pipeline.cli import main
-from pipeline.errors import IdentityError, OutputExists
-from pipeline.release import ReleaseError, make_release, verify_release
+from pipeline.ground.errors import IdentityError, OutputExists
+from pipeline.stages.release import ReleaseError, make_release, verify_release
 
 
 @pytest.fixture(scope="module")
@@ -237,9 +237,9 @@ def test_a_relocated_release_carries_its_tokenizer_and_describes_itself(release,
 
 
 def test_text_commands_run_on_a_relocated_release_with_text_alone(release, relocated, survey, tmp_path, capsys):
-    from pipeline.backends import open_backend
-    from pipeline.generation import generate
-    from pipeline.tokenizer import tokenizer_from_artifact
+    from pipeline.stages.backends import open_backend
+    from pipeline.ground.generation import generate
+    from pipeline.ground.tokenizer import tokenizer_from_artifact
 
     deployed = relocated / "packages" / release["recipe"]
     tokenizer = tokenizer_from_artifact(relocated)

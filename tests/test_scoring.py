@@ -8,17 +8,18 @@ import math
 import numpy as np
 import pytest
 import torch
-from pipeline.models.numerics import model_logits_bound
+from pipeline.ground.models.numerics import model_logits_bound
 from _one_thread import one_thread  # noqa: F401 (autouse fixture)
 
 from fixtures.make_scoring_set import OUT as CLOZE
 from fixtures.train_fixture import CMF_PATH, fixture_tokenizer, transformers_model
 from manifests.identity import load_manifest
 from pipeline.cli import main as cli_main
-from pipeline.errors import CmfdeployError, OutputExists
-from pipeline.backends import TorchBackend, open_backend
-from pipeline.reference import load_reference
-from pipeline.scoring import (
+from pipeline.ground.errors import CmfdeployError, OutputExists
+from pipeline.ground.torch_backend import TorchBackend
+from pipeline.stages.backends import open_backend
+from pipeline.ground.reference import load_reference
+from pipeline.stages.scoring import (
     Item,
     ItemScores,
     ItemTooLong,
@@ -65,7 +66,7 @@ def test_prefix_extend_scores_equal_independent_full_forward_scores(cloze_result
         expected = [lp[shared - 1 :].sum() for lp in full]
         assert all(len(ids) - shared == n for ids, n in zip(sequences, result.n_tokens))
         # Each of a candidate's n log-probs is within 2 max|Δ logit| of transformers' (two float32
-        # evaluations of the fixture, pipeline/models/numerics.py).
+        # evaluations of the fixture, pipeline/ground/models/numerics.py).
         slack = 2 * bound * np.array(result.n_tokens)
         assert np.all(np.abs(result.scores - np.array(expected)) <= slack), item.id
 
@@ -73,7 +74,7 @@ def test_prefix_extend_scores_equal_independent_full_forward_scores(cloze_result
 def test_batched_scoring_equals_one_item_at_a_time(backend, tokenizer, cloze_results):
     """The torch backend scores ITEM_BATCH items per batch (prefixes, then every candidate);
     one `prefill` and one `extend` per candidate must give the same scores: two float32
-    evaluations, each log-prob within 2 max|Δ logit| (pipeline/models/numerics.py)."""
+    evaluations, each log-prob within 2 max|Δ logit| (pipeline/ground/models/numerics.py)."""
     bound = model_logits_bound(load_reference(CMF_PATH)[0], 128)
     for item, batched in zip(load_items(CLOZE)[:12], cloze_results):  # one full batch of 8, one partial
         single = score_item(backend, tokenizer, item)

@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.backends import open_backend
-from pipeline.cmf import open_cmf
-from pipeline.evaluate import perplexity, windows
-from pipeline.models import KVCache
-from pipeline.models.numerics import model_logits_bound
-from pipeline.reference import load_reference
-from pipeline.backend_protocol import log_softmax
-from pipeline.tokenizer import tokenizer_from_artifact
+from pipeline.stages.backends import open_backend
+from pipeline.ground.cmf import open_cmf
+from pipeline.stages.evaluate import perplexity, windows
+from pipeline.ground.models import KVCache
+from pipeline.ground.models.numerics import model_logits_bound
+from pipeline.ground.reference import load_reference
+from pipeline.ground.backend_protocol import log_softmax
+from pipeline.ground.tokenizer import tokenizer_from_artifact
 
 pytestmark = pytest.mark.slow
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -66,7 +66,7 @@ def test_perplexity_on_botchan_matches_transformers(backend, hf, excerpt_ids, sm
             count += len(tokens) - 1
     theirs = float(np.exp(total / count))
     # Each token's log-softmax moves by at most 2 max|Δ logit|, so the mean NLL does too: two
-    # float32 evaluations, the probable form of the derived bound (pipeline/models/numerics.py).
+    # float32 evaluations, the probable form of the derived bound (pipeline/ground/models/numerics.py).
     bound = model_logits_bound(load_reference(smollm2_cmf)[0], WINDOW, probable=True)
     assert abs(np.log(ours / theirs)) <= 2 * bound, (ours, theirs)
     assert 5 < theirs < 100  # a real language model on English prose, not a degenerate one

@@ -12,17 +12,17 @@ from _survey_models import SCORING_ITEMS, SURVEY_RECIPES, built_survey, failed_g
 from conftest import FIXTURE_REFERENCE
 
 from coreml.package import open_package
-from pipeline.survey import ForeignGate, SurveyError, load_survey, run_survey
+from pipeline.stages.survey import ForeignGate, SurveyError, load_survey, run_survey
 from manifests.chain import upstream_path, verify_chain
 from manifests.identity import read_json, sha256_file
-from pipeline.align import DEFAULT_QUALITY_TEXT, GateFailed, ReferenceFixtures
-from pipeline.backends import open_backend
+from pipeline.stages.align import DEFAULT_QUALITY_TEXT, GateFailed, ReferenceFixtures
+from pipeline.stages.backends import open_backend
 from pipeline.cli import main
-from pipeline.errors import IdentityError, OutputExists
-from pipeline.models.numerics import model_logits_bound
-from pipeline.reference import load_reference
-from pipeline.scoring import load_items, read_run, score_items
-from pipeline.tokenizer import tokenizer_from_artifact
+from pipeline.ground.errors import IdentityError, OutputExists
+from pipeline.ground.models.numerics import model_logits_bound
+from pipeline.ground.reference import load_reference
+from pipeline.stages.scoring import load_items, read_run, score_items
+from pipeline.ground.tokenizer import tokenizer_from_artifact
 
 MEASURED = ("int8-b32", "int4-b32", "palette4-gc32")
 
@@ -113,13 +113,13 @@ def test_every_recipe_is_exact_on_this_machine(survey):
 
 
 def test_perplexity_change_matches_an_independent_recount(survey):
-    """pipeline.evaluate's perplexity over the same held-out windows, FP32 bundle against the
+    """pipeline.stages.evaluate's perplexity over the same held-out windows, FP32 bundle against the
     reference model loaded with coremltools' decoding of the package's weights."""
     from coreml.decoded import decoded_weights
-    from pipeline.align import Intended
-    from pipeline.evaluate import perplexity
-    from pipeline.reference import load_reference
-    from pipeline.text_roles import text_roles
+    from pipeline.stages.align import Intended
+    from pipeline.stages.evaluate import perplexity
+    from pipeline.ground.reference import load_reference
+    from pipeline.ground.text_roles import text_roles
     import torch
 
     bundle = upstream_path(survey.package, read_json(survey.package / "manifest.json")["source"])
@@ -162,7 +162,7 @@ def test_scoring_effects_match_an_independent_recount(survey):
     bundle = upstream_path(survey.package, read_json(survey.package / "manifest.json")["source"])
     reference = score_items(open_backend(bundle), tokenizer_from_artifact(bundle), load_items(survey.items))
     # Each of a candidate's log-probs moves by at most 2 max|Δ logit| between two float32
-    # evaluations of the model (pipeline/models/numerics.py), so its score by n times that.
+    # evaluations of the model (pipeline/ground/models/numerics.py), so its score by n times that.
     bound = model_logits_bound(load_reference(bundle)[0], 128)
     assert all(np.all(np.abs(a.scores - b.scores) <= 2 * bound * np.array(b.n_tokens))
                for a, b in zip(baseline, reference))

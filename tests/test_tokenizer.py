@@ -1,5 +1,5 @@
 """The fixture's tokenizer.json encodes exactly like the SentencePiece model it was converted from,
-and pipeline.tokenizer wraps it with the ids the CMF tokenizer_config names."""
+and pipeline.ground.tokenizer wraps it with the ids the CMF tokenizer_config names."""
 
 import numpy as np
 import pytest
@@ -8,8 +8,8 @@ import sentencepiece as spm
 from fixtures.corpus import corpus_lines
 from fixtures.make_tokenizer import TOKENIZER_JSON, TOKENIZER_MODEL
 from fixtures.train_fixture import TOKENIZER_CONFIG
-from pipeline.errors import CmfdeployError
-from pipeline.tokenizer import TokenizerError, load_tokenizer
+from pipeline.ground.errors import CmfdeployError
+from pipeline.ground.tokenizer import TokenizerError, load_tokenizer
 
 EDGE_CASES = [
     "", " ", "  ", "  leading and   inner  and trailing  ", "\ttab\tseparated", "a\nb\n", "\r\n",

@@ -1,6 +1,6 @@
 """Typed failures of the MIL reference executor; messages name the package, function and value."""
 
-from pipeline.errors import CmfdeployError
+from pipeline.ground.errors import CmfdeployError
 
 
 class MilError(CmfdeployError):

@@ -1,0 +1,70 @@
+"""CLI: `cmfdeploy survey PACKAGE ...` (every recipe, gated in three parts) and `cmfdeploy release SURVEY`."""
+
+import argparse
+
+from pipeline.cli.align_commands import add_quality_arguments
+
+
+def register(subparsers) -> None:
+    survey = subparsers.add_parser("survey", help="compress a gated FP32 package by every recipe; gate each in three parts")
+    survey.add_argument("package", help="the FP32 package directory (chunk_kv or stateless)")
+    survey.add_argument("--fp32-gate", required=True, help="the package's passed FP32 alignment folder")
+    survey.add_argument("--fixtures", required=True, help="reference fixtures folder (index.json + logits.npz)")
+    survey.add_argument("-o", "--out", required=True, help="survey folder to create")
+    # No argparse choices: run_survey names the known recipes when one is not, and listing
+    # them here would import coremltools into `--help`.
+    survey.add_argument("--recipes", nargs="+", help="recipes of coreml.recipes.RECIPES (default: all)")
+    survey.add_argument("--backend", default="auto", help="package backend for gates and scoring")
+    survey.add_argument("--mixed-bpw", type=float,
+                        help="bits-per-weight budget of the mixed recipe (default: coreml.recipes.MIXED_BPW)")
+    add_quality_arguments(survey)
+    survey.add_argument("--fp32-scores", metavar="RUN",
+                        help="FP32's scoring run of the same scoring set and bundle (align --scores-out of the "
+                             "FP32 gate): read, not scored again")
+    survey.add_argument("--jobs", type=int, default=1,
+                        help="recipes surveyed at a time, each in its own process with an equal share of the cores")
+    survey.add_argument("--force", action="store_true", help="replace an existing output")
+    survey.set_defaults(func=_survey)
+
+    release = subparsers.add_parser("release", help="pack the deployed recipe, FP32 packages and reports into dist/")
+    release.add_argument("survey", help="survey folder (from `cmfdeploy survey`)")
+    release.add_argument("-o", "--out", default="dist", help="folder the release folder <model>-<recipe>/ goes in")
+    release.add_argument("--recipe", help="release this recipe instead of the survey's deployed one")
+    release.add_argument("--package", nargs=2, action="append", default=[], metavar=("PACKAGE", "GATE"),
+                         help="a further FP32 package and its passed alignment folder (repeatable)")
+    release.add_argument("--name", help="model name (default: the source CMF's file stem)")
+    release.add_argument("--sign", metavar="KEY",
+                         help="Ed25519 private key (PEM or 32 raw bytes): sign the release manifest")
+    release.add_argument("--force", action="store_true", help="replace an existing output")
+    release.set_defaults(func=_release)
+
+
+def _survey(args: argparse.Namespace) -> int:
+    from pipeline.stages.survey import run_survey
+
+    survey = run_survey(args.package, args.fp32_gate, args.fixtures, args.items, args.out,
+                        **({"recipes": args.recipes} if args.recipes else {}),
+                        force=args.force, backend=args.backend, budget=args.budget, quality_text=args.quality_text,
+                        mixed_bpw=args.mixed_bpw, all_figures=args.all_figures, jobs=args.jobs,
+                        fp32_scores=args.fp32_scores)
+    for record in survey["recipes"]:
+        if record["status"] == "measured":
+            gate, quality = record["gate"], record["gate"]["quality"]
+            verdict = ("passed" if gate["passed"] else "NOT EXACT (a bug)" if not gate["exact"] else
+                       "over budget" if not gate["within_budget"] else "invariants FAILED")
+            print(f"{record['name']}: {record['package']['bits_per_weight']:.2f} bits/weight, "
+                  f"{record['package']['size_bytes']} bytes ({record['package']['bytes_vs_fp32']:.3f} x FP32), "
+                  f"ppl {quality['ppl_change']:+.2%}, top-1 {quality['top1_agreement']:.3f}: {verdict}")
+        else:
+            print(f"{record['name']}: not measured: {record['precondition']['reason']}")
+    print(f"deployed: {survey['deployed']['recipe']}; report {args.out}/survey.md")
+    return 0
+
+
+def _release(args: argparse.Namespace) -> int:
+    from pipeline.stages.release import make_release
+
+    manifest = make_release(args.survey, args.out, recipe=args.recipe, packages=[tuple(p) for p in args.package],
+                            name=args.name, force=args.force, sign_key=args.sign)
+    print(f"{manifest.path}: {len(manifest['files'])} files, {manifest['inventory']['total_bytes']} bytes")
+    return 0

@@ -1,0 +1,89 @@
+"""The Backend protocol, its error and input checks: no torch here, so runtimes other than the
+reference (MLX) implement it without loading torch. `pipeline.stages.backends` dispatches."""
+
+from typing import Protocol
+
+import numpy as np
+
+from pipeline.ground.errors import CmfdeployError
+
+# What `open_backend` (pipeline.stages.backends) accepts; here so the CLI lists them without torch.
+BACKENDS = ("auto", "torch", "coreml", "coreml-executor", "coreml-macos", "mlx")
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Row-wise log-softmax of a backend's logits, in float64 (summed log-probs and KL must
+    not lose digits to float32)."""
+    x = np.asarray(logits, dtype=np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def kl_rows(log_p: np.ndarray, log_q: np.ndarray) -> np.ndarray:
+    """KL(p || q) per row of two log-softmaxed rows."""
+    return np.sum(np.exp(log_p) * (log_p - log_q), axis=-1)
+
+
+class BackendError(CmfdeployError):
+    """An artifact no backend can open as asked, or input a backend cannot run."""
+
+
+class ChunkSchedule(Protocol):
+    """What a backend that runs in chunks over an explicit KV cache offers the gates: chunk
+    schedules, and snapshots whose caches can be read and edited (the dirty-tail check).
+    Caches are [layers, 1, kv_heads, context, head_dim] in the backend's cache dtype."""
+
+    context: int
+
+    def empty(self) -> object:
+        """The snapshot before any token."""
+
+    def run(self, snapshot: object, ids: np.ndarray) -> tuple[np.ndarray, object]:
+        """Logits of ids fed as one chunk after the snapshot, and the snapshot after them."""
+
+    def cache_arrays(self, snapshot: object) -> tuple[np.ndarray, np.ndarray, int]:
+        """(keys, values, position): the snapshot's caches, slots [0, position) valid."""
+
+    def with_cache_arrays(self, snapshot: object, keys: np.ndarray, values: np.ndarray) -> object:
+        """A snapshot at the same position holding the given caches."""
+
+
+class Backend(Protocol):
+    name: str  # "torch-fp32", "coreml-executor", "coreml-macos", "mlx"
+    context: int  # max tokens
+    # Optional: a backend that runs in chunks over an explicit cache exposes it here (None or
+    # absent otherwise); the gates then check every chunk pattern and the snapshot invariants.
+    chunks: ChunkSchedule | None
+
+    def logits(self, ids: np.ndarray) -> np.ndarray:
+        """ids int [T] -> float32 [T, vocab], one full forward."""
+
+    def prefill(self, ids: np.ndarray) -> tuple[np.ndarray, object]:
+        """Logits [T, vocab] and an immutable snapshot of the state after ids."""
+
+    def extend(self, snapshot: object, ids: np.ndarray) -> np.ndarray:
+        """Logits of ids run after the snapshot; the snapshot stays unchanged (branching)."""
+
+    def advance(self, snapshot: object, ids: np.ndarray) -> tuple[np.ndarray, object]:
+        """`extend`, and the snapshot after ids too (generation's decode step); the given
+        snapshot stays unchanged."""
+
+    # Optional, by presence, where a backend can batch (scoring's items and candidates; a
+    # backend without them gets one call per prefix or branch):
+    #   `prefill_batch([ids, ...]) -> [(logits, snapshot), ...]`, each `prefill(ids)` but with
+    #   the logits of its last token alone [1, vocab] (what branching from it reads);
+    #   `extend_batch([(snapshot, ids), ...]) -> [logits, ...]`, each `extend(snapshot, ids)`.
+
+
+def validate_ids(ids, backend_name: str, vocab_size: int, context: int, offset: int = 0) -> np.ndarray:
+    """ids as int64 [T], or a BackendError naming the problem; `offset` tokens are already cached."""
+    ids = np.asarray(ids)
+    if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+        raise BackendError(f"{backend_name}: ids must be a non-empty 1-D integer array, got {ids.dtype} {ids.shape}")
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bad.any():
+        raise BackendError(f"{backend_name}: token id {ids[bad][0]} at {int(np.argmax(bad))} is outside "
+                           f"the vocabulary of {vocab_size}")
+    if offset + ids.size > context:
+        raise BackendError(f"{backend_name}: {offset + ids.size} tokens exceed the context of {context}")
+    return ids.astype(np.int64)

@@ -1,0 +1,360 @@
+"""Pieces shared by every decoder family: weights intake, norms, RoPE, attention, the KV cache.
+
+Written for two readers: a person checking the maths against Hugging Face, and
+`torch.jit.trace` + coremltools. For the second, forward passes take every size from
+`ModelArgs` (never `tensor.shape` turned into a Python int), RMSNorm is spelled out, GQA is
+an explicit expand + reshape, and the KV cache is plain tensors in and out.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.ground.cmf.masks import TaskMask
+from pipeline.ground.errors import UnsupportedModel
+from pipeline.ground.models.args import ModelArgs
+from pipeline.ground.models.errors import ContextOverflow, ModelConfigError
+from pipeline.ground.models.rope import rope_inv_freq
+from pipeline.ground.models.weights import WeightLedger
+
+
+class Weights(WeightLedger):
+    """The ledger handing tensors out as float32 torch tensors."""
+
+    def take(self, name: str, shape: tuple) -> torch.Tensor:
+        """The tensor as float32; `None` in `shape` accepts any size on that axis."""
+        value = self.entry(name)
+        if isinstance(value, torch.Tensor):
+            tensor = value.detach().to(torch.float32).clone()
+        else:
+            tensor = torch.tensor(np.asarray(value, dtype=np.float32))
+        self.claim(name, tuple(tensor.shape), shape)
+        return tensor
+
+    def optional(self, name: str, shape: tuple) -> torch.Tensor | None:
+        return self.take(name, shape) if self.has(name) else None
+
+
+def _frozen(tensor: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(tensor, requires_grad=False)
+
+
+def _mask_buffer(bits: np.ndarray | None) -> torch.Tensor | None:
+    """A float 0/1 multiplier, or None when every bit is set (the dense path stays op-free)."""
+    if bits is None or bits.all():
+        return None
+    return torch.tensor(bits, dtype=torch.float32)
+
+
+class Linear(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.weight = _frozen(weight)
+        self.bias = None if bias is None else _frozen(bias)
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+def linear(weights: Weights, prefix: str, out_features: int | None, in_features: int | None) -> Linear:
+    """`{prefix}.weight` with its optional `{prefix}.bias` (capability by presence)."""
+    weight = weights.take(f"{prefix}.weight", (out_features, in_features))
+    return Linear(weight, weights.optional(f"{prefix}.bias", (weight.shape[0],)))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float, style: str):
+        super().__init__()
+        self.weight = _frozen(weight)
+        self.eps = eps
+        # Gemma stores w - 1 (spec §2: "gemma" means x_hat * (1 + w)).
+        self.offset = style == "gemma"
+
+    def forward(self, x):
+        scale = self.weight + 1.0 if self.offset else self.weight
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * scale
+
+
+def rotate_half(x, half: int):
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    """Multi-head attention with GQA; q/k/v/o biases and q/k norms by tensor presence."""
+
+    def __init__(self, args: ModelArgs, weights: Weights, prefix: str, head_bits: np.ndarray | None):
+        super().__init__()
+        heads, kv_heads, dim, hidden = args.num_attention_heads, args.num_kv_heads, args.head_dim, args.hidden_size
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim
+        self.scale = dim**-0.5
+        self.q_proj = linear(weights, f"{prefix}.q_proj", heads * dim, hidden)
+        self.k_proj = linear(weights, f"{prefix}.k_proj", kv_heads * dim, hidden)
+        self.v_proj = linear(weights, f"{prefix}.v_proj", kv_heads * dim, hidden)
+        self.o_proj = linear(weights, f"{prefix}.o_proj", hidden, heads * dim)
+        q_norm = weights.optional(f"{prefix}.q_norm.weight", (dim,))
+        k_norm = weights.optional(f"{prefix}.k_norm.weight", (dim,))
+        self.q_norm = None if q_norm is None else RMSNorm(q_norm, args.rms_norm_eps, args.norm_style)
+        self.k_norm = None if k_norm is None else RMSNorm(k_norm, args.rms_norm_eps, args.norm_style)
+        self.head_mask = _mask_buffer(head_bits)
+
+    def _heads(self, x, count: int, norm: RMSNorm | None):
+        x = x.view(1, -1, count, self.head_dim)
+        return (x if norm is None else norm(x)).transpose(1, 2)
+
+    def _rope(self, x, cos, sin):
+        return x * cos + rotate_half(x, self.head_dim // 2) * sin
+
+    def _repeat_kv(self, x):
+        """[1, kv, S, D] -> [1, heads, S, D]; query head h reads kv head h // (heads / kv)."""
+        repeat = self.heads // self.kv_heads
+        x = x[:, :, None].expand(1, self.kv_heads, repeat, -1, self.head_dim)
+        return x.reshape(1, self.heads, -1, self.head_dim)
+
+    def forward(self, x, cos, sin, step: "CacheStep", key_cache, value_cache):
+        q = self._rope(self._heads(self.q_proj(x), self.heads, self.q_norm), cos, sin)
+        k = self._rope(self._heads(self.k_proj(x), self.kv_heads, self.k_norm), cos, sin)
+        v = self._heads(self.v_proj(x), self.kv_heads, None)
+        keys, values = step.write(key_cache, k), step.write(value_cache, v)
+        scores = torch.matmul(q, self._repeat_kv(keys).transpose(2, 3)) * self.scale
+        scores = scores.masked_fill(~step.attend, float("-inf"))
+        out = torch.matmul(torch.softmax(scores, dim=-1), self._repeat_kv(values))
+        if self.head_mask is not None:
+            out = out * self.head_mask.view(1, self.heads, 1, 1)
+        out = out.transpose(1, 2).reshape(1, -1, self.heads * self.head_dim)
+        return self.o_proj(out), keys, values
+
+
+ACTIVATION_FNS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate x) * up x): SwiGLU or GeGLU. The width comes from the tensors (pruned files)."""
+
+    def __init__(self, args: ModelArgs, weights: Weights, prefix: str, neuron_bits: np.ndarray | None):
+        super().__init__()
+        hidden = args.hidden_size
+        self.gate_proj = linear(weights, f"{prefix}.gate_proj", None, hidden)
+        width = self.gate_proj.weight.shape[0]
+        self.up_proj = linear(weights, f"{prefix}.up_proj", width, hidden)
+        self.down_proj = linear(weights, f"{prefix}.down_proj", hidden, width)
+        self.act = ACTIVATION_FNS[args.hidden_act]
+        if neuron_bits is not None and len(neuron_bits) != width:
+            raise ModelConfigError(
+                f"{prefix}: a neuron mask of {len(neuron_bits)} bits cannot address a pruned FFN of width {width}"
+            )
+        self.neuron_mask = _mask_buffer(neuron_bits)
+
+    def forward(self, x):
+        h = self.act(self.gate_proj(x)) * self.up_proj(x)
+        if self.neuron_mask is not None:
+            h = h * self.neuron_mask
+        return self.down_proj(h)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, attn: Attention, mlp: nn.Module, weights: Weights, prefix: str, active: bool):
+        super().__init__()
+        hidden, eps, style = args.hidden_size, args.rms_norm_eps, args.norm_style
+        self.self_attn, self.mlp = attn, mlp
+        self.input_layernorm = RMSNorm(weights.take(f"{prefix}.input_layernorm.weight", (hidden,)), eps, style)
+        self.post_attention_layernorm = RMSNorm(
+            weights.take(f"{prefix}.post_attention_layernorm.weight", (hidden,)), eps, style
+        )
+        self.active = active
+
+    def forward(self, h, cos, sin, step: "CacheStep", key_cache, value_cache):
+        if not self.active:
+            # A gated-off layer leaves the residual stream alone (spec §5); its cache slots
+            # are never read by an active layer, so they stay as they were.
+            return h, key_cache, value_cache
+        attn_out, keys, values = self.self_attn(self.input_layernorm(h), cos, sin, step, key_cache, value_cache)
+        h = h + attn_out
+        h = h + self.mlp(self.post_attention_layernorm(h))
+        return h, keys, values
+
+
+def _axis_index(x):
+    """0, 1, ..., n-1 along a 1-D tensor as float32, without reading n as a Python int,
+    so a traced graph keeps the length symbolic."""
+    return torch.cumsum(torch.ones_like(x, dtype=torch.float32), dim=0) - 1
+
+
+class CacheStep:
+    """Where a chunk of T tokens at absolute positions sits in a cache of S slots.
+
+    The write is a 0/1 matrix product instead of an indexed copy: exact in float32 (every
+    product is by 0 or 1), and free of data-dependent indexing for tracing.
+    """
+
+    def __init__(self, ids, position, slots_axis):
+        self.positions = position.to(torch.float32).reshape(1) + _axis_index(ids[0])  # [T]
+        slots = _axis_index(slots_axis)  # [S]
+        self.place = (slots[None, :] == self.positions[:, None]).to(torch.float32)  # [T, S]
+        self.keep = (1.0 - self.place.sum(0))[:, None]  # [S, 1]
+        # A slot at or after position + T is later than every query, so causality alone
+        # keeps stale or empty slots out of the output.
+        self.attend = (slots[None, :] <= self.positions[:, None])[None, None]  # [1, 1, T, S]
+
+    def write(self, cache, new):
+        """cache [1, kv, S, D] with slots position.. replaced by new [1, kv, T, D]."""
+        return cache * self.keep + torch.matmul(self.place.transpose(0, 1), new)
+
+
+class Decoder(nn.Module):
+    """Embedding, decoder layers, final norm and LM head under HF tensor names.
+
+    Families override `embed_scale` and `make_ffn`. `state_dict()` keys are the HF names
+    (plus `lm_head.weight` only when untied).
+    """
+
+    def __init__(self, args: ModelArgs, weights: Weights, masks: TaskMask | None = None):
+        super().__init__()
+        for index, layer_type in enumerate(args.layer_types):
+            if layer_type != "FullAttention":
+                raise UnsupportedModel(f"{weights.source}: layer {index} has layer type {layer_type!r}; "
+                                       "the reference decoder runs only FullAttention layers")
+        self.args = args
+        hidden, vocab = args.hidden_size, args.vocab_size
+        self.model = nn.Module()
+        self.model.embed_tokens = Linear(weights.take("model.embed_tokens.weight", (vocab, hidden)))
+        layers = []
+        for i in range(args.num_layers):
+            prefix = f"model.layers.{i}"
+            attn = Attention(args, weights, f"{prefix}.self_attn", None if masks is None else masks.heads[i])
+            mlp = self.make_ffn(args, weights, f"{prefix}.mlp", i, masks)
+            active = True if masks is None else bool(masks.layer_gates[i])
+            layers.append(DecoderLayer(args, attn, mlp, weights, prefix, active))
+        self.model.layers = nn.ModuleList(layers)
+        self.model.norm = RMSNorm(weights.take("model.norm.weight", (hidden,)), args.rms_norm_eps, args.norm_style)
+        tied = args.tie_word_embeddings and not weights.has("lm_head.weight")
+        self.lm_head = None if tied else Linear(weights.take("lm_head.weight", (vocab, hidden)))
+        self.register_buffer("inv_freq", torch.from_numpy(rope_inv_freq(args)), persistent=False)
+        weights.refuse_leftovers()
+
+    def embed_scale(self) -> torch.Tensor | None:
+        return None
+
+    def make_ffn(self, args: ModelArgs, weights: Weights, prefix: str, index: int, masks: TaskMask | None):
+        return GatedMLP(args, weights, prefix, None if masks is None else masks.ffn[index])
+
+    def forward_with_cache_tensors(self, ids, position, key_cache, value_cache):
+        """One chunk through the model with explicit cache tensors (the Core ML converter's entry).
+
+        ids [1, T] int; position: int tensor of one element, the absolute position of ids[0, 0];
+        key_cache / value_cache [layers, 1, kv_heads, context, head_dim]. Returns logits
+        [1, T, vocab] and the caches with slots position..position+T-1 written. The inputs
+        are never modified.
+        """
+        hidden, keys, values = self.hidden_with_cache_tensors(ids, position, key_cache, value_cache)
+        return self.logits_of(hidden), torch.stack(keys), torch.stack(values)
+
+    def hidden_with_cache_tensors(self, ids, position, key_cache, value_cache):
+        """`forward_with_cache_tensors` short of the head: the final-normed hidden states, and
+        each layer's written caches as lists (stacked after the head, the converted program's
+        op order stays what it was)."""
+        step = CacheStep(ids, position, key_cache[0, 0, 0, :, 0])
+        freqs = step.positions[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        h = F.embedding(ids, self.model.embed_tokens.weight)
+        scale = self.embed_scale()
+        if scale is not None:
+            h = h * scale
+        new_keys, new_values = [], []
+        for i, layer in enumerate(self.model.layers):
+            h, keys, values = layer(h, cos, sin, step, key_cache[i], value_cache[i])
+            new_keys.append(keys)
+            new_values.append(values)
+        return self.model.norm(h), new_keys, new_values
+
+    def logits_of(self, hidden):
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return head(hidden)
+
+    def forward_branches(self, suffixes: list[torch.Tensor], positions: list[int], key_caches, value_caches,
+                         last_only: bool = False):
+        """Each branch i: suffix i (int [T_i]) run after its own cache at positions[i]
+        (key_caches / value_caches [B, layers, 1, kv_heads, context, head_dim]; an expanded
+        view shares one), as one batch (torch.func.vmap of `hidden_with_cache_tensors`).
+        Returns the logits [T_i, vocab] of each branch (with `last_only`, of its last token
+        alone [1, vocab]) and the caches [B, ...] each wrote.
+        A few-token chunk is bound by reading the weights, which the batch reads once for
+        all its branches. Suffixes are right-padded to the longest; causality keeps the
+        padding out of every real row, and the slots it wrote lie past the branch's
+        position + T_i, where every later query masks them (the dirty-tail invariant). The
+        head, a fifth of SmolLM2's weights, runs on the wanted rows only, never on padding."""
+        width = max(len(s) for s in suffixes)
+        batch = torch.stack([F.pad(s, (0, width - len(s))) for s in suffixes])[:, None]  # [B, 1, width]
+        at = torch.tensor(positions, dtype=torch.int64)[:, None]  # [B, 1]
+
+        def branch(ids, position, keys, values):
+            hidden, new_keys, new_values = self.hidden_with_cache_tensors(ids, position, keys, values)
+            return hidden[0], torch.stack(new_keys), torch.stack(new_values)
+
+        hidden, keys, values = torch.func.vmap(branch)(batch, at, key_caches, value_caches)
+        rows = [hidden[i, len(s) - 1 if last_only else 0:len(s)] for i, s in enumerate(suffixes)]
+        logits = self.logits_of(torch.cat(rows)).split([len(r) for r in rows])
+        return list(logits), keys, values
+
+    def forward(self, ids):
+        """Logits [T, vocab] of one sequence from position 0 (ids [T] or [1, T])."""
+        ids = ids.reshape(1, -1)
+        cache = KVCache.empty(self.args, ids.shape[1])
+        return self.forward_cached(ids, cache)
+
+    def forward_cached(self, ids, cache: "KVCache"):
+        """Logits [T, vocab] of ids run after the cache's tokens; the cache advances by T."""
+        ids = ids.reshape(1, -1)
+        count = ids.shape[1]
+        if cache.position + count > cache.context:
+            raise ContextOverflow(
+                f"KV cache: {count} tokens at position {cache.position} exceed the context of {cache.context}"
+            )
+        position = torch.tensor([cache.position], dtype=torch.int64)
+        logits, cache.keys, cache.values = self.forward_with_cache_tensors(ids, position, cache.keys, cache.values)
+        cache.position += count
+        return logits[0]
+
+
+class CachedStep(nn.Module):
+    """`forward_with_cache_tensors` as a module's forward, for `torch.jit.trace`."""
+
+    def __init__(self, model: Decoder):
+        super().__init__()
+        self.model = model
+        self.eval()
+
+    def forward(self, ids, position, key_cache, value_cache):
+        return self.model.forward_with_cache_tensors(ids, position, key_cache, value_cache)
+
+
+@dataclass
+class KVCache:
+    """Keys and values [layers, 1, kv_heads, context, head_dim] and the count of tokens held.
+
+    A forward replaces the tensors rather than writing into them, so `snapshot()` is free and
+    a snapshot never changes when the cache it came from moves on.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    position: int = 0
+
+    @classmethod
+    def empty(cls, args: ModelArgs, context: int) -> "KVCache":
+        shape = (args.num_layers, 1, args.num_kv_heads, context, args.head_dim)
+        return cls(torch.zeros(shape), torch.zeros(shape), 0)
+
+    @property
+    def context(self) -> int:
+        return self.keys.shape[3]
+
+    def snapshot(self) -> "KVCache":
+        return KVCache(self.keys, self.values, self.position)

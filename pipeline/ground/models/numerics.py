@@ -1,0 +1,128 @@
+"""Error bounds that follow from the arithmetic being compared, never from one CPU's bits.
+
+Two float32 evaluations of one decoder (torch eager, the MIL executor, Core ML, another BLAS
+or vector width) differ only in summation order, blocking and FMA contraction. A dot of
+length K in any order errs by at most gamma_K * sum|a*b| (gamma_K = K u / (1 - K u),
+u = 2^-24), and a logit's error, to first order, adds up along the longest chain of such
+accumulations it goes through, taking each layer's gain on a relative error as one: every
+RMSNorm rescales its input, softmax moves a probability by at most 2 p max|Δ score| and
+SiLU's slope stays under 1.1, so a relative error in the hidden state stays relative; the
+head's dot then gives |Δ logit_j| <= rel * sum_i |h_i E_ji|, and with
+|h|_2 <= sqrt(D) * max|gamma| (unit RMS before the final norm's weight) Cauchy-Schwarz
+bounds that scale by weights alone. Two evaluations are each within the bound of the
+exact value, hence the factor 2.
+
+Two strengths of the same analysis:
+- worst case (`gamma`): every rounding at its extreme and of one sign. It holds on every
+  machine without assumption; the tests use it. It grows as the chain length N, so on a
+  30-layer model it is about as large as a logit's spread and would let bugs through.
+- probable (`gamma_probable`): Higham & Mary's probabilistic rounding error analysis
+  (SIAM J. Sci. Comput. 41(5), 2019, Theorem 2.4). Modelling the roundings as independent
+  and mean-zero, a sum of N terms errs by at most exp(lam sqrt(N) u + N u^2/(1-u)) - 1
+  times sum|terms| with probability at least 1 - 2 N exp(-lam^2 (1-u)^2 / 2). With
+  lam = 10 that failure probability is below 2 N e^-49.99 < 5e-16 per value for N < 2^20,
+  under 1e-8 over the ~10^7 values a gate compares. The gates (`pipeline.stages.align`) and the
+  converter's schedule checks use it: it grows as sqrt(N), and it is still fixed by the
+  model's shapes and weights alone, never by a measured difference.
+Typical differences sit two to three decades below either; a real bug (a wrong slot, mask,
+rope, norm, LUT axis or block scale) is a logit error of order one.
+"""
+
+import math
+
+import numpy as np
+
+U32 = 2.0**-24  # float32 unit roundoff
+PROBABLE_LAMBDA = 10.0
+# Weight matrices on one logit's path per layer: q, k, v, o, gate, up, down.
+MATRICES_PER_LAYER = 7
+
+
+def gamma(n: int) -> float:
+    return n * U32 / (1 - n * U32)
+
+
+def gamma_probable(n: int, lam: float = PROBABLE_LAMBDA) -> float:
+    return math.expm1(lam * math.sqrt(n) * U32 + n * U32**2 / (1 - U32))
+
+
+def decoder_chain(layers: int, hidden: int, q_width: int, head_dim: int, intermediate: int, tokens: int,
+                  extra_per_layer: int = 0) -> int:
+    """Inner lengths of every accumulation on one logit's longest path through a pre-norm decoder."""
+    per_layer = (hidden  # input RMSNorm's mean of squares
+                 + hidden  # q/k/v projections
+                 + head_dim  # q . k
+                 + 2 * tokens  # softmax's sum, probabilities @ V
+                 + q_width  # o_proj
+                 + hidden  # post-attention RMSNorm
+                 + hidden  # gate / up
+                 + intermediate  # down
+                 + extra_per_layer)
+    return layers * per_layer + 2 * hidden  # final norm, head
+
+
+def logits_bound(chain: int, hidden: int, final_norm: np.ndarray, head: np.ndarray, rel: float = 0.0,
+                 probable: bool = False) -> float:
+    """Max |Δ logit| between two float32 evaluations whose accumulations total `chain`, one side
+    carrying `rel` more relative error (rounded weights or caches)."""
+    scale = np.sqrt(hidden) * np.abs(final_norm).max() * np.linalg.norm(head, axis=1).max()
+    return (2 * (gamma_probable(chain) if probable else gamma(chain)) + rel) * float(scale)
+
+
+def _chain(model, tokens: int) -> int:
+    """`decoder_chain` of a pipeline.ground.models Decoder attending over at most `tokens` positions.
+    Per layer it also counts q/k norms (head_dim) and, for MoE, the router (hidden), its
+    softmax (experts) and the weighted sum of top-k and shared experts."""
+    a = model.args
+    ffn, extra = a.intermediate_size, a.head_dim
+    if a.moe is not None:
+        ffn = max(ffn, a.moe.moe_intermediate_size, a.moe.shared_expert_intermediate_size or 0)
+        extra += a.hidden_size + a.moe.num_experts + a.moe.top_k + 1
+    return decoder_chain(a.num_layers, a.hidden_size, a.num_attention_heads * a.head_dim, a.head_dim, ffn, tokens,
+                         extra)
+
+
+def _gain(norm) -> np.ndarray:
+    weight = norm.weight.detach().numpy()
+    return weight + 1.0 if norm.offset else weight
+
+
+def model_logits_bound(model, tokens: int, fp16_cache: bool = False, weight_rtol: float = 0.0,
+                       probable: bool = False) -> float:
+    """`logits_bound` for a pipeline.ground.models Decoder attending over at most `tokens` positions.
+
+    fp16_cache: one side reads its K/V back from fp16, each value within 2^-11 relative, so
+    each layer's q . k and probabilities @ V gain 2^-11 of their sum|a*b|. weight_rtol: one
+    side's weights differ from the other's by that much relative (every matrix on the path,
+    and the head)."""
+    a = model.args
+    rel = weight_rtol * (MATRICES_PER_LAYER * a.num_layers + 1)
+    if fp16_cache:
+        rel += 2 * a.num_layers * 2.0**-11
+    head = model.model.embed_tokens if model.lm_head is None else model.lm_head
+    return logits_bound(_chain(model, tokens), a.hidden_size, _gain(model.model.norm), head.weight.detach().numpy(),
+                        rel, probable)
+
+
+def model_cache_bound(model, tokens: int, probable: bool = False) -> float:
+    """Max |Δ| of one K or V cache entry between two float32 evaluations. An entry of layer l
+    is a projection of that layer's normed input, whose relative error is at most the chain
+    up to it (bounded by the whole chain); the projection's magnitude is at most
+    |row of W|_2 * |x|_2 with |x|_2 <= sqrt(D) max|gamma| (Cauchy-Schwarz), or
+    sqrt(head_dim) max|k_norm| where a k norm follows. RoPE rotates pairs: norms kept."""
+    a, scale = model.args, 0.0
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        x = math.sqrt(a.hidden_size) * float(np.abs(_gain(layer.input_layernorm)).max())
+        rows = {name: float(np.linalg.norm(getattr(attn, name).weight.detach().numpy(), axis=1).max()) * x
+                for name in ("k_proj", "v_proj")}
+        if attn.k_norm is not None:
+            rows["k_proj"] = math.sqrt(a.head_dim) * float(np.abs(_gain(attn.k_norm)).max())
+        scale = max(scale, *rows.values())
+    return 2 * (gamma_probable(_chain(model, tokens)) if probable else gamma(_chain(model, tokens))) * scale
+
+
+def assert_within_sums(got, want, magnitude, n: int) -> None:
+    """got and want: two float32 evaluations of sums of n terms (any order, products rounded
+    too) whose absolute terms add up to `magnitude`: each within gamma_n * magnitude of exact."""
+    assert np.all(np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64)) <= 2 * gamma(n) * magnitude)

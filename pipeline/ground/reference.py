@@ -1,0 +1,132 @@
+"""Load the reference FP32 decoder from a CMF file or an FP32 bundle directory.
+
+    model, args, tokenizer_json = load_reference("model.cmf", task="coding", skill="math")
+
+A CMF task applies its mask (spec §5); a skill reads `skill.{id}.{name}` in place of
+`name` wherever the skill has one (spec §9); a blend mixes several skills' tensors as
+`sum_i w_i T_i` with `w = softmax(-E / T)`.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+from safetensors.numpy import load_file
+
+from pipeline.ground.bundle_format import WEIGHTS_NAME, verify_bundle
+from pipeline.ground.cmf import open_cmf
+from pipeline.ground.cmf.reader import CmfFile
+from pipeline.ground.cmf.skills import skill_tensor_source
+from pipeline.ground.errors import CmfdeployWarning, UnsupportedModel
+from pipeline.ground.models import ModelArgs, build_model
+from pipeline.ground.models.errors import ModelConfigError
+
+if TYPE_CHECKING:  # torch loads only when a decoder is built (the MLX runtime reads task masks here)
+    from pipeline.ground.models.base import Decoder
+
+BUNDLE_CONFIG = "config.json"
+BUNDLE_TOKENIZER = "tokenizer.json"
+
+
+def skill_blend_weights(energies: Sequence[float], temperature: float) -> np.ndarray:
+    """w = softmax(-E / T) in float64, shifted by the minimum energy so no exp overflows."""
+    if not temperature > 0:
+        raise ModelConfigError(f"skill blend: temperature {temperature!r} must be positive")
+    energies = np.asarray(energies, dtype=np.float64)
+    logits = -(energies - energies.min()) / temperature
+    weights = np.exp(logits)
+    return weights / weights.sum()
+
+
+class CmfTensors(Mapping):
+    """Base tensor names -> float32 arrays, each decoded when asked for.
+
+    With several (source map, weight) members, a tensor is the weighted sum of the members'
+    sources; a tensor every member reads from the same entry is decoded once and not mixed,
+    so skills that leave a tensor alone reproduce it exactly.
+    """
+
+    def __init__(self, cmf: CmfFile, members: Sequence[tuple[Mapping[str, str], float]]):
+        self.cmf, self.members = cmf, members
+        self.names = list(members[0][0])
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        sources = [source[name] for source, _ in self.members]
+        if len(set(sources)) == 1:
+            return self.cmf.decode(sources[0])
+        total = np.zeros(self.cmf.tensors[name].shape, dtype=np.float32)
+        for source, (_, weight) in zip(sources, self.members):
+            total += np.float32(weight) * self.cmf.decode(source)
+        return total
+
+    def __contains__(self, name: object) -> bool:
+        # Mapping's default would decode the tensor to find out.
+        return name in self.members[0][0]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def cmf_tensors(cmf: CmfFile, skill: str | None = None, blend: Mapping[str, float] | None = None,
+                temperature: float = 1.0) -> CmfTensors:
+    """The tensors a model reads from `cmf`: base, one skill's, or a blend of skills by energy.
+
+    `blend` maps skill ids to energies E (the base itself may take part as the id "base").
+    """
+    if blend is None:
+        return CmfTensors(cmf, [(skill_tensor_source(cmf, skill), 1.0)])
+    if skill is not None:
+        raise ModelConfigError(f"{cmf.path.name}: give either skill or blend, not both")
+    ids = list(blend)
+    weights = skill_blend_weights([blend[i] for i in ids], temperature)
+    members = [(skill_tensor_source(cmf, None if i == "base" else i), float(w)) for i, w in zip(ids, weights)]
+    return CmfTensors(cmf, members)
+
+
+def task_mask(cmf: CmfFile, task: str | int):
+    """The named (or numbered) task mask; warns when its quality was never measured (spec §5)."""
+    if cmf.masks is None:
+        raise ModelConfigError(f"{cmf.path.name}: task {task!r} asked for, but the file has no masks section")
+    try:
+        mask = cmf.masks.task(task)
+    except KeyError as error:
+        raise ModelConfigError(f"{cmf.path.name}: masks: {error.args[0]}") from None
+    if mask.meta.get("quality") is None:
+        warnings.warn(f"{cmf.path.name}: task {mask.name!r} has no measured quality", CmfdeployWarning, stacklevel=2)
+    return mask
+
+
+def load_reference(artifact: str | Path, task: str | int | None = None, skill: str | None = None,
+                   blend: Mapping[str, float] | None = None, temperature: float = 1.0
+                   ) -> tuple[Decoder, ModelArgs, bytes | None]:
+    """(model, args, tokenizer.json bytes or None) from a CMF file or a bundle directory."""
+    path = Path(artifact)
+    if path.is_dir():
+        if task is not None or skill is not None or blend is not None:
+            raise ModelConfigError(f"{path}: a bundle is one fixed model; task, skill and blend apply to CMF files")
+        return _load_bundle(path)
+    with open_cmf(path) as cmf:
+        if cmf.is_skill_file:
+            raise UnsupportedModel(f"{cmf.path.name}: a skill file (feature bit 6) never runs on its own; "
+                                   "apply it to its base (pipeline.ground.cmf.skills.apply_skill_file) and load that")
+        args = ModelArgs.from_header(cmf.header, source=cmf.path.name)
+        mask = None if task is None else task_mask(cmf, task)
+        model = build_model(args, cmf_tensors(cmf, skill, blend, temperature), mask, source=cmf.path.name)
+        return model, args, cmf.vocab
+
+
+def _load_bundle(path: Path) -> tuple[Decoder, ModelArgs, bytes | None]:
+    verify_bundle(path)
+    config = json.loads((path / BUNDLE_CONFIG).read_text())
+    args = ModelArgs.from_header(config, source=str(path / BUNDLE_CONFIG))
+    model = build_model(args, load_file(path / WEIGHTS_NAME), source=str(path / WEIGHTS_NAME))
+    tokenizer = path / BUNDLE_TOKENIZER
+    return model, args, tokenizer.read_bytes() if tokenizer.exists() else None

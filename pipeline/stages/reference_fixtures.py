@@ -1,0 +1,109 @@
+"""Reference fixtures: the PyTorch FP32 logits every alignment gate compares against.
+
+A fixtures folder holds `logits.npz` (no pickle) with, per case, `{case}.input_ids` int64
+[T], `{case}.logits` float32 [T, vocab] and `{case}.valid_prefix` (leading ids that are
+real tokens, the rest PAD); plus `long_kv_step_logits`, the `long` ids fed one token at a
+time through the cached path. `index.json` records the checkpoint, tokenizer and texts, so
+a gate can refuse fixtures that belong to another model.
+
+Cases: `short` (16 tokens), `long` (the full context), `right_pad` (short right-padded with
+PAD to 32), `changed_future` (short's 16 tokens, then 16 others: rows 0..15 must equal
+short's). The default fixture's folder is frozen in the repository; any other model gets
+one made here from its own CMF.
+"""
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from manifests.identity import canonical_json, sha256_bytes, sha256_file
+from manifests.output import refuse_existing, staged_output
+from pipeline.ground.cmf import open_cmf
+from pipeline.ground.errors import CmfdeployError
+from pipeline.ground.models import KVCache
+from pipeline.ground.reference import load_reference
+from pipeline.ground.tokenizer import Tokenizer, tokenizer_from_artifact
+
+FORMAT = "cmfdeploy.fixtures/1"
+SHORT = 16
+PADDED = 32
+# Where in the text lines each case starts (fixed, so the cases never move).
+SHORT_LINE, LONG_LINE, FUTURE_LINE = 0, 100, 200
+LINES_PER_CASE = 30
+
+
+class FixtureTextError(CmfdeployError):
+    """The text given for the fixtures is too short for a case."""
+
+
+def pad_id(tokenizer: Tokenizer) -> int:
+    """PAD, or the first EOS for tokenizers without one (padding only has to be a real token)."""
+    if tokenizer.pad_id is not None:
+        return tokenizer.pad_id
+    if tokenizer.eos_ids:
+        return tokenizer.eos_ids[0]
+    raise FixtureTextError(f"{tokenizer.source}: tokenizer_config has neither pad_token_id nor eos_token_ids "
+                           "to right-pad the right_pad case with")
+
+
+def build_cases(tokenizer: Tokenizer, lines: list[str], context: int) -> dict[str, dict]:
+    def ids(line: int, count: int) -> np.ndarray:
+        encoded = tokenizer.encode(" ".join(lines[line : line + LINES_PER_CASE]), add_bos=True)
+        if len(encoded) < count:
+            raise FixtureTextError(f"text lines {line}..{line + LINES_PER_CASE} give {len(encoded)} tokens, "
+                                   f"fewer than the {count} the case needs")
+        return encoded[:count]
+
+    short = ids(SHORT_LINE, SHORT)
+    pad = np.full(PADDED - SHORT, pad_id(tokenizer), dtype=np.int64)
+    cases = {
+        "short": (short, SHORT),
+        "long": (ids(LONG_LINE, context), context),
+        "right_pad": (np.concatenate([short, pad]), SHORT),
+        "changed_future": (np.concatenate([short, ids(FUTURE_LINE, PADDED)[SHORT:]]), PADDED),
+    }
+    # `text` is what the real (non-BOS, non-PAD) ids decode to, not the longer passage they came from.
+    return {name: {"input_ids": i, "valid_prefix": v, "text": tokenizer.decode(i[:v])} for name, (i, v) in cases.items()}
+
+
+@torch.no_grad()
+def reference_arrays(artifact: Path, cases: dict[str, dict], context: int) -> dict[str, np.ndarray]:
+    model, args, _ = load_reference(artifact)
+    arrays = {}
+    for name, case in cases.items():
+        arrays[f"{name}.input_ids"] = case["input_ids"]
+        arrays[f"{name}.logits"] = model(torch.as_tensor(case["input_ids"])).numpy().astype(np.float32)
+        arrays[f"{name}.valid_prefix"] = np.int64(case["valid_prefix"])
+    cache = KVCache.empty(args, context)
+    steps = [model.forward_cached(torch.as_tensor(cases["long"]["input_ids"][i : i + 1]), cache)
+             for i in range(context)]
+    arrays["long_kv_step_logits"] = torch.cat(steps).numpy().astype(np.float32)
+    return arrays
+
+
+def make_reference_fixtures(artifact: str | Path, out_dir: str | Path, lines: list[str], *, context: int,
+                            force: bool = False) -> Path:
+    """Compute the cases from `lines` of text with the CMF at `artifact`; write `out_dir` atomically."""
+    artifact, out_dir = Path(artifact), Path(out_dir)
+    refuse_existing(out_dir, force)
+    torch.manual_seed(0)
+    torch.use_deterministic_algorithms(True)
+    tokenizer = tokenizer_from_artifact(artifact)
+    cases = build_cases(tokenizer, lines, context)
+    arrays = reference_arrays(artifact, cases, context)
+    index = {
+        "format": FORMAT,
+        "checkpoint": {"file": artifact.name, "sha256": sha256_file(artifact), "format": "cmf", "version": 2},
+        "tokenizer": {"sha256": sha256_bytes(open_cmf(artifact).vocab), "pad_id": pad_id(tokenizer)},
+        "computed_with": "pipeline.ground.reference.load_reference, FP32 on CPU: model(ids) per case, "
+                         "forward_cached one token at a time for long_kv_step_logits",
+        "torch": torch.__version__,
+        "cases": {name: {"tokens": len(c["input_ids"]), "valid_prefix": c["valid_prefix"], "text": c["text"]}
+                  for name, c in cases.items()},
+        "long_kv_step_logits": {"input_ids": "long.input_ids", "tokens": context},
+    }
+    with staged_output(out_dir, force) as staging:
+        np.savez(staging / "logits.npz", **arrays)
+        (staging / "index.json").write_bytes(canonical_json(index))
+    return out_dir

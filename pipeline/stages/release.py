@@ -1,0 +1,474 @@
+"""Release: the deployed compressed package, the FP32 packages, their gates and the survey, packed to ship.
+
+    manifest = make_release("out/survey", "dist")        # -> dist/<model>-<recipe>/
+
+    dist/<model>-<recipe>/
+      manifest.json            cmfdeploy.release/1: inventory, packages, identity chain
+      metadata.json            the descriptor an app reads (kind, assets, compression, context length),
+                               after Apple's Core AI export bundles
+      RELEASE.md               how to load it on a Mac; interface, tolerances, gate backend, sizes, chain
+      tokenizer/               tokenizer.json and tokenizer_config.json (chat template, special ids)
+      packages/<recipe>/       the compressed package (model.mlpackage + its manifest)
+      packages/fp32-<kind>/    the FP32 package(s) it was made from / shipped beside it
+      gates/<same names>/      each package's alignment folder (report, markdown, plot, manifest)
+      survey/                  survey.json, survey.md, size_vs_error.png
+
+Every included package must have passed its gate, and each gate must be of exactly that
+package (by manifest sha256); anything else is refused before a byte is copied. Nothing in a
+release names a path of the machine that built it: artifacts name each other by relative
+paths, so a release copied anywhere verifies on its own (its link back to the build tree is
+then reported as not available).
+`verify_release` (registered for `cmfdeploy verify-artifact`) re-checks all of it offline:
+every file's sha256, every package against its own manifest, and every binding of the
+chain FP32 package -> compressed package -> its gate, plus the compressed package's
+binding to the FP32 gate and the survey's record of both.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+from coreml import manifest as package_manifest
+from pipeline.stages.survey import REPORT_NAME as SURVEY_NAME
+from pipeline.stages.survey import load_survey, passed_gate_of
+from manifests.chain import upstream_path
+from manifests.identity import (
+    MANIFEST_NAME,
+    Manifest,
+    artifact_source,
+    check_files,
+    environment,
+    inventory,
+    load_manifest,
+    read_json,
+    sha256_file,
+    write_json,
+)
+from manifests.output import staged_output
+from manifests.signing import sign_manifest
+from pipeline.stages import align
+from pipeline.ground.errors import CmfdeployError, IdentityError
+from pipeline.stages.release_copies import check_release_copies
+
+FORMAT = "cmfdeploy.release/1"
+SURVEY_FILES = (SURVEY_NAME, "survey.md", "size_vs_error.png")
+METADATA_NAME = "metadata.json"
+TOKENIZER_DIR = "tokenizer"
+
+
+class ReleaseError(CmfdeployError):
+    """What was asked for cannot be released (no passing recipe, an ungated package, a mismatch)."""
+
+
+def _gated(package_dir: Path, gate_dir: Path) -> tuple[Manifest, Manifest]:
+    """The verified package and its passed gate; refuses a gate of another package."""
+    package = package_manifest.verify_package(package_dir)
+    return package, Manifest(Path(gate_dir), passed_gate_of(package_dir, gate_dir))
+
+
+def _entry(role: str, name: str, package: Manifest, gate: Manifest) -> dict:
+    return {
+        "role": role,
+        "name": name,
+        "path": f"packages/{name}",
+        "format": package.format,
+        "kind": package["package"]["kind"],
+        "manifest_sha256": sha256_file(package.path / MANIFEST_NAME),
+        "source_manifest_sha256": package["source"]["manifest_sha256"],
+        "size_bytes": package_manifest.package_bytes(package.path / package["package"]["name"]),
+        "gate": {
+            "path": f"gates/{name}",
+            "manifest_sha256": sha256_file(gate.path / MANIFEST_NAME),
+            "report_sha256": sha256_file(gate.path / align.REPORT_NAME),
+            "passed": True,
+            "recipe": gate["recipe"],
+            "backend": gate["candidate_backend"],
+            "tolerance": read_json(gate.path / align.REPORT_NAME)["tolerance"],
+            "summary": gate["summary"],
+        },
+    }
+
+
+def model_name(fp32_package: Manifest) -> str:
+    """The source CMF's file stem, read from the FP32 package's bundle."""
+    bundle = upstream_path(fp32_package.path, fp32_package["source"])
+    try:
+        return Path(read_json(bundle / MANIFEST_NAME)["source"]["file"]).stem
+    except IdentityError as error:
+        raise ReleaseError(
+            f"{fp32_package.path}: cannot name the model from its bundle ({error}); pass name="
+        ) from None
+
+
+def make_release(
+    survey_dir: str | Path,
+    out_root: str | Path = "dist",
+    *,
+    recipe: str | None = None,
+    packages: list[tuple[str | Path, str | Path]] = (),
+    name: str | None = None,
+    force: bool = False,
+    sign_key: str | Path | None = None,
+) -> Manifest:
+    """Pack the survey's deployed recipe (or `recipe`) into `out_root/<model>-<recipe>/`.
+
+    `packages` adds further FP32 packages (e.g. the stateless one), each with its passed
+    alignment folder. `sign_key` (an Ed25519 private key file) adds a detached signature
+    over the release manifest (`manifests.signing`). Returns the release manifest.
+    """
+    survey_dir = Path(survey_dir)
+    survey = load_survey(survey_dir)
+    recipe = recipe or survey["deployed"]["recipe"]
+    if recipe is None:
+        raise ReleaseError(f"{survey_dir / SURVEY_NAME}: field 'deployed.recipe' is null: no recipe passed its gate")
+    records = {r["name"]: r for r in survey["recipes"]}
+    record = records.get(recipe)
+    if record is None or record["status"] != "measured":
+        raise ReleaseError(f"{survey_dir / SURVEY_NAME}: recipe {recipe!r} was not measured by this survey "
+                           f"(measured: {sorted(n for n, r in records.items() if r['status'] == 'measured')})")
+
+    fp32 = survey["fp32"]
+    # The survey names its FP32 package and gate relative to its own folder.
+    included = [("fp32", f"fp32-{fp32['package']['kind']}", survey_dir / fp32["package"]["path"],
+                 survey_dir / fp32["gate"]["path"]),
+                ("deployed" if recipe == survey["deployed"]["recipe"] else "compressed", recipe,
+                 survey_dir / record["package"]["path"], survey_dir / "gates" / recipe)]
+    for package_dir, gate_dir in packages:
+        extra = load_manifest(package_dir)
+        included.append(("fp32", f"fp32-{extra['package']['kind']}", Path(package_dir), Path(gate_dir)))
+    checked = [(role, label, *_gated(package_dir, gate_dir)) for role, label, package_dir, gate_dir in included]
+    labels = [label for _, label, _, _ in checked]
+    if len(set(labels)) != len(labels):
+        raise ReleaseError(f"{survey_dir}: two included packages would share the folder name {labels}")
+    _check_survey_bindings(survey_dir, survey, record, checked)
+
+    fp32_package = checked[0][2]
+    name = name or model_name(fp32_package)
+    out_dir = Path(out_root) / f"{name}-{recipe}"
+    entries = [_entry(role, label, package, gate) for role, label, package, gate in checked]
+    with staged_output(out_dir, force) as staging:
+        for (_, label, package, gate), entry in zip(checked, entries):
+            shutil.copytree(package.path, staging / entry["path"])
+            shutil.copytree(gate.path, staging / entry["gate"]["path"])
+        (staging / "survey").mkdir()
+        for file_name in SURVEY_FILES:
+            shutil.copy2(survey_dir / file_name, staging / "survey" / file_name)
+        tokenizer = package_manifest.carry_tokenizer(checked[1][2].path, staging / TOKENIZER_DIR)
+        manifest = {
+            "format": FORMAT,
+            "status": "incomplete",
+            "source": artifact_source(survey_dir / record["package"]["path"], relative_to=out_dir),
+            "model": name,
+            "recipe": recipe,
+            "deployed": recipe == survey["deployed"]["recipe"],
+            "interface": checked[1][2]["package"],
+            "special_tokens": checked[1][2]["special_tokens"],
+            "architecture": checked[1][2]["architecture"],
+            "packages": entries,
+            "survey": {"path": f"survey/{SURVEY_NAME}", "sha256": sha256_file(survey_dir / SURVEY_NAME),
+                       "deployed_rule": survey["deployed"]["rule"]},
+            "chain": identity_chain(survey, entries),
+            "tokenizer": tokenizer,
+        }
+        write_json(staging / MANIFEST_NAME, manifest)
+        write_json(staging / METADATA_NAME, release_metadata(manifest, record))
+        (staging / "RELEASE.md").write_text(release_markdown(manifest, survey))
+        files = inventory(staging)
+        manifest.update(files=files, environment=environment(package_manifest.ENVIRONMENT_PACKAGES),
+                        inventory={"count": len(files), "total_bytes": sum(f["bytes"] for f in files.values())},
+                        status="complete")
+        write_json(staging / MANIFEST_NAME, manifest)
+        verify_release(staging)  # the copies are what the sources were
+        if sign_key is not None:
+            sign_manifest(staging, sign_key)
+    return Manifest(out_dir, manifest)
+
+
+def _check_survey_bindings(survey_dir: Path, survey: dict, record: dict, checked: list) -> None:
+    """The survey's record names exactly the packages and gates being released."""
+    where = survey_dir / SURVEY_NAME
+    (_, _, fp32_package, fp32_gate), (_, _, compressed, gate) = checked[:2]
+    expected = [
+        ("fp32.package.manifest_sha256", survey["fp32"]["package"]["manifest_sha256"],
+         fp32_package.path / MANIFEST_NAME),
+        ("fp32.gate.manifest_sha256", survey["fp32"]["gate"]["manifest_sha256"], fp32_gate.path / MANIFEST_NAME),
+        (f"recipes[{record['name']}].package.manifest_sha256", record["package"]["manifest_sha256"],
+         compressed.path / MANIFEST_NAME),
+        (f"recipes[{record['name']}].gate.report.sha256", record["gate"]["report"]["sha256"],
+         gate.path / align.REPORT_NAME),
+    ]
+    for field, recorded, path in expected:
+        _expect(where, field, recorded, path)
+
+
+def identity_chain(survey: dict, entries: list[dict]) -> list[dict]:
+    """From the source CMF to the released package, each link by the sha256 that binds it."""
+    fp32, compressed = entries[0], entries[1]
+    return [
+        {"link": "source CMF", "sha256": survey["fixtures"]["checkpoint_sha256"],
+         "bound_by": "the reference fixtures every gate compared against were made from it"},
+        {"link": "FP32 bundle manifest", "sha256": fp32["source_manifest_sha256"],
+         "bound_by": f"{fp32['path']}/manifest.json source.manifest_sha256"},
+        {"link": "FP32 package manifest", "sha256": fp32["manifest_sha256"],
+         "bound_by": f"{compressed['path']}/manifest.json source.manifest_sha256"},
+        {"link": "FP32 gate report", "sha256": fp32["gate"]["report_sha256"],
+         "bound_by": f"{compressed['path']}/manifest.json fp32_alignment.report_sha256"},
+        {"link": "compressed package manifest", "sha256": compressed["manifest_sha256"],
+         "bound_by": f"{compressed['gate']['path']}/manifest.json source.manifest_sha256"},
+        {"link": "compressed gate report", "sha256": compressed["gate"]["report_sha256"],
+         "bound_by": f"survey/{SURVEY_NAME} recipes[{compressed['name']}].gate.report.sha256"},
+    ]
+
+
+# --- verification -----------------------------------------------------------------------------
+
+
+def _expect(where: Path, field: str, recorded: str, path: Path) -> None:
+    digest = sha256_file(path)
+    if digest != recorded:
+        raise IdentityError(f"{where}: field {field!r} is {recorded}, but {path} has sha256 {digest}")
+
+
+def verify_release(path: str | Path, hashes: bool = True) -> Manifest:
+    """Offline check of a release folder; IdentityError names the first file or field that differs."""
+    path = Path(path)
+    manifest = load_manifest(path, FORMAT)
+    check_files(path, manifest["files"], hashes=hashes)
+    where = path / MANIFEST_NAME
+    for index, entry in enumerate(manifest["packages"]):
+        package_dir, gate_dir = path / entry["path"], path / entry["gate"]["path"]
+        package = package_manifest.verify_package(package_dir, hashes=hashes)
+        gate = align.verify_alignment(gate_dir, hashes=hashes)
+        field = f"packages/{index}"
+        _expect(where, f"{field}/manifest_sha256", entry["manifest_sha256"], package_dir / MANIFEST_NAME)
+        _expect(where, f"{field}/gate/manifest_sha256", entry["gate"]["manifest_sha256"], gate_dir / MANIFEST_NAME)
+        _expect(where, f"{field}/gate/report_sha256", entry["gate"]["report_sha256"], gate_dir / align.REPORT_NAME)
+        _expect(gate_dir / MANIFEST_NAME, "source.manifest_sha256", gate["source"]["manifest_sha256"],
+                package_dir / MANIFEST_NAME)
+        if not gate["passed"]:
+            raise IdentityError(
+                f"{gate_dir / MANIFEST_NAME}: field 'passed' is false; a release holds passed gates only")
+        if package["source"]["manifest_sha256"] != entry["source_manifest_sha256"]:
+            raise IdentityError(f"{where}: field '{field}/source_manifest_sha256' differs from "
+                                f"{package_dir / MANIFEST_NAME} source.manifest_sha256")
+    fp32, compressed = manifest["packages"][0], manifest["packages"][1]
+    compressed_manifest = read_json(path / compressed["path"] / MANIFEST_NAME)
+    _expect(path / compressed["path"] / MANIFEST_NAME, "source.manifest_sha256",
+            compressed_manifest["source"]["manifest_sha256"], path / fp32["path"] / MANIFEST_NAME)
+    _expect(path / compressed["path"] / MANIFEST_NAME, "fp32_alignment.report_sha256",
+            compressed_manifest["fp32_alignment"]["report_sha256"], path / fp32["gate"]["path"] / align.REPORT_NAME)
+    _check_tokenizer(path, manifest)
+    _check_metadata(path, manifest)
+    survey = read_json(path / manifest["survey"]["path"])
+    record = next((r for r in survey["recipes"] if r["name"] == manifest["recipe"]), None)
+    if record is None or record["status"] != "measured":
+        raise IdentityError(f"{path / manifest['survey']['path']}: no measured record of recipe {manifest['recipe']!r}")
+    _expect(path / manifest["survey"]["path"], f"recipes[{manifest['recipe']}].package.manifest_sha256",
+            record["package"]["manifest_sha256"], path / compressed["path"] / MANIFEST_NAME)
+    _expect(path / manifest["survey"]["path"], f"recipes[{manifest['recipe']}].gate.report.sha256",
+            record["gate"]["report"]["sha256"], path / compressed["gate"]["path"] / align.REPORT_NAME)
+    check_release_copies(path, manifest, survey, record)
+    return Manifest(path, manifest)
+
+
+def _check_tokenizer(path: Path, manifest: dict) -> None:
+    """tokenizer/ holds the files the release's `tokenizer` record names, and every package
+    records that same identity (the bundle's)."""
+    record, where = manifest.get("tokenizer"), path / MANIFEST_NAME
+    if record is None:
+        return
+    _expect(where, "tokenizer.sha256", record["sha256"], path / TOKENIZER_DIR / package_manifest.TOKENIZER_JSON)
+    for entry in manifest["packages"]:
+        recorded = (read_json(path / entry["path"] / MANIFEST_NAME).get("tokenizer") or {}).get("sha256")
+        if recorded != record["sha256"]:
+            raise IdentityError(f"{where}: field 'tokenizer.sha256' is {record['sha256']}, but "
+                                f"{path / entry['path'] / MANIFEST_NAME} records tokenizer sha256 {recorded}")
+
+
+def _check_metadata(path: Path, manifest: dict) -> None:
+    """metadata.json is the descriptor these packages and this tokenizer give (its bytes are
+    in the inventory; this checks it says what the manifest says)."""
+    metadata_path = path / METADATA_NAME
+    if not metadata_path.is_file():
+        raise IdentityError(f"{path}: no {METADATA_NAME} (the release's descriptor)")
+    survey = read_json(path / manifest["survey"]["path"])
+    record = next(r for r in survey["recipes"] if r["name"] == manifest["recipe"])
+    if read_json(metadata_path) != json.loads(json.dumps(release_metadata(manifest, record))):
+        raise IdentityError(f"{metadata_path}: differs from what {path / MANIFEST_NAME} and the survey describe")
+
+
+# --- metadata.json and RELEASE.md -------------------------------------------------------------------
+
+
+def release_metadata(manifest: dict, record: dict) -> dict:
+    """The release's descriptor, in the spirit of Apple's Core AI export bundles (`metadata.json`
+    beside the model, the tokenizer saved in `tokenizer/`): what an app needs to load it."""
+    interface = manifest["interface"]
+    deployed = manifest["packages"][1]
+    return {
+        "kind": "causal-language-model",
+        "model": manifest["model"],
+        "context_length": interface["context"],
+        "minimum_deployment_target": interface["minimum_deployment_target"],
+        "assets": {
+            "model": f"{deployed['path']}/{interface['name']}",
+            "model_kind": interface["kind"],
+            "tokenizer": f"{TOKENIZER_DIR}/{package_manifest.TOKENIZER_JSON}",
+            "tokenizer_config": (f"{TOKENIZER_DIR}/{package_manifest.TOKENIZER_CONFIG}"
+                                 if (manifest.get("tokenizer") or {}).get("has_config") else None),
+            "packages": {e["name"]: {"path": f"{e['path']}/{interface['name']}", "kind": e["kind"], "role": e["role"]}
+                         for e in manifest["packages"]},
+        },
+        "compression": {"recipe": manifest["recipe"], "params": record["params"],
+                        "size_bytes": record["package"]["size_bytes"],
+                        "bytes_vs_fp32": record["package"]["bytes_vs_fp32"]},
+        "special_tokens": manifest["special_tokens"],
+    }
+
+
+def _python_snippet(manifest: dict) -> str:
+    """Load the shipped package and the tokenizer on a Mac and predict the next token."""
+    interface, recipe = manifest["interface"], manifest["recipe"]
+    kind = interface["kind"]
+    function = ', function_name="prefill"' if kind == "stateful" else ""
+    lines = [
+        "import json",
+        "",
+        "import coremltools as ct",
+        "import numpy as np",
+        "from tokenizers import Tokenizer",
+        "",
+        f'release = "dist/{manifest["model"]}-{recipe}"  # this folder',
+        'tokenizer = Tokenizer.from_file(f"{release}/tokenizer/tokenizer.json")',
+        'config = json.load(open(f"{release}/tokenizer/tokenizer_config.json"))',
+        f'model = ct.models.MLModel(f"{{release}}/packages/{recipe}/model.mlpackage"{function})',
+        'ids = tokenizer.encode("I was sent to", add_special_tokens=False).ids',
+        'if config.get("bos_token_id") is not None:',
+        '    ids = [config["bos_token_id"]] + ids',
+        'inputs = {"input_ids": np.array([ids], dtype=np.int32)}',
+    ]
+    if kind == "chunk_kv":
+        shape = next(f["shape"] for f in interface["inputs"] if f["name"] == "key_cache")
+        lines += [
+            f"cache = np.zeros({tuple(shape)}, dtype=np.float32)  # (layer, batch, kv_head, slot, head_dim)",
+            "inputs.update(position=np.array([0], dtype=np.int32), key_cache=cache, value_cache=cache)",
+            "out = model.predict(inputs)  # out['new_key_cache'], out['new_value_cache'] feed the next call",
+        ]
+    elif kind == "stateful":
+        lines += [
+            "state = model.make_state()  # the fp16 K/V cache; the decode function continues from it",
+            'inputs["position"] = np.array([0], dtype=np.int32)',
+            "out = model.predict(inputs, state=state)",
+        ]
+    else:
+        lines += ["out = model.predict(inputs)"]
+    lines += ['next_id = int(out["logits"][0, -1].argmax())', "print(tokenizer.decode(ids + [next_id]))"]
+    return "\n".join(lines)
+
+
+def _swift_sketch(manifest: dict) -> str:
+    release, recipe = f"dist/{manifest['model']}-{manifest['recipe']}", manifest["recipe"]
+    return "\n".join([
+        "import CoreML",
+        "import Tokenizers  // swift-transformers",
+        "",
+        f'let release = URL(fileURLWithPath: "{release}")',
+        'let tokenizer = try await AutoTokenizer.from(modelFolder: release.appendingPathComponent("tokenizer"))',
+        f'let package = release.appendingPathComponent("packages/{recipe}/model.mlpackage")',
+        "let model = try MLModel(contentsOf: try await MLModel.compileModel(at: package))",
+        'let ids = tokenizer.encode(text: "I was sent to")',
+        "let inputIds = try MLMultiArray(shape: [1, NSNumber(value: ids.count)], dataType: .int32)",
+        "for (i, id) in ids.enumerated() { inputIds[i] = NSNumber(value: id) }",
+        "// + the other inputs of the Interface table below (position, caches), zero-filled for a first call",
+        'let out = try await model.prediction(from: MLDictionaryFeatureProvider(dictionary: ["input_ids": inputIds]))',
+        'let logits = out.featureValue(for: "logits")!.multiArrayValue!  // [1, T, vocab]: argmax of the last row',
+    ])
+
+
+def usage_markdown(manifest: dict) -> list[str]:
+    """RELEASE.md's first section: the release as a Mac developer uses it."""
+    rel = f"dist/{manifest['model']}-{manifest['recipe']}"
+    return [
+        "## Use it",
+        "",
+        "Everything needed is in this folder: the package, the tokenizer (`tokenizer/`, with the chat "
+        "template and special ids in `tokenizer_config.json`) and `metadata.json`, which names the assets, the "
+        "compression and the context length. From the command line:",
+        "",
+        "```sh",
+        f'cmfdeploy generate {rel} --prompt "I was sent to" --max-tokens 32',
+        f"cmfdeploy score {rel} items.jsonl",
+        f"cmfdeploy verify-artifact {rel}",
+        "```",
+        "",
+        "In Python on a Mac (coremltools and `tokenizers`; Core ML prediction needs macOS):",
+        "",
+        "```python",
+        _python_snippet(manifest),
+        "```",
+        "",
+        "In Swift (Core ML's `MLModel` and swift-transformers' `Tokenizers`), a sketch **not compiled here**:",
+        "",
+        "```swift",
+        _swift_sketch(manifest),
+        "```",
+        "",
+    ]
+
+
+def release_markdown(manifest: dict, survey: dict) -> str:
+    from pipeline.stages.report import md_table
+
+    interface, tokens = manifest["interface"], manifest["special_tokens"]
+    features = [[direction, f["name"], f["dtype"], "[" + ", ".join(map(str, f["shape"])) + "]", f.get("meaning", "")]
+                for direction, key in (("input", "inputs"), ("output", "outputs"), ("state", "states"))
+                for f in interface.get(key, [])]
+    packages = [[e["name"], e["role"], e["kind"], e["size_bytes"], e["gate"]["recipe"], e["gate"]["backend"],
+                 e["gate"]["summary"]["max_abs"], e["gate"]["summary"]["top1_agreement_min"],
+                 e["gate"]["summary"]["kl_mean_max"], e["gate"]["passed"]] for e in manifest["packages"]]
+    tolerances = {e["gate"]["recipe"]: e["gate"]["tolerance"] for e in manifest["packages"]}
+    record = next(r for r in survey["recipes"] if r["name"] == manifest["recipe"])
+    chosen = (f"the survey's deployed recipe: {manifest['survey']['deployed_rule']}" if manifest["deployed"]
+              else "chosen by hand, not the survey's deployed recipe")
+    lines = [
+        f"# {manifest['model']} — {manifest['recipe']}",
+        "",
+        f"Core ML package `packages/{manifest['recipe']}/model.mlpackage` ({interface['kind']}, "
+        f"context {interface['context']}, minimum deployment target {interface['minimum_deployment_target']}, "
+        f"compute precision {interface['compute_precision']}), compressed with recipe `{manifest['recipe']}` "
+        f"({chosen}).",
+        "",
+        *usage_markdown(manifest),
+        "## Interface",
+        "",
+        md_table(["", "name", "dtype", "shape", "meaning"], features),
+        f"`T` is the flexible token count, {interface['dims']['T'][0]}..{interface['dims']['T'][1]}. "
+        f"Special tokens: BOS {tokens['bos_token_id']}, EOS {tokens['eos_token_ids']}, PAD {tokens['pad_token_id']}.",
+        "",
+        "## Packages and their gates",
+        "",
+        "Every package passed its three-part alignment gate: exact against a PyTorch reference of its intended "
+        "numerics (FP32, or its own decoded weights), within the quality budget of FP32, and its invariants.",
+        "",
+        md_table(["package", "role", "kind", "bytes", "recipe", "gate backend", "max |Δ logit|",
+                  "top-1 agreement", "KL mean max", "passed"], packages),
+        "## Exactness bounds",
+        "",
+        md_table(["recipe", "max |Δ logit| allowed", "why"],
+                 [[k, f"{t['atol']:.3g}", t["why"]] for k, t in tolerances.items()]),
+        "## Effect on the scoring set",
+        "",
+        f"`{survey['scoring_set']['name']}` ({survey['scoring_set']['n_items']} items): top-1 accuracy "
+        f"{record['scoring']['top1_accuracy']:.3f} (FP32 {survey['fp32']['scoring']['top1_accuracy']:.3f}), MRR "
+        f"{record['scoring']['mrr']:.3f} (FP32 {survey['fp32']['scoring']['mrr']:.3f}); "
+        f"{record['scoring']['top1_changed']} items change their top candidate, max |Δ score| "
+        f"{record['scoring']['max_abs_delta_score']:.3g}. The full survey is in `survey/survey.md`.",
+        "",
+        "## Identity chain",
+        "",
+        md_table(["link", "sha256", "bound by"],
+                 [[c["link"], f"`{c['sha256']}`", c["bound_by"]] for c in manifest["chain"]]),
+        "Check everything offline with `cmfdeploy verify-artifact <this folder>`.",
+        "",
+    ]
+    return "\n".join(lines)
