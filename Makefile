@@ -37,6 +37,8 @@ QUALITY_FLAGS = --budget "$(BUDGET)" --quality-text $(QUALITY_TEXT) --items $(IT
 QUALITY_TEXT ?= fixtures/botchan.txt
 # Tokens the packages take (and the gates' long case covers); 128 is the fixture's context.
 CONTEXT ?= 128
+# The package kinds converted and gated (coreml.kinds registers them).
+KINDS ?= stateless chunk_kv stateful
 # The default fixture ships frozen reference logits; any other model gets them computed
 # once from its own CMF by the PyTorch reference.
 REFERENCE := $(if $(filter $(DEFAULT_MODEL),$(MODEL)),fixtures/reference,$(OUT)/reference)
@@ -81,7 +83,7 @@ test-portability: $(INSTALLED)
 
 bundle: $(OUT)/bundle/manifest.json
 coreml: $(OUT)/coreml/stateless/manifest.json
-align: $(OUT)/align/stateless.passed $(OUT)/align/chunk_kv.passed $(OUT)/align/stateful.passed
+align: $(KINDS:%=$(OUT)/align/%.passed)
 compress: $(OUT)/survey/survey.json
 score: $(OUT)/scores/fp32-chunk_kv/manifest.json
 release: $(OUT)/release.done
@@ -90,7 +92,7 @@ $(OUT)/bundle/manifest.json: $(MODEL) | $(INSTALLED)
 	$(CLI) bundle $(MODEL) -o $(OUT)/bundle --force
 
 $(OUT)/coreml/stateless/manifest.json: $(OUT)/bundle/manifest.json
-	$(CLI) coreml $(OUT)/bundle -o $(OUT)/coreml --kinds stateless chunk_kv stateful --context $(CONTEXT) --jobs $(COREML_JOBS) --force
+	$(CLI) coreml $(OUT)/bundle -o $(OUT)/coreml --kinds $(KINDS) --context $(CONTEXT) --jobs $(COREML_JOBS) --force
 
 $(OUT)/reference/index.json: $(OUT)/bundle/manifest.json
 	$(CLI) reference-fixtures $(MODEL) -o $(OUT)/reference --text fixtures/botchan.txt --context $(CONTEXT) --force

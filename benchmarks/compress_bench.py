@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 from coreml import codes  # noqa: E402
 from coreml.calibration import logprobs_with  # noqa: E402
 from coreml.manifest import verify_package  # noqa: E402
-from coreml.recipes import EMBEDDING, RECIPES, compress_package, encoder, weight_steps, Weight  # noqa: E402
+from coreml.recipes import EMBEDDING, RECIPES, Weight, compress_package  # noqa: E402
 from manifests.chain import upstream_path  # noqa: E402
 from pipeline.stages.evaluate import windows  # noqa: E402
 from pipeline.ground.reference import load_reference  # noqa: E402
@@ -119,7 +119,7 @@ def run_recipes(package: Path, recipes: list[str], work: Path, bpw: float | None
     print(f"fp32: ppl {base['perplexity']:.3f} over {base['tokens']} tokens; conversion {baseline_s:.1f} s", flush=True)
     for recipe in recipes:
         start = time.perf_counter()
-        extra = {"calibration_ids": model.calibration} if RECIPES[recipe].get("calibration") else {}
+        extra = {"calibration_ids": model.calibration} if RECIPES[recipe].calibration else {}
         if bpw is not None and recipe == "mixed":
             extra["bpw"] = bpw
         manifest = compress_package(package, recipe, work / recipe, force=True, **extra)
@@ -179,8 +179,8 @@ def diagnose(package: Path, recipes: list[str]) -> dict:
 def _recipe_encoder(recipe: str):
     """name, value -> decoded value under `recipe`'s own data-free code step."""
     def encode(name: str, w: np.ndarray) -> np.ndarray:
-        step = weight_steps(RECIPES[recipe], Weight("", (name,), w.shape, (), ()))
-        return np.asarray(encoder(step["code"])(w).decode(), np.float32)
+        step = RECIPES[recipe].steps(Weight("", (name,), w.shape, (), ()))
+        return np.asarray(step["code"].encode(w).decode(), np.float32)
     return encode
 
 
@@ -210,7 +210,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("compress_bench"), help="report stem (.json, .md)")
     args = parser.parse_args()
     if args.diagnose:
-        code_recipes = [r for r in args.recipes if "code" in RECIPES[r]]
+        code_recipes = [r for r in args.recipes if "code" in RECIPES[r].params_record()]
         result = diagnose(args.package, code_recipes)
     else:
         with tempfile.TemporaryDirectory() as tmp:

@@ -12,7 +12,7 @@ is also given as a multiple of the FP32 weight bytes (target: <= 4x; meaningless
 Executor: the saved packages on the numpy MIL executor against torch eager running the FP32
 reference model (`pipeline.ground.reference.load_reference`) on the same tokens, in this process:
 a 128-token stateless call against one full forward, and 32 single-token steps after a
-96-token prefill (chunk-KV through `coreml.runner.ChunkKVRunner`, stateful through its
+96-token prefill (chunk-KV through `coreml.kinds.chunk_kv.ChunkKVRunner`, stateful through its
 `decode` function) against `forward_cached`. Ratios are executor / torch (target: <= 3x); both
 run on OPENBLAS_NUM_THREADS threads (default 1), so a shared machine skews them alike.
 Package open time (reading the program and its weights) is printed per kind, and for the
@@ -40,11 +40,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+from coreml.kinds import KINDS  # noqa: E402
 from rss import peak_rss_mib  # noqa: E402
 
 RESULT_MARK = "BENCH-RESULT "
 FIXTURE_CMF = ROOT / "fixtures" / "botchan-llama-1m.cmf"
-KINDS = ("stateless", "chunk_kv", "stateful")
 CONTEXT = 128
 STATELESS_TOKENS = 128
 PREFILL, STEPS = 96, 32
@@ -103,7 +103,7 @@ def speed(bundle: Path, packages: dict[str, Path], ids: np.ndarray, repeats: int
     import torch
 
     import coreml.mil  # noqa: F401 - imported up front, so no open time below includes coremltools' import
-    from coreml.runner import ChunkKVRunner
+    from coreml.kinds.chunk_kv import ChunkKVRunner
     from pipeline.ground.models import KVCache
     from pipeline.ground.reference import load_reference
 
@@ -236,7 +236,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--convert", nargs=3, metavar=("BUNDLE", "OUT", "KIND"), help=argparse.SUPPRESS)
     parser.add_argument("--models", nargs="+", choices=("fixture", "smollm2"), default=["fixture", "smollm2"])
-    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
+    parser.add_argument("--kinds", nargs="+", choices=list(KINDS), default=list(KINDS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--smollm2-cmf", type=Path, help="an f32 CMF of SmolLM2-135M (default: import the GGUF)")
     parser.add_argument("--work", type=Path, help="keep the artifacts here (default: a temporary folder)")

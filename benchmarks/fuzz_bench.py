@@ -34,7 +34,7 @@ def main() -> int:
     args = parser.parse_args()
 
     from coreml.convert import export_coreml
-    from pipeline.stages.align import align_package
+    from pipeline.stages.gates import align_package
     from pipeline.stages.bundle import export_bundle
 
     defects = 0

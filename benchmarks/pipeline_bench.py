@@ -5,7 +5,7 @@
                                         [--survey-jobs 2]
 
 Per model: `bundle` (CMF -> FP32 bundle), `coreml` (the chunk-KV package), `fixtures`
-(SmolLM2 only: its frozen FP32 reference logits, `pipeline.stages.reference_fixtures`), `align`
+(SmolLM2 only: its frozen FP32 reference logits, `pipeline.stages.gates.fixtures`), `align`
 (the FP32 package's three-part gate), `survey` (compress + three-part gate per recipe) and
 `score` (the FP32 package on the cloze items through the executor). Where the survey's time
 goes is read from its own records: each recipe's compression seconds (compressed manifest)
@@ -67,16 +67,16 @@ def stage_coreml(bundle: str, out: str) -> dict:
 def stage_fixtures(cmf: str, out: str) -> dict:
     """The gate's frozen reference for a model other than the fixture, from held-out Botchan lines."""
     from fixtures.corpus import corpus_lines, split_lines
-    from pipeline.stages.reference_fixtures import make_reference_fixtures
+    from pipeline.stages.gates import make_reference_fixtures
 
     make_reference_fixtures(cmf, out, split_lines(corpus_lines())[1], context=CONTEXT)
     return {"bytes": (Path(out) / "logits.npz").stat().st_size}
 
 
 def stage_align(package: str, fixtures: str, items: str, out: str) -> dict:
-    from pipeline.stages.align import align_package
+    from pipeline.stages.gates import align_package
 
-    report = align_package(package, fixtures, out, items=items)
+    report = align_package(package, fixtures, out, items=items).report
     return {"passed": report["passed"], "max_abs": report["summary"]["max_abs"], "seconds": report["seconds"]}
 
 

@@ -29,7 +29,6 @@ from coreml.mil.loader import (
     program_spec,
     tensor_spec,
 )
-from coreml.manifest import BUNDLE_SHA_KEY, COREML_FORMAT
 from manifests.identity import MANIFEST_NAME
 from pipeline.ground.errors import IdentityError
 
@@ -38,6 +37,8 @@ from pipeline.ground.errors import IdentityError
 STORAGE_OPS = ("const", "cast", "read_state", "coreml_update_state")
 CACHE_FEATURES = ("key_cache", "value_cache")
 KIND_KEY = "cmfdeploy.kind"
+# A converted program names the bundle it came from by the sha256 of the bundle's manifest.
+BUNDLE_SHA_KEY = "cmfdeploy.bundle_manifest_sha256"
 
 
 @dataclass
@@ -254,16 +255,18 @@ def _blob_headers(claims: _Claims) -> None:
                            f"a {spec.dtype.name} tensor of shape {list(spec.shape)} needs {need}")
 
 
-def _metadata(claims: _Claims, manifest: dict) -> None:
+def _metadata(claims: _Claims, manifest: dict, from_bundle: bool) -> None:
     metadata = claims.program.metadata
     claims.same("package.kind", manifest["package"]["kind"], metadata.get(KIND_KEY), f"the program's {KIND_KEY}")
-    if manifest["format"] == COREML_FORMAT:
+    if from_bundle:
         claims.same("source.manifest_sha256", manifest["source"].get("manifest_sha256"),
                     metadata.get(BUNDLE_SHA_KEY), f"the program's {BUNDLE_SHA_KEY}")
 
 
-def check_package(package_dir: Path, manifest: dict) -> None:
-    """Raise IdentityError at the first claim of `manifest` that the package's program contradicts."""
+def check_package(package_dir: Path, manifest: dict, from_bundle: bool) -> None:
+    """Raise IdentityError at the first claim of `manifest` that the package's program contradicts.
+    `from_bundle`: the package was converted from a bundle (not compressed from a package),
+    so its program names that bundle (BUNDLE_SHA_KEY) as its manifest's source does."""
     package_dir = Path(package_dir)
     where = package_dir / MANIFEST_NAME
     block = manifest["package"]
@@ -273,7 +276,7 @@ def check_package(package_dir: Path, manifest: dict) -> None:
         _blob_headers(claims)
     except MilError as error:
         raise IdentityError(f"{where}: the package's program cannot be read: {error}") from None
-    _metadata(claims, manifest)
+    _metadata(claims, manifest, from_bundle)
     _interface(claims, block)
     _context(claims, block, manifest["architecture"])
     _precision(claims, block)

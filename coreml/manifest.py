@@ -15,7 +15,8 @@ import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
-
+from coreml import crosscheck
+from manifests.chain import upstream_path
 from manifests.identity import (
     MANIFEST_NAME,
     Manifest,
@@ -37,7 +38,6 @@ MODEL_NAME = "model.mlpackage"
 ROOT = Path(__file__).resolve().parent.parent
 # Distributions whose versions decide what a conversion or compression produces.
 ENVIRONMENT_PACKAGES = ("cmfdeploy", "coremltools", "torch", "numpy", "safetensors", "protobuf")
-BUNDLE_SHA_KEY = "cmfdeploy.bundle_manifest_sha256"
 TOKENIZER_JSON, TOKENIZER_CONFIG = "tokenizer.json", "tokenizer_config.json"
 
 
@@ -49,8 +49,6 @@ def source_digest(paths: Iterable[Path]) -> dict:
 
 def op_histogram(mlpackage: Path) -> dict[str, dict[str, int]]:
     """Per function of the saved program: op type -> count, nested blocks included."""
-    from coreml import crosscheck
-
     return crosscheck.op_histogram(crosscheck.read_program(mlpackage))
 
 
@@ -91,8 +89,6 @@ def carry_tokenizer(source_dir: str | Path, package_dir: str | Path) -> dict | N
 def check_tokenizer(path: Path, manifest: dict) -> None:
     """The package's tokenizer files are the ones its `tokenizer` record names (the inventory
     has already checked their bytes), and that record is its source's when the source is at hand."""
-    from manifests.chain import upstream_path
-
     record, files = manifest.get("tokenizer"), manifest["files"]
     where = path / MANIFEST_NAME
     if record is None:
@@ -137,8 +133,6 @@ def verify_package(path: str | Path, hashes: bool = True) -> Manifest:
     """A Core ML or compressed package directory whose manifest is complete, valid against
     its schema, whose files are exactly the recorded ones, and whose every claim the saved
     program states too agrees with it (`coreml.crosscheck`); else IdentityError."""
-    from coreml.crosscheck import check_package
-
     path = Path(path)
     manifest = load_manifest(path)
     if manifest["format"] not in (COREML_FORMAT, COMPRESSED_FORMAT):
@@ -148,5 +142,5 @@ def verify_package(path: str | Path, hashes: bool = True) -> Manifest:
         )
     check_files(path, manifest["files"], hashes=hashes)
     check_tokenizer(path, manifest)
-    check_package(path, manifest)
+    crosscheck.check_package(path, manifest, from_bundle=manifest["format"] == COREML_FORMAT)
     return Manifest(path, manifest)

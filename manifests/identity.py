@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path, PurePosixPath
 
-from manifests.output import staged_file
+from manifests.output import staged_file, unfinished_output
 from pipeline.ground.errors import IdentityError
 
 MANIFEST_NAME = "manifest.json"
-# A detached signature over the manifest (manifests.signing); it cannot be in the inventory it signs.
+# A detached signature over the manifest (pipeline.stages.signing); it cannot be in the inventory it signs.
 SIGNATURE_NAME = MANIFEST_NAME + ".sig"
 
 @dataclass(frozen=True)
@@ -207,7 +207,8 @@ def cmf_source(cmf) -> dict:
 
 def load_manifest(root: str | Path, format_name: str | None = None) -> dict:
     """The manifest of the artifact at `root`: valid against its schema, of `format_name`
-    when given, and `"status": "complete"` (anything else is a half-written artifact)."""
+    when given, `"status": "complete"` (anything else is a half-written artifact), and at
+    its final name (`manifests.output.unfinished_output`)."""
     from manifests.schema import validate
 
     path = Path(root) / MANIFEST_NAME
@@ -217,6 +218,10 @@ def load_manifest(root: str | Path, format_name: str | None = None) -> dict:
     # Before the schema: a half-written manifest lacks fields, and "not finished" is the real story.
     if manifest.get("status") != "complete":
         raise IdentityError(f"{path}: field 'status' is {manifest.get('status')!r}: the artifact was not finished")
+    final = unfinished_output(root)
+    if final is not None:
+        raise IdentityError(f"{Path(root)}: the staging (or set-aside) folder of {final}, left by a run that did not "
+                            "finish: an output is complete only at its final name")
     validate(manifest, where=str(path))
     return manifest
 

@@ -23,8 +23,9 @@ from coremltools.proto import Model_pb2
 
 from _fuzz import PATH_ATTACKS, U64_INTERESTING, mutate_bytes, mutate_json
 from coreml.crosscheck import check_package
+from coreml.manifest import COREML_FORMAT
 from coreml.mil.loader import load_program
-from manifests.chain import verify_chain
+from pipeline.stages.artifacts import verify_chain
 from manifests.identity import MANIFEST_NAME, canonical_json, read_json
 from pipeline.ground.bundle_format import WEIGHTS_NAME, safetensors_header, verify_bundle
 from pipeline.ground.errors import CmfdeployError
@@ -53,7 +54,7 @@ def _copy(artifact: Path, work: Path) -> Path:
 
 
 def _package_readers(copy: Path, manifest: dict):
-    return (lambda: load_program(copy / "model.mlpackage"), lambda: check_package(copy, manifest))
+    return (lambda: load_program(copy / "model.mlpackage"), lambda: check_package(copy, manifest, from_bundle=manifest["format"] == COREML_FORMAT))
 
 
 # --- Model.mlmodel -------------------------------------------------------------------------

@@ -16,8 +16,8 @@ FIXTURE_REFERENCE = ROOT / "fixtures" / "reference"
 @pytest.fixture(scope="session")
 def fixture_exact():
     """The gates' exactness bound on the fixture's logits over its 128-token context
-    (`pipeline.stages.align.exact_tolerances`, derived from the model's shapes and weights)."""
-    from pipeline.stages.align import exact_tolerances
+    (`pipeline.stages.gates.exactness.exact_tolerances`, derived from the model's shapes and weights)."""
+    from pipeline.stages.gates.exactness import exact_tolerances
     from pipeline.ground.reference import load_reference
 
     return exact_tolerances(load_reference(FIXTURE_CMF)[0], 128)[0]
@@ -81,7 +81,7 @@ def smollm2_cmf(smollm2_gguf) -> Path:
 
     importer = hashlib.sha256()
     for name in ("gguf.py", "common.py", "quant_policy.py"):
-        importer.update((ROOT / "pipeline" / "importers" / name).read_bytes())
+        importer.update((ROOT / "pipeline" / "stages" / "importers" / name).read_bytes())
     key = f"{sha256_file(smollm2_gguf)[:16]}-{importer.hexdigest()[:12]}"
     path = ROOT / "build" / "smollm2" / key / "SmolLM2-135M-Instruct-f32.cmf"
     if not path.exists():

@@ -13,30 +13,29 @@ from conftest import FIXTURE_CMF, FIXTURE_REFERENCE
 from coreml.mil.ops import OPS, OpDef
 from coreml.package import open_package
 from coreml.recipes import compress_package
-from coreml.runner import ChunkKVRunner, PackageBackend, open_package_backend
-from manifests.chain import verify_artifact
+from coreml.kinds.chunk_kv import ChunkKVRunner
+from coreml.runner import PackageBackend, open_package_backend
+from pipeline.stages.artifacts import verify_artifact
 from manifests.identity import load_manifest, read_json
-from pipeline.stages.align import (
-    COMPRESSED_PATTERNS,
+from pipeline.stages.gates import (
     DEFAULT_QUALITY_TEXT,
     Budget,
     BudgetError,
     GateFailed,
-    Intended,
     QualityInputs,
     ReferenceFixtures,
-    Tolerance,
     align_package,
-    branching_invariants,
-    compare,
     gate_backend,
-    intended_for_package,
-    measure_quality,
+    intended_references,
     parse_budget,
-    quality_inputs_for,
     require_passed,
+    upstream_of,
 )
+from pipeline.stages.gates.exactness import COMPRESSED_PATTERNS, Tolerance, compare, exact_tolerances
+from pipeline.stages.gates.invariants import branching_invariants
+from pipeline.stages.gates.quality import measure_quality
 from pipeline.cli import main
+from pipeline.ground.torch_backend import TorchBackend
 from pipeline.ground.models.numerics import model_cache_bound, model_logits_bound
 
 PATTERNS = ("one_shot", "single_tokens", "split_3", "half_half")
@@ -50,9 +49,15 @@ def items(tmp_path_factory):
 @pytest.fixture(scope="module")
 def gates(fixture_packages, items, tmp_path_factory):
     out = tmp_path_factory.mktemp("align")
-    reports = {kind: align_package(fixture_packages / kind, FIXTURE_REFERENCE, out / kind, items=items)
+    reports = {kind: align_package(fixture_packages / kind, FIXTURE_REFERENCE, out / kind, items=items).report
                for kind in ("stateless", "chunk_kv")}
     return out, reports
+
+
+def _references(package):
+    """(intended, FP32) references of a package, on its bundle."""
+    manifest = load_manifest(package)
+    return intended_references(package, manifest, upstream_of(package, manifest)[2])
 
 
 @pytest.fixture(scope="module")
@@ -126,13 +131,14 @@ def test_a_runtime_that_misdecodes_a_weight_is_not_exact_though_quality_cannot_t
         OPS["constexpr_blockwise_shift_scale"] = real
     assert len(calls) > 3
     manifest = load_manifest(int8_stateless)
-    intended, fp32 = intended_for_package(int8_stateless, manifest)
-    quality = quality_inputs_for(int8_stateless, manifest, fp32, DEFAULT_QUALITY_TEXT, items)
+    bundle = upstream_of(int8_stateless, manifest)[2]
+    intended, fp32 = intended_references(int8_stateless, manifest, bundle)
+    quality = QualityInputs(fp32, bundle, DEFAULT_QUALITY_TEXT, items, fp32.context)
     fixtures, budget = ReferenceFixtures(FIXTURE_REFERENCE), parse_budget("ppl=2%,top1=0.95")
     good = gate_backend(open_package_backend(int8_stateless), intended, fixtures, quality, budget, frozen=False,
                         patterns=COMPRESSED_PATTERNS)
     bad = gate_backend(broken, intended, fixtures, quality, budget, frozen=False, patterns=COMPRESSED_PATTERNS)
-    bound = intended.tolerance.atol
+    bound = exact_tolerances(intended.model, intended.context)[0].atol
     assert good["passed"] and good["summary"]["max_abs"] <= bound
     assert not bad["summary"]["exact"] and bad["summary"]["max_abs"] > 10 * bound
     assert bad["quality"] == good["quality"] and bad["summary"]["within_budget"]
@@ -162,6 +168,17 @@ def test_over_budget_is_a_result_and_exactness_stands_apart(int8_stateless, item
     full = read_json(tmp_path / "all" / "alignment.json")["quality"]
     assert status == 1 and "items_not_measured" not in full and full["items_top1_changed"] is not None
     assert full["over_budget"] == ["top1_agreement"] + (["items_top1_changed"] if full["items_top1_changed"] > 0 else [])
+
+
+def test_a_gate_over_budget_is_returned_as_a_failed_result_not_raised(int8_stateless, items, tmp_path):
+    """The stage returns a failed gate as it returns a passed one, its report written; only the
+    CLI turns the failure into an error line and exit status 1."""
+    gate = align_package(int8_stateless, FIXTURE_REFERENCE, tmp_path / "gate", items=items, budget="ppl=2%,top1=1.0")
+    assert gate.passed is False and gate.report["passed"] is False
+    assert gate.report["summary"]["exact"] and not gate.report["summary"]["within_budget"]
+    assert read_json(tmp_path / "gate" / "alignment.json")["records"] == json.loads(json.dumps(gate.report["records"]))
+    assert gate.failure().startswith(f"{int8_stateless}: gate failed: over the budget ppl=2%,top1=1 ")
+    assert gate.scores is None  # over budget on the text: the scoring set was not measured
 
 
 def test_failed_exactness_writes_its_report_and_exits_nonzero(fixture_packages, items, tmp_path, capsys):
@@ -231,12 +248,12 @@ def test_an_mlx_artifact_is_gated_by_the_same_code(items):
     from pipeline.ground.reference import load_reference
 
     model, args, _ = load_reference(FIXTURE_CMF)
-    fp32 = Intended(model, args, args.max_position_embeddings)
+    fp32 = TorchBackend(model, args, args.max_position_embeddings)
     quality = QualityInputs(fp32, FIXTURE_CMF, DEFAULT_QUALITY_TEXT, items, fp32.context)
     candidate = MlxBackend(FIXTURE_CMF)
     report = gate_backend(candidate, fp32, ReferenceFixtures(FIXTURE_REFERENCE), quality, Budget(), frozen=True)
     assert report["candidate_backend"] == "mlx" and report["summary"]["exact"], report["summary"]
-    assert report["summary"]["max_abs"] <= fp32.tolerance.atol and report["exactness"]["patterns"] == ["one_shot"]
+    assert report["summary"]["max_abs"] <= exact_tolerances(model, fp32.context)[0].atol and report["exactness"]["patterns"] == ["one_shot"]
     invariants = {i["name"]: i for i in report["invariants"]}
     assert invariants["branch_A_B_A_bitwise"]["passed"] and invariants["right_pad_prefix_equals_short"]["passed"]
     assert invariants["dirty_tail_bitwise"]["passed"] is None and "not_offered" in invariants["dirty_tail_bitwise"]
@@ -287,22 +304,23 @@ def test_reference_fixtures_command_reproduces_the_frozen_fixtures(tmp_path):
 
 
 def test_the_intended_reference_batches_as_it_runs_one_at_a_time(fixture_packages):
-    """The gates score items through `Intended.prefill_batch` / `extend_batch`: each branch
+    """The gates score items through the intended reference's `prefill_batch` / `extend_batch`: each branch
     from its own snapshot must match `prefill` / `extend` of that branch alone. Two float32
     evaluations of one model in another batching: within the worst-case bound of two such
     evaluations (pipeline/ground/models/numerics.py), which holds on any machine; caches likewise."""
     package = fixture_packages / "chunk_kv"
-    intended, _ = intended_for_package(package, load_manifest(package))
+    intended, _ = _references(package)
     bound = model_logits_bound(intended.model, intended.context)
     cache_bound = model_cache_bound(intended.model, intended.context)
     prefixes = [np.arange(1, 20), np.arange(5, 12), np.array([3])]
     batched = intended.prefill_batch(prefixes)
     singles = [intended.prefill(prefix) for prefix in prefixes]
-    for (logits, (keys, values, position)), (want, (want_keys, want_values, want_position)) in zip(batched, singles):
-        assert position == want_position and logits.shape == want[-1:].shape  # the last token's row alone
+    for (logits, snapshot), (want, want_snapshot) in zip(batched, singles):
+        position = snapshot.position
+        assert position == want_snapshot.position and logits.shape == want[-1:].shape  # the last token's row alone
         assert np.abs(logits - want[-1:]).max() <= bound
-        for got, ref in ((keys, want_keys), (values, want_values)):
-            assert np.abs(got[..., :position, :] - ref[..., :position, :]).max() <= cache_bound
+        for got, ref in ((snapshot.keys, want_snapshot.keys), (snapshot.values, want_snapshot.values)):
+            assert np.abs(got.numpy()[..., :position, :] - ref.numpy()[..., :position, :]).max() <= cache_bound
     branches = [(snapshot, np.array([7, 8, 9])) for _, snapshot in batched] + [(batched[0][1], np.array([4]))]
     for got, (snapshot, ids) in zip(intended.extend_batch(branches), branches):
         assert np.abs(got - intended.extend(snapshot, ids)).max() <= bound
@@ -317,7 +335,7 @@ def test_a_chunk_kv_package_batches_as_it_runs_one_at_a_time(fixture_packages):
 
     package = fixture_packages / "chunk_kv"
     backend = open_package_backend(package)
-    intended, _ = intended_for_package(package, load_manifest(package))
+    intended, _ = _references(package)
     bound = model_logits_bound(intended.model, intended.context)
     cache_bound = model_cache_bound(intended.model, intended.context)
     prefixes = [np.arange(1, 20), np.arange(5, 12), np.array([3])]

@@ -1,6 +1,6 @@
 """The stateful package's alignment gate: the default fixture's fp16-KV-state package held to
 FP32's bound against the reference with fp16 K/V caches (each chunk from the package's own
-cache), run by the MIL executor through coreml.runner.StatefulRunner."""
+cache), run by the MIL executor through coreml.kinds.stateful.StatefulRunner."""
 
 import contextlib
 import io
@@ -13,20 +13,15 @@ from safetensors.numpy import load_file
 
 from _survey_models import cloze_slice
 from conftest import FIXTURE_REFERENCE
+from coreml.kinds.cache_runner import PackageInterfaceError
+from coreml.kinds.stateful import StatefulRunner
 from coreml.package import open_package
-from coreml.runner import PackageBackend, PackageInterfaceError, StatefulRunner
-from manifests.chain import verify_artifact
+from coreml.runner import PackageBackend
+from pipeline.stages.artifacts import verify_artifact
 from manifests.identity import MANIFEST_NAME, inventory, read_json, write_json
-from pipeline.stages.align import (
-    BRANCH_A,
-    BRANCH_B,
-    GateFailed,
-    ReferenceFixtures,
-    chunk_patterns,
-    intended_for_package,
-    require_passed,
-    run_checked,
-)
+from pipeline.stages.gates import GateFailed, ReferenceFixtures, intended_references, require_passed, upstream_of
+from pipeline.stages.gates.exactness import chunk_patterns, exact_tolerances, run_checked
+from pipeline.stages.gates.invariants import BRANCH_A, BRANCH_B
 from pipeline.cli import main
 
 CASES = ("short", "long", "right_pad", "changed_future")
@@ -148,10 +143,12 @@ def test_package_backend_branches_a_stateful_package(fixture_stateful):
     backend = PackageBackend(open_package(fixture_stateful, backend="executor"), chunk=8)
     prefix_logits, snapshot = backend.prefill(case.input_ids[:40])
     suffix_logits = backend.extend(snapshot, case.input_ids[40:56])
-    intended, _ = intended_for_package(fixture_stateful, read_json(fixture_stateful / MANIFEST_NAME))
-    checked = run_checked(backend.chunks, intended, case.input_ids[:56], [8] * 7)
+    manifest = read_json(fixture_stateful / MANIFEST_NAME)
+    intended, _ = intended_references(fixture_stateful, manifest, upstream_of(fixture_stateful, manifest)[2])
+    tolerance, cache_tolerance = exact_tolerances(intended.model, intended.context)
+    checked = run_checked(backend.chunks, intended, case.input_ids[:56], [8] * 7, cache_tolerance)
     np.testing.assert_array_equal(np.concatenate([prefix_logits, suffix_logits]), checked["got"])
-    assert np.abs(checked["got"] - checked["want"]).max() <= intended.tolerance.atol and checked["cache_outside"] == 0
+    assert np.abs(checked["got"] - checked["want"]).max() <= tolerance.atol and checked["cache_outside"] == 0
     np.testing.assert_array_equal(backend.extend(snapshot, case.input_ids[40:56]), suffix_logits)
 
 

@@ -17,17 +17,12 @@ import torch
 
 from _coreml_models import CONTEXT, VOCAB, make_bundle
 from pipeline.ground.models.numerics import model_logits_bound
-from coreml.convert import (
-    CHECK_SCHEDULES,
-    ConversionFailed,
-    ScheduleMismatch,
-    UnknownKind,
-    check_chunk_schedules,
-    _kinds_in_workers,
-    export_coreml,
-    reference_for_export,
-)
-from coreml.manifest import BUNDLE_SHA_KEY, verify_package
+from coreml.convert import _kinds_in_workers, export_coreml
+from pipeline.ground.workers import WorkerFailed
+from coreml.crosscheck import BUNDLE_SHA_KEY
+from coreml.kinds import UnknownKind, package_kind
+from coreml.kinds.export import CHECK_SCHEDULES, ScheduleMismatch, check_chunk_schedules, reference_for_export
+from coreml.manifest import verify_package
 from coreml.mil.loader import load_program
 from coreml.package import open_package
 from manifests.identity import sha256_file
@@ -200,7 +195,7 @@ def test_kinds_converted_in_worker_processes_are_the_serial_packages(built, stat
 
 
 def test_a_failing_worker_is_a_typed_error_with_its_output(tmp_path):
-    with pytest.raises(ConversionFailed, match=r"chunk_kv: its worker process exited 1:\n(.|\n)*no-bundle"):
+    with pytest.raises(WorkerFailed, match=r"out: the worker running 'chunk_kv' exited 1:\n(.|\n)*no-bundle"):
         _kinds_in_workers(("chunk_kv",), tmp_path / "no-bundle", tmp_path / "staging", tmp_path / "out", None, 2,
                           lambda stage: None)
 
@@ -231,7 +226,7 @@ def test_export_refuses_a_broken_chunk_graph_and_leaves_no_output(built, tmp_pat
         def forward(self, ids, position, key_cache, value_cache):
             return super().forward(ids, position * 0, key_cache, value_cache)
 
-    monkeypatch.setattr("coreml.convert.CachedStep", Broken)
+    monkeypatch.setattr(package_kind("chunk_kv"), "graph", lambda ref: Broken(ref.model))
     with pytest.raises(ScheduleMismatch):
         export_coreml(built[0], tmp_path / "out", kinds=("chunk_kv",))
     assert list(tmp_path.iterdir()) == []

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from coremltools.proto import Model_pb2
 
-from coreml.convert import convert_stateful_functions, reference_for_export
+from coreml.kinds import package_kind
+from coreml.kinds.export import reference_for_export
 from coreml.mil.errors import MilError
 from coreml.mil.loader import BlobEntry, BlobStorage, load_program, mil_dtype, model_path
 from coreml.multifunction import MergeError, merge_functions
@@ -28,7 +29,7 @@ DEFAULT = "decode"
 def sources(fixture_bundle, tmp_path_factory):
     """prefill.mlpackage and decode.mlpackage, single-function (do not modify)."""
     ref = reference_for_export(fixture_bundle, context=CONTEXT)
-    return convert_stateful_functions(ref, tmp_path_factory.mktemp("functions"), lambda stage: None)
+    return package_kind("stateful").convert_functions(ref, tmp_path_factory.mktemp("functions"), lambda stage: None)
 
 
 @pytest.fixture(scope="module")

@@ -115,7 +115,7 @@ def test_manifest_binds_source_package_and_recipe(source, compressed):
         assert manifest["format"] == "cmfdeploy.compressed/1" and manifest["status"] == "complete"
         assert manifest["source"]["manifest_sha256"] == sha256_file(source.path / "manifest.json")
         assert manifest["source"]["format"] == "cmfdeploy.coreml/1"
-        assert manifest["recipe"] == {"name": recipe, "params": RECIPES[recipe]}
+        assert manifest["recipe"] == {"name": recipe, "params": RECIPES[recipe].params_record()}
         assert manifest["base_size_bytes"] == source["package_bytes"]
         on_disk = sum(p.stat().st_size for p in (manifest.path / "model.mlpackage").rglob("*") if p.is_file())
         assert manifest["size_bytes"] == on_disk < source["package_bytes"]
@@ -130,15 +130,15 @@ def _weight(name, shape, consumers=("linear",), hf=True):
 
 def test_unmet_preconditions_are_raised_naming_the_weight():
     with pytest.raises(RecipePrecondition, match=r"down_proj .*input axis 48 not divisible by block_size 32"):
-        plan_selection([_weight("down_proj", (64, 48))], "int4-b32")
+        plan_selection([_weight("down_proj", (64, 48))], RECIPES["int4-b32"].select)
     with pytest.raises(RecipePrecondition, match=r"up_proj .*output axis 80 not divisible by LUT tile 32"):
-        plan_selection([_weight("up_proj", (80, 64))], "palette4-gc32")
+        plan_selection([_weight("up_proj", (80, 64))], RECIPES["palette4-gc32"].select)
     with pytest.raises(RecipePrecondition, match=r"axes unknown for ops \['conv'\]"):
-        plan_selection([_weight("gate_proj", (64, 64), consumers=("conv",))], "int8-b32")
+        plan_selection([_weight("gate_proj", (64, 64), consumers=("conv",))], RECIPES["int8-b32"].select)
 
 
 def test_a_large_constant_that_is_no_bundle_weight_is_left_and_recorded():
-    plan = plan_selection([_weight("table", (128, 64), consumers=("gather",), hf=False)], "int4-b32")
+    plan = plan_selection([_weight("table", (128, 64), consumers=("gather",), hf=False)], RECIPES["int4-b32"].select)
     assert plan["steps"] == {}
     assert plan["record"]["weights"]["table"]["reason"].startswith("not a bundle weight")
 

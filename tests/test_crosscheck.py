@@ -190,7 +190,7 @@ def test_a_bundle_header_that_disagrees_with_the_source_cmf_is_refused(fixture_b
 
 
 def test_a_gate_manifest_whose_verdict_or_summary_differs_from_its_report_is_refused(fixture_packages, tmp_path):
-    from pipeline.stages.align import align_package, verify_alignment
+    from pipeline.stages.gates import align_package, verify_alignment
 
     gate = tmp_path / "gate"
     align_package(fixture_packages / "stateless", REFERENCE, gate)

@@ -14,7 +14,7 @@ CASES = 100
 
 @pytest.fixture(scope="module")
 def artifacts(fixture_packages, fixture_bundle, tmp_path_factory) -> dict:
-    from pipeline.stages.align import align_package
+    from pipeline.stages.gates import align_package
 
     gate = tmp_path_factory.mktemp("fuzz") / "gate"
     align_package(fixture_packages / "chunk_kv", FIXTURE_REFERENCE, gate)

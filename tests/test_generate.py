@@ -15,9 +15,9 @@ import pytest
 from tokenizers import Tokenizer as HfTokenizer
 
 from conftest import FIXTURE_CMF
-from manifests.chain import verify_chain
+from pipeline.stages.artifacts import verify_chain
 from manifests.identity import file_identity, load_manifest, read_json, write_json
-from pipeline.stages import align
+from pipeline.stages.gates.exactness import Tolerance
 from pipeline.stages.backends import open_backend
 from pipeline.cli import build_parser, main
 from pipeline.ground.errors import IdentityError
@@ -62,14 +62,14 @@ def _fp32_bound(fp16_cache: bool = False) -> float:
     return model_logits_bound(load_reference(FIXTURE_CMF)[0], 128, fp16_cache=fp16_cache)
 
 
-def _gate_bound(package_dir: Path) -> align.Tolerance:
+def _gate_bound(package_dir: Path) -> Tolerance:
     """What the package promises against the FP32 reference, |Δ logit| <= atol + rtol |logit|:
     FP32's summation-order bound; a stateful package also rounds its K/V to fp16."""
     stateful = load_manifest(package_dir)["package"]["kind"] == "stateful"
-    return align.Tolerance(_fp32_bound(stateful), 0.0, None, None, "derived worst case")
+    return Tolerance(_fp32_bound(stateful), 0.0, None, None, "derived worst case")
 
 
-def _check_greedy(got: list[int], reference, tol: align.Tolerance) -> int:
+def _check_greedy(got: list[int], reference, tol: Tolerance) -> int:
     """Every token equals the reference's until the first that differs; a difference is
     allowed only where the reference's top-2 margin lies within the gate's bound on both
     logits (a tie the gate cannot resolve). Returns how many tokens agreed."""

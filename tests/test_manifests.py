@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from jsonschema import Draft202012Validator
 
-from manifests.chain import VERIFIERS, Link, verify_artifact, verify_chain
+from manifests.chain import Link
+from pipeline.stages.artifacts import VERIFIERS, verify_artifact, verify_chain
 from manifests.identity import (
     MANIFEST_NAME,
     Manifest,

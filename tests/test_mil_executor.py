@@ -12,7 +12,7 @@ import torch
 
 import _mil_modules as mm
 from pipeline.ground.models.numerics import decoder_chain, gamma, logits_bound
-from coreml.convert import _beyond_one_fp16_step
+from coreml.kinds.stateful import _beyond_one_fp16_step
 from coreml.mil import Executor, MilError, UnsupportedOp, load_program
 from coreml.mil.ops import OPS, OpDef
 from coreml.package import PackageError, open_package

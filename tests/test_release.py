@@ -9,9 +9,9 @@ from _survey_models import built_survey, failed_gate
 from conftest import FIXTURE_REFERENCE
 
 from pipeline.stages.survey import ForeignGate
-from manifests.chain import verify_chain
+from pipeline.stages.artifacts import verify_chain
 from manifests.identity import read_json, sha256_file
-from pipeline.stages.align import GateFailed, align_package
+from pipeline.stages.gates import GateFailed, align_package
 from pipeline.cli import main
 from pipeline.ground.errors import IdentityError, OutputExists
 from pipeline.stages.release import ReleaseError, make_release, verify_release

@@ -13,9 +13,10 @@ from conftest import FIXTURE_REFERENCE
 
 from coreml.package import open_package
 from pipeline.stages.survey import ForeignGate, SurveyError, load_survey, run_survey
-from manifests.chain import upstream_path, verify_chain
+from manifests.chain import upstream_path
+from pipeline.stages.artifacts import verify_chain
 from manifests.identity import read_json, sha256_file
-from pipeline.stages.align import DEFAULT_QUALITY_TEXT, GateFailed, ReferenceFixtures
+from pipeline.stages.gates import DEFAULT_QUALITY_TEXT, GateFailed, ReferenceFixtures
 from pipeline.stages.backends import open_backend
 from pipeline.cli import main
 from pipeline.ground.errors import IdentityError, OutputExists
@@ -116,7 +117,7 @@ def test_perplexity_change_matches_an_independent_recount(survey):
     """pipeline.stages.evaluate's perplexity over the same held-out windows, FP32 bundle against the
     reference model loaded with coremltools' decoding of the package's weights."""
     from coreml.decoded import decoded_weights
-    from pipeline.stages.align import Intended
+    from pipeline.ground.torch_backend import TorchBackend
     from pipeline.stages.evaluate import perplexity
     from pipeline.ground.reference import load_reference
     from pipeline.ground.text_roles import text_roles
@@ -133,7 +134,7 @@ def test_perplexity_change_matches_an_independent_recount(survey):
         model, args, _ = load_reference(bundle)
         weights = decoded_weights(survey.path / "packages" / name)
         model.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()}, strict=False)
-        got = perplexity(Intended(model, args, 128), ids, window=128, bos_id=tokenizer.bos_id)
+        got = perplexity(TorchBackend(model, args, 128), ids, window=128, bos_id=tokenizer.bos_id)
         change = _records(survey)[name]["gate"]["quality"]["ppl_change"]
         assert change == pytest.approx(got.perplexity / fp32.perplexity - 1, abs=1e-6), name
 

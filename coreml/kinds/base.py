@@ -5,20 +5,52 @@ cache dtype and usage snippet, so adding a kind is adding one module under corem
     class ChunkKV(PackageKind):
         name = "chunk_kv"
         ...
+
+What the kinds share lives beside them: `export` (the reference, tracing, checks, conversion,
+manifest) and `cache_runner` (snapshots, the runner base). The registry is read where nothing
+is converted (the gates, `--help`), so it imports neither torch nor coremltools: what builds a
+package (graphs, exporters, interfaces) imports them, with `export` and coreml.manifest, when it runs.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from pipeline.ground.errors import CmfdeployError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from coreml.kinds.cache_runner import _CacheRunner
+    from coreml.kinds.export import Reference
+    from manifests.identity import Manifest
+
+CACHE_MEANING = "(layer, batch, kv_head, slot, head_dim); slot s holds the token at absolute position s"
 
 
 class UnknownKind(CmfdeployError):
     """A package kind no module under coreml/kinds/ registers."""
 
 
-class PackageKind:
+def feature(name: str, dtype: str, shape: list, meaning: str) -> dict:
+    """One input, output or state of a package's interface (the manifest's `package` block)."""
+    return {"name": name, "dtype": dtype, "shape": shape, "meaning": meaning}
+
+
+def position_feature() -> dict:
+    """The `position` input of the kinds that carry a K/V cache."""
+    return feature(
+        "position", "int32", [1],
+        "absolute position of input_ids[0, 0]; cache slots position..position+T-1 are written, later slots are ignored",
+    )
+
+
+class PackageKind(ABC):
     """What every stage asks of a package kind; subclasses set the attributes and methods."""
 
     name: str
@@ -27,6 +59,48 @@ class PackageKind:
     # The dtype of the K/V cache the package carries (inputs/outputs or state); None for a
     # kind without a cache. The gates' intended-numerics reference rounds its cache to it.
     cache_dtype: type[np.floating] | None = None
+    # How many times `export` calls its `step` (the conversion's progress bar).
+    steps: int
+    # Drives a saved package chunk by chunk through cache snapshots (coreml.runner); None for
+    # a kind without a cache, which runs one full forward per call.
+    runner: type[_CacheRunner] | None = None
+    # Arguments RELEASE.md's Python example adds to `ct.models.MLModel(path...)`.
+    snippet_model_arguments: str = ""
+
+    def interface(self, ref: Reference) -> dict:
+        """The manifest's `package` block: features by name, dtype, shape and meaning.
+
+        `"T"` in a shape is the flexible token count, with its range under `dims` (and per
+        function for a kind whose functions fix it). Kinds with more features extend this block.
+        """
+        from coreml.manifest import MODEL_NAME
+
+        return {
+            "name": MODEL_NAME,
+            "kind": self.name,
+            "context": ref.context,
+            "chunk": None,
+            "compute_precision": "float32",
+            "minimum_deployment_target": "iOS18",
+            "dims": {"T": [1, ref.context]},
+            "inputs": [feature("input_ids", "int32", [1, "T"], "token ids")],
+            "outputs": [feature("logits", "float32", [1, "T", ref.args.vocab_size],
+                                "next-token logits at each input position")],
+        }
+
+    @abstractmethod
+    def graph(self, ref: Reference) -> nn.Module:
+        """The torch module over the reference model that is traced into this kind's program."""
+
+    @abstractmethod
+    def export(self, ref: Reference, package_dir: Path, step: Callable[[str], None]) -> Manifest:
+        """Trace, check, convert and save the package into `package_dir` (not there yet),
+        calling `step` `steps` times; the package's manifest."""
+
+    @abstractmethod
+    def snippet(self, interface: dict) -> list[str]:
+        """RELEASE.md's Python example, this kind's part: the lines that run `model` on
+        `inputs` (input_ids set) and leave its outputs in `out`."""
 
 
 KINDS: dict[str, PackageKind] = {}

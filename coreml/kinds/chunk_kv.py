@@ -1,8 +1,55 @@
-"""The chunk-KV package: tokens at an absolute position, the K/V cache passed in and out."""
+"""The chunk-KV package: tokens at an absolute position, the K/V cache passed in and out as
+float32 tensors, so a host can prefill and decode in chunks of any size.
+
+Its graph is checked against the reference on fixed chunk schedules before anything is
+converted; a graph that fails is refused, never shipped.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from coreml.kinds.base import PackageKind, register_kind
+from coreml.kinds.base import CACHE_MEANING, PackageKind, feature, position_feature, register_kind
+from coreml.kinds.cache_runner import KVSnapshot, _CacheRunner, _features, _input_ids
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from coreml.kinds.export import Reference
+    from manifests.identity import Manifest
+
+
+class ChunkKVRunner(_CacheRunner):
+    """Feeds a chunk-KV package: `run(snapshot, ids)` returns logits and the next snapshot."""
+
+    cache_dtype = np.float32
+
+    def __init__(self, package):
+        self.package = package
+        self.cache_shape = tuple(_features(package, "inputs", "chunk_kv")["key_cache"]["shape"])
+
+    def run(self, snapshot: KVSnapshot, ids) -> tuple[np.ndarray, KVSnapshot]:
+        feed, end = self._feed(snapshot, ids)
+        return self._result(self.package.predict(feed), end)
+
+    def run_batch(self, branches) -> list[tuple[np.ndarray, KVSnapshot]]:
+        """`run` of each (snapshot, ids) in one batch prediction (`predict_batch`)."""
+        feeds, ends = zip(*(self._feed(snapshot, ids) for snapshot, ids in branches))
+        return [self._result(out, end) for out, end in zip(self.package.predict_batch(list(feeds)), ends)]
+
+    def _feed(self, snapshot: KVSnapshot, ids) -> tuple[dict, int]:
+        ids = _input_ids(ids)
+        return {"input_ids": ids, "position": np.array([snapshot.position], dtype=np.int32),
+                "key_cache": snapshot.key_cache, "value_cache": snapshot.value_cache}, self._end(snapshot, ids)
+
+    def _result(self, out: dict, end: int) -> tuple[np.ndarray, KVSnapshot]:
+        next_snapshot = self._snapshot(out["new_key_cache"], out["new_value_cache"], end)
+        return np.asarray(out["logits"], dtype=np.float32)[0], next_snapshot
 
 
 @register_kind
@@ -10,3 +57,43 @@ class ChunkKV(PackageKind):
     name = "chunk_kv"
     description = "Chunk-KV decoder: tokens at an absolute position, KV cache passed in and out as float32"
     cache_dtype = np.float32
+    steps = 3
+    runner = ChunkKVRunner
+
+    def interface(self, ref: Reference) -> dict:
+        block, cache = super().interface(ref), list(ref.cache_shape)
+        block["inputs"] += [position_feature(), feature("key_cache", "float32", cache, f"keys {CACHE_MEANING}"),
+                            feature("value_cache", "float32", cache, f"values {CACHE_MEANING}")]
+        block["outputs"] += [
+            feature("new_key_cache", "float32", cache, "key_cache with slots position..position+T-1 written"),
+            feature("new_value_cache", "float32", cache, "value_cache with slots position..position+T-1 written"),
+        ]
+        return block
+
+    def graph(self, ref: Reference) -> nn.Module:
+        """The reference model's own cached step: `(ids, position, k, v) -> (logits, k', v')`."""
+        from pipeline.ground.models import CachedStep
+
+        return CachedStep(ref.model)
+
+    def export(self, ref: Reference, package_dir: Path, step: Callable[[str], None]) -> Manifest:
+        import torch
+
+        from coreml.kinds.export import (TRACE_LENGTH, _example_ids, _position, _save_single, _trace,
+                                         check_chunk_schedules)
+
+        start = time.perf_counter()
+        step("chunk_kv: trace and check schedules")
+        zeros = torch.zeros(ref.cache_shape)
+        example = (_example_ids(ref.args.vocab_size, TRACE_LENGTH, 0), _position(3), zeros, zeros)
+        traced = _trace(self.graph(ref), example)
+        checks = {"schedules_vs_reference_max_abs": check_chunk_schedules(traced, ref), "tolerance": ref.tolerance}
+        return _save_single(ref, package_dir, step, traced, self.interface(ref), self.description, checks, start)
+
+    def snippet(self, interface: dict) -> list[str]:
+        shape = next(f["shape"] for f in interface["inputs"] if f["name"] == "key_cache")
+        return [
+            f"cache = np.zeros({tuple(shape)}, dtype=np.float32)  # (layer, batch, kv_head, slot, head_dim)",
+            "inputs.update(position=np.array([0], dtype=np.int32), key_cache=cache, value_cache=cache)",
+            "out = model.predict(inputs)  # out['new_key_cache'], out['new_value_cache'] feed the next call",
+        ]

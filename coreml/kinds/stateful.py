@@ -1,8 +1,57 @@
-"""The stateful package: an fp16 K/V cache held as Core ML state, prefill and decode functions."""
+"""The stateful package: the K/V cache kept as Core ML state (fp16, as Core ML requires), with
+a `prefill` (flexible T) and a `decode` (T=1) function in one multifunction package."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from coreml.kinds.base import PackageKind, register_kind
+from coreml.kinds.base import CACHE_MEANING, PackageKind, feature, position_feature, register_kind
+from coreml.kinds.cache_runner import KVSnapshot, _CacheRunner, _features, _input_ids
+from coreml.package import open_package
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from coreml.kinds.export import Reference
+    from manifests.identity import Manifest
+
+
+class StatefulRunner(_CacheRunner):
+    """Feeds a stateful package through the same snapshot interface as ChunkKVRunner.
+
+    `package` is any function of the package opened with `open_package`; the runner runs
+    its `prefill` (chunks of 2+ tokens) and `decode` (1 token) on the same backend. Each run
+    writes the snapshot's fp16 caches into a fresh state, so a state never outlives one
+    call and no snapshot shares memory with one.
+    """
+
+    FUNCTIONS = ("prefill", "decode")
+    cache_dtype = np.float16
+
+    def __init__(self, package):
+        states = _features(package, "states", "stateful")
+        self.package = package
+        self.cache_shape = tuple(states["key_cache"]["shape"])
+        self.functions = {name: package if package.function_name == name else package.function(name)
+                          for name in self.FUNCTIONS}
+
+    def run(self, snapshot: KVSnapshot, ids) -> tuple[np.ndarray, KVSnapshot]:
+        ids = _input_ids(ids)
+        end = self._end(snapshot, ids)
+        function = self.functions["decode" if ids.shape[1] == 1 else "prefill"]
+        state = function.make_state()
+        state.write_state("key_cache", snapshot.key_cache)
+        state.write_state("value_cache", snapshot.value_cache)
+        out = function.predict({"input_ids": ids, "position": np.array([snapshot.position], dtype=np.int32)},
+                               state=state)
+        next_snapshot = self._snapshot(state.read_state("key_cache"), state.read_state("value_cache"), end)
+        return np.asarray(out["logits"], dtype=np.float32)[0], next_snapshot
 
 
 @register_kind
@@ -11,3 +60,156 @@ class Stateful(PackageKind):
     description = ("Stateful decoder: fp16 KV cache as Core ML state; prefill (1..context tokens) "
                    "and decode (1 token)")
     cache_dtype = np.float16
+    steps = 4
+    runner = StatefulRunner
+    snippet_model_arguments = ', function_name="prefill"'
+
+    def interface(self, ref: Reference) -> dict:
+        block, cache = super().interface(ref), list(ref.cache_shape)
+        block["inputs"] += [position_feature()]
+        block["states"] = [feature("key_cache", "float16", cache, f"keys {CACHE_MEANING}"),
+                           feature("value_cache", "float16", cache, f"values {CACHE_MEANING}")]
+        block["functions"] = {"prefill": {"dims": {"T": [1, ref.context]}}, "decode": {"dims": {"T": [1, 1]}}}
+        block["default_function"] = "decode"
+        return block
+
+    def graph(self, ref: Reference) -> nn.Module:
+        """The chunk-KV graph over fp16 buffers that the converter turns into Core ML states.
+
+        The whole cache is written back each call: the reference contract returns full caches,
+        and a full `[:]` write is the in-place form coremltools maps to `coreml_update_state`.
+        """
+        import torch
+        from torch import nn
+
+        class StatefulGraph(nn.Module):
+            def __init__(self, model: nn.Module, cache_shape: tuple[int, ...]):
+                super().__init__()
+                self.model = model
+                self.register_buffer("key_cache", torch.zeros(cache_shape, dtype=torch.float16))
+                self.register_buffer("value_cache", torch.zeros(cache_shape, dtype=torch.float16))
+
+            def forward(self, input_ids, position):
+                logits, new_k, new_v = self.model.forward_with_cache_tensors(
+                    input_ids, position, self.key_cache.float(), self.value_cache.float()
+                )
+                self.key_cache[:] = new_k.half()
+                self.value_cache[:] = new_v.half()
+                return logits
+
+        return StatefulGraph(ref.model, ref.cache_shape)
+
+    def export(self, ref: Reference, package_dir: Path, step: Callable[[str], None]) -> Manifest:
+        from coreml.kinds.export import _describe, _finish
+        from coreml.manifest import MODEL_NAME
+        from coreml.multifunction import merge_functions
+
+        start = time.perf_counter()
+        block = self.interface(ref)
+        package_dir.mkdir(parents=True)
+        with tempfile.TemporaryDirectory(dir=package_dir.parent) as scratch:
+            functions = self.convert_functions(ref, Path(scratch), step)
+            step("stateful: save multifunction")
+            mlmodel = merge_functions(functions, block["default_function"])
+            _describe(mlmodel, block, ref, self.description, features=False)
+            mlmodel.save(str(package_dir / MODEL_NAME))
+        step("stateful: measure the fp16-cache error")
+        checks = self.measure(package_dir / MODEL_NAME, ref)
+        return _finish(package_dir, ref, block, checks, time.perf_counter() - start)
+
+    def convert_functions(self, ref: Reference, folder: Path, step: Callable[[str], None]) -> dict[str, Path]:
+        """The package's functions, each converted and saved as a single-function package
+        `folder/<name>.mlpackage`; paths by function name, in the block's order."""
+        block = self.interface(ref)
+        paths = {}
+        for name, function in block["functions"].items():
+            step(f"stateful: trace and convert {name}")
+            paths[name] = folder / f"{name}.mlpackage"
+            # In a function of its own, so the traced graph and converted program are freed
+            # before the next function is traced.
+            self._save_function(ref, block, function["dims"], paths[name])
+        return paths
+
+    def _save_function(self, ref: Reference, block: dict, dims: dict, path: Path) -> None:
+        from coreml.kinds.export import TRACE_LENGTH, _convert, _describe, _example_ids, _position, _trace
+
+        length = min(TRACE_LENGTH, dims["T"][1])
+        traced = _trace(self.graph(ref), (_example_ids(ref.args.vocab_size, length, 0), _position(3)))
+        mlmodel = _convert(traced, block, dims)
+        _describe(mlmodel, block, ref, self.description)
+        mlmodel.save(str(path))
+
+    def measure(self, mlpackage: Path, ref: Reference) -> dict:
+        """Run the saved package through the MIL executor on the check schedules.
+
+        The conversion check runs each chunk through the package and through the same graph
+        eagerly in torch with fp16 buffers, both starting from the package's cache: the logits
+        must agree within the float32 tolerance, and so must the caches each wrote once one fp16
+        step is forgiven, else `ScheduleMismatch`. (Carrying the eager graph's own cache along
+        instead lets an entry that float32 summation order rounded the other way grow, chunk
+        after chunk, into a logit difference that says nothing about the conversion: 8e-4 on
+        SmolLM2-135M.) The package against the float32 reference is the fp16-cache error,
+        measured and recorded, not gated.
+        """
+        import torch
+
+        from coreml.kinds.export import CHECK_SCHEDULES, ScheduleMismatch, _clip_schedule, _example_ids, _position
+
+        # One loaded program for both functions: a second load would map the weights again.
+        prefill = open_package(mlpackage, backend="executor", function_name="prefill")
+        functions = {"prefill": prefill, "decode": prefill.function("decode")}
+        conversion, cache, fp16_cache = {}, {}, {}
+        tolerance, cache_tolerance = ref.tolerance, ref.cache_tolerance
+        for index, schedule in enumerate(CHECK_SCHEDULES):
+            schedule = _clip_schedule(schedule, ref.context)
+            ids = _example_ids(ref.args.vocab_size, sum(schedule), seed=200 + index)
+            eager = self.graph(ref)
+            state = functions["prefill"].make_state()
+            got, simulated, cache_delta, position = [], [], 0.0, 0
+            with torch.no_grad():
+                reference = ref.model(ids).numpy()
+                for size in schedule:
+                    chunk = ids[:, position : position + size]
+                    inputs = {"input_ids": chunk.numpy(), "position": np.array([position], dtype=np.int32)}
+                    function = functions["decode" if size == 1 else "prefill"]
+                    for buffer in ("key_cache", "value_cache"):
+                        getattr(eager, buffer).copy_(torch.from_numpy(state.read_state(buffer)))
+                    got.append(function.predict(inputs, state)["logits"][0])
+                    simulated.append(eager(chunk, _position(position))[0].numpy())
+                    for buffer in ("key_cache", "value_cache"):
+                        written = _beyond_one_fp16_step(state.read_state(buffer), getattr(eager, buffer).numpy())
+                        cache_delta = max(cache_delta, written)
+                    position += size
+            got = np.concatenate(got)
+            name = "[" + ",".join(map(str, schedule)) + "]"
+            conversion[name] = float(np.abs(got - np.concatenate(simulated)).max())
+            cache[name] = cache_delta
+            fp16_cache[name] = float(np.abs(got - reference).max())
+            if not (conversion[name] <= tolerance and cache_delta <= cache_tolerance):
+                raise ScheduleMismatch(
+                    f"{mlpackage}: stateful package on schedule {name} differs from the fp16-cache torch graph "
+                    f"by max |Δ logit| {conversion[name]:.3g} and max |Δ cache| beyond one fp16 step "
+                    f"{cache_delta:.3g} (tolerances {tolerance:.3g}, {cache_tolerance:.3g}); refusing to export"
+                )
+        return {
+            "executor_vs_fp16_cache_graph_max_abs": conversion,
+            "tolerance": tolerance,
+            "cache_tolerance": cache_tolerance,
+            "cache_vs_fp16_cache_graph_max_abs_beyond_one_fp16_step": cache,
+            "fp16_cache_error_vs_float32_reference_max_abs": fp16_cache,
+            "measured_with": "coreml.mil executor (numpy), prefill for chunks > 1 token, decode for 1",
+        }
+
+    def snippet(self, interface: dict) -> list[str]:
+        return [
+            "state = model.make_state()  # the fp16 K/V cache; the decode function continues from it",
+            'inputs["position"] = np.array([0], dtype=np.int32)',
+            "out = model.predict(inputs, state=state)",
+        ]
+
+
+def _beyond_one_fp16_step(a: np.ndarray, b: np.ndarray) -> float:
+    """Largest |a - b| of two fp16 arrays less one fp16 step at the larger magnitude (>= 0):
+    what is left once a value rounded the other way is forgiven."""
+    spacing = np.spacing(np.maximum(np.abs(a), np.abs(b))).astype(np.float32)
+    return float(np.maximum(np.abs(a.astype(np.float32) - b.astype(np.float32)) - spacing, 0).max())

@@ -1,6 +1,19 @@
-"""The stateless package: input_ids [1, T] -> logits over the whole sequence."""
+"""The stateless package: input_ids [1, T] -> logits over the whole sequence, one full forward."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from coreml.kinds.base import PackageKind, register_kind
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from coreml.kinds.export import Reference
+    from manifests.identity import Manifest
 
 
 @register_kind
@@ -8,3 +21,31 @@ class Stateless(PackageKind):
     name = "stateless"
     description = "Stateless decoder: input_ids -> logits over the whole sequence"
     cache_dtype = None
+    steps = 3
+    runner = None
+
+    def graph(self, ref: Reference) -> nn.Module:
+        """`input_ids [1,T]` -> `logits [1,T,vocab]` through the reference model's plain forward."""
+        from torch import nn
+
+        class StatelessGraph(nn.Module):
+            def __init__(self, model: nn.Module, vocab: int):
+                super().__init__()
+                self.model, self.vocab = model, vocab
+
+            def forward(self, input_ids):
+                return self.model(input_ids).reshape(1, -1, self.vocab)
+
+        return StatelessGraph(ref.model, ref.args.vocab_size)
+
+    def export(self, ref: Reference, package_dir: Path, step: Callable[[str], None]) -> Manifest:
+        from coreml.kinds.export import TRACE_LENGTH, _example_ids, _save_single, _trace, check_stateless
+
+        start = time.perf_counter()
+        step("stateless: trace and check")
+        traced = _trace(self.graph(ref), (_example_ids(ref.args.vocab_size, TRACE_LENGTH, 0),))
+        checks = {"traced_vs_reference_max_abs": check_stateless(traced, ref), "tolerance": ref.tolerance}
+        return _save_single(ref, package_dir, step, traced, self.interface(ref), self.description, checks, start)
+
+    def snippet(self, interface: dict) -> list[str]:
+        return ["out = model.predict(inputs)"]

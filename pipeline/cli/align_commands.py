@@ -2,13 +2,23 @@
 
 from pathlib import Path
 
-from pipeline.stages.align import DEFAULT_BUDGET, DEFAULT_ITEMS, DEFAULT_QUALITY_TEXT, align_package
+from pipeline.stages.gates import (
+    DEFAULT_BUDGET,
+    DEFAULT_ITEMS,
+    DEFAULT_QUALITY_TEXT,
+    GateFailed,
+    align_package,
+    make_reference_fixtures,
+)
 
 
 def _align(args) -> int:
-    report = align_package(args.package, args.fixtures, args.out, budget=args.budget, quality_text=args.quality_text,
-                           items=args.items, backend=args.backend, force=args.force, all_figures=args.all_figures,
-                           scores_out=args.scores_out, fp32_scores=args.fp32_scores)
+    gate = align_package(args.package, args.fixtures, args.out, budget=args.budget, quality_text=args.quality_text,
+                         items=args.items, backend=args.backend, force=args.force, all_figures=args.all_figures,
+                         scores_out=args.scores_out, fp32_scores=args.fp32_scores)
+    if not gate.passed:
+        raise GateFailed(gate.failure())  # `main` prints it as one line and exits 1
+    report = gate.report
     summary, quality = report["summary"], report["quality"]
     print(f"gate passed ({report['package']['kind']}, {report['candidate_backend']}, {report['numerics']}): "
           f"exact ({summary['comparisons']} comparisons, max |Δ| {summary['max_abs']:.3g}), "
@@ -18,8 +28,6 @@ def _align(args) -> int:
 
 
 def _reference_fixtures(args) -> int:
-    from pipeline.stages.reference_fixtures import make_reference_fixtures
-
     lines = Path(args.text).read_text(encoding="utf-8").splitlines()
     out = make_reference_fixtures(args.cmf, args.out, lines, context=args.context, force=args.force)
     print(f"wrote {out}")

@@ -41,8 +41,8 @@ def _bundle(args) -> int:
 
 
 def _verify_artifact(args) -> int:
-    from manifests.chain import verify_chain
-    from manifests.signing import check_manifest_signature, public_key_bytes
+    from pipeline.stages.artifacts import verify_chain
+    from pipeline.stages.signing import check_manifest_signature, public_key_bytes
 
     # With a key, authenticity comes first: a rewritten manifest is a signature failure,
     # whatever its content would say.

@@ -4,16 +4,18 @@ import argparse
 
 from tqdm import tqdm
 
+from coreml.kinds import KINDS
+
 # Kinds and recipes are checked by export_coreml and compress_package (typed errors naming the
-# known ones), not by argparse choices: listing them here would import coremltools and torch
-# into `--help`.
+# known ones), not by argparse choices. The recipes are not listed here: coreml.recipes would
+# import coremltools and torch into `--help` (the kinds' registry imports neither).
 
 
 def register(subparsers) -> None:
     convert = subparsers.add_parser("coreml", help="convert an FP32 bundle into Core ML packages")
     convert.add_argument("bundle", help="bundle directory (from `cmfdeploy bundle`)")
     convert.add_argument("-o", "--out", required=True, help="output directory; one subfolder per package kind")
-    convert.add_argument("--kinds", nargs="+", help="stateless, chunk_kv, stateful (default: all three)")
+    convert.add_argument("--kinds", nargs="+", help=f"{', '.join(KINDS)} (default: all of them)")
     convert.add_argument("--context", type=int, help="KV/flexible-length context (default: max_position_embeddings)")
     convert.add_argument("--jobs", type=int, default=1,
                          help="package kinds converted at a time, each in its own process with an equal share of the cores")
@@ -29,9 +31,9 @@ def register(subparsers) -> None:
 
 
 def _coreml(args: argparse.Namespace) -> int:
-    from coreml.convert import KINDS, export_coreml, export_steps
+    from coreml.convert import export_coreml, export_steps
 
-    kinds = args.kinds or KINDS
+    kinds = args.kinds or tuple(KINDS)
     # disable=False explicitly: the quiet CLI disables tqdm's default to silence coremltools' bars.
     with tqdm(total=export_steps(kinds, args.jobs), unit="stage", disable=False) as bar:
 

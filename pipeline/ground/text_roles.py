@@ -8,7 +8,7 @@ the quality part of a gate must not reuse the exactness fixtures. A text is cut 
   its first FIXTURE_LINES lines hold the default fixture's gate cases
   (`fixtures/make_reference.py`), the rest is `quality`;
 - `calibration`: train-side lines from CALIBRATION_START on, past the lines any model's
-  gate fixtures read from the start of a text (`pipeline.stages.reference_fixtures` reads lines
+  gate fixtures read from the start of a text (`pipeline.stages.gates.fixtures` reads lines
   0..230).
 
     roles = text_roles(lines)      # {"calibration": [...], "quality": [...]}
@@ -17,7 +17,7 @@ the quality part of a gate must not reuse the exactness fixtures. A text is cut 
 from pipeline.ground.errors import CmfdeployError
 
 HELDOUT_FRACTION = 10  # the last 1/10 of the lines (fixtures/corpus.py cuts the same way)
-FIXTURE_LINES = 240  # reference_fixtures reads lines 0 .. FUTURE_LINE + LINES_PER_CASE = 230
+FIXTURE_LINES = 240  # gates.fixtures reads lines 0 .. FUTURE_LINE + LINES_PER_CASE = 230
 CALIBRATION_START = 400
 
 

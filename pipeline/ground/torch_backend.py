@@ -1,9 +1,11 @@
-"""The FP32 reference decoder behind the Backend protocol (`pipeline.ground.backend_protocol`).
+"""The reference decoder behind the Backend protocol (`pipeline.ground.backend_protocol`).
 
     backend = TorchBackend(*load_reference("model.cmf")[:2])
+    stateful = TorchBackend(model, args, 128, cache_dtype=np.float16, numerics="fp32, fp16 K/V cache")
 
 It is the peer every runtime is compared with, so it lives with the reference model, below
-the runtimes; `pipeline.stages.backends.open_backend` picks it for a CMF file or a bundle.
+the runtimes; `pipeline.stages.backends.open_backend` picks it for a CMF file or a bundle,
+and the gates build the numerics a package intends from it (`pipeline.stages.gates.references`).
 """
 
 import numpy as np
@@ -18,21 +20,35 @@ DEFAULT_TORCH_CONTEXT = 2048
 
 
 class TorchBackend:
-    """The FP32 reference decoder behind the Backend protocol.
+    """The reference decoder behind the Backend protocol.
 
     Snapshots are KVCaches whose tensors the model never writes in place, so holding one
     costs nothing and `extend` branches from it freely. With `chunk`, `logits` feeds the
-    sequence through the cache `chunk` tokens at a time (the path a chunked package takes).
+    sequence through a float32 cache `chunk` tokens at a time (the path a chunked package takes).
+
+    The numerics a package intends are this decoder with options: `model` carries the
+    weights it intends (FP32, or its own decoded ones; `numerics` names them), and
+    `cache_dtype` is the dtype its K/V cache keeps. A chunk attends over its own float32
+    K/V and what it writes to a snapshot is rounded to that dtype, as the package does
+    (held as float32 values, which undo the rounding exactly).
     """
 
-    name = "torch-fp32"
-
-    def __init__(self, model: Decoder, args: ModelArgs, context: int | None = None, chunk: int | None = None):
+    def __init__(self, model: Decoder, args: ModelArgs, context: int | None = None, chunk: int | None = None,
+                 cache_dtype=np.float32, numerics: str = "fp32"):
         self.model, self.args = model, args
         self.context = min(args.max_position_embeddings, DEFAULT_TORCH_CONTEXT) if context is None else context
         if chunk is not None and chunk < 1:
             raise BackendError(f"torch backend: chunk {chunk} must be at least 1")
         self.chunk = chunk
+        self.cache_dtype, self.numerics = np.dtype(cache_dtype), numerics
+        self.name = "torch-fp32" if numerics == "fp32" else f"torch-intended ({numerics})"
+
+    def _kept(self, cache: torch.Tensor) -> torch.Tensor:
+        """A written cache as the package keeps it: rounded to `cache_dtype` (numpy's round to
+        nearest even), held as float32."""
+        if self.cache_dtype == np.float32:
+            return cache
+        return torch.from_numpy(cache.numpy().astype(self.cache_dtype).astype(np.float32))
 
     def _ids(self, ids, offset: int = 0) -> torch.Tensor:
         ids = validate_ids(ids, self.name, self.args.vocab_size, self.context, offset)
@@ -50,7 +66,7 @@ class TorchBackend:
     def prefill(self, ids: np.ndarray) -> tuple[np.ndarray, KVCache]:
         cache = KVCache.empty(self.args, self.context)
         logits = self.model.forward_cached(self._ids(ids), cache)
-        return logits.numpy(), cache.snapshot()
+        return logits.numpy(), KVCache(self._kept(cache.keys), self._kept(cache.values), cache.position)
 
     def extend(self, snapshot: KVCache, ids: np.ndarray) -> np.ndarray:
         return self.advance(snapshot, ids)[0]
@@ -62,20 +78,37 @@ class TorchBackend:
     def extend_batch(self, branches: list[tuple[KVCache, np.ndarray]]) -> list[np.ndarray]:
         return [logits for logits, _ in self._branches(branches)]
 
-    @torch.no_grad()
     def _branches(self, branches: list[tuple[KVCache, np.ndarray]], last_only: bool = False
                   ) -> list[tuple[np.ndarray, KVCache]]:
         """`advance` of each (snapshot, ids) as one batch (`Decoder.forward_branches`)."""
-        tokens = [self._ids(ids, snapshot.position) for snapshot, ids in branches]
-        logits, keys, values = self.model.forward_branches(
-            tokens, [snapshot.position for snapshot, _ in branches],
-            torch.stack([snapshot.keys for snapshot, _ in branches]),
-            torch.stack([snapshot.values for snapshot, _ in branches]), last_only=last_only)
-        return [(rows.numpy(), KVCache(keys[i], values[i], snapshot.position + len(ids)))
-                for i, (rows, (snapshot, ids)) in enumerate(zip(logits, branches))]
+        return self._stacked_branches([(snapshot.position, ids) for snapshot, ids in branches],
+                                      torch.stack([snapshot.keys for snapshot, _ in branches]),
+                                      torch.stack([snapshot.values for snapshot, _ in branches]), last_only)
+
+    def advance_arrays(self, branches: list[tuple[tuple[np.ndarray, np.ndarray, int], np.ndarray]]
+                       ) -> list[tuple[np.ndarray, tuple[np.ndarray, np.ndarray, int]]]:
+        """`advance` of each ((keys, values, position), ids) as one batch over numpy caches (a
+        `ChunkSchedule.cache_arrays`: the gates run each chunk from the package's own cache),
+        with the caches each wrote as numpy arrays in `cache_dtype`."""
+        caches = (np.stack([snapshot[part] for snapshot, _ in branches]).astype(np.float32, copy=False) for part in (0, 1))
+        done = self._stacked_branches([(position, ids) for (_, _, position), ids in branches],
+                                      *map(torch.from_numpy, caches))
+        return [(logits, (after.keys.numpy().astype(self.cache_dtype), after.values.numpy().astype(self.cache_dtype),
+                          after.position)) for logits, after in done]
+
+    @torch.no_grad()
+    def _stacked_branches(self, branches: list[tuple[int, np.ndarray]], keys: torch.Tensor, values: torch.Tensor,
+                          last_only: bool = False) -> list[tuple[np.ndarray, KVCache]]:
+        """Each (position, ids) run after its own caches, stacked [B, ...] in `keys` / `values`."""
+        tokens = [self._ids(ids, position) for position, ids in branches]
+        logits, keys, values = self.model.forward_branches(tokens, [position for position, _ in branches], keys, values,
+                                                           last_only=last_only)
+        keys, values = self._kept(keys), self._kept(values)
+        return [(rows.numpy(), KVCache(keys[i], values[i], position + len(ids)))
+                for i, (rows, (position, ids)) in enumerate(zip(logits, branches))]
 
     @torch.no_grad()
     def advance(self, snapshot: KVCache, ids: np.ndarray) -> tuple[np.ndarray, KVCache]:
         branch = snapshot.snapshot()
         logits = self.model.forward_cached(self._ids(ids, snapshot.position), branch)
-        return logits.numpy(), branch.snapshot()
+        return logits.numpy(), KVCache(self._kept(branch.keys), self._kept(branch.values), branch.position)

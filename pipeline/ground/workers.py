@@ -1,6 +1,39 @@
-"""Worker processes that share the cores: the survey's recipes, the conversion's package kinds."""
+"""The one worker pool: independent jobs run by worker processes that share the cores.
 
+    results = run_in_workers("coreml.convert:conversion_worker", setup, ["stateful", "stateless"], jobs=2)
+
+A worker is `python -m pipeline.ground.workers MODULE:FACTORY SETUP`: it imports
+`FACTORY`, calls it once with the JSON `SETUP` (what every job shares: a verified bundle, a
+reference model, a scored baseline), and answers each JSON task it reads on stdin with the
+JSON result of `handler(task)`, one line each. JSON in, JSON out: no pickle, so a task and
+its result are plain data any executor can ship (the same entry point, setup and tasks serve
+a cluster). Each worker gets a 1/`jobs` share of the cores for its BLAS and OpenMP pools,
+set in its environment before it imports numpy or torch.
+
+The caller names its own factory, so this module imports nothing above the ground.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
 import os
+import selectors
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from pipeline.ground.errors import CmfdeployError
+
+# How much of a failed worker's stderr its error carries: the traceback's end, where the cause is.
+STDERR_TAIL = 4000
+
+
+class WorkerFailed(CmfdeployError):
+    """A worker process exited before answering its task; carries the end of its stderr."""
 
 
 def thread_share_env(jobs: int) -> dict[str, str]:
@@ -8,3 +41,70 @@ def thread_share_env(jobs: int) -> dict[str, str]:
     of `jobs` worker processes running side by side (each would otherwise claim them all)."""
     threads = str(max(1, (os.cpu_count() or 1) // jobs))
     return {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "OPENBLAS_NUM_THREADS": threads}
+
+
+def run_in_workers(entry: str, setup: dict, tasks: Sequence[Any], jobs: int, *, where: object,
+                   done: Callable[[Any, Any], None] | None = None) -> list[Any]:
+    """The result of every task, in the order of `tasks`, from at most `jobs` workers of `entry`.
+
+    Tasks start in the order given (put the longest first, so no worker runs alone at the
+    end); `done(task, result)` is called as each one comes back. The first worker to die
+    raises WorkerFailed naming `where` and its task; the other workers are then killed,
+    since their work is lost with the caller's staging folder anyway.
+    """
+    env = thread_share_env(jobs)
+    argv = [sys.executable, "-m", __name__, entry, json.dumps(setup)]
+    waiting = list(enumerate(tasks))
+    results: dict[int, Any] = {}
+    workers: list[tuple[subprocess.Popen, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="cmfdeploy-workers-") as logs, selectors.DefaultSelector() as ready:
+        try:
+            for number in range(min(jobs, len(waiting))):
+                log = open(Path(logs) / f"worker-{number}.log", "w+")
+                worker = subprocess.Popen(argv, env=env, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                          stderr=log)
+                workers.append((worker, log))
+                current = [waiting.pop(0)]
+                ready.register(worker.stdout, selectors.EVENT_READ, (worker, log, current))
+                _send(worker, current[0][1])
+            while len(results) < len(tasks):
+                for key, _ in ready.select():
+                    worker, log, current = key.data
+                    line = worker.stdout.readline()
+                    if not line:
+                        log.seek(0)
+                        raise WorkerFailed(f"{where}: the worker running {current[0][1]!r} exited "
+                                           f"{worker.wait()}:\n{log.read()[-STDERR_TAIL:]}")
+                    index, task = current[0]
+                    results[index] = json.loads(line)
+                    if done is not None:
+                        done(task, results[index])
+                    if waiting:
+                        current[0] = waiting.pop(0)
+                        _send(worker, current[0][1])
+        finally:
+            for worker, log in workers:
+                worker.stdin.close()
+                if len(results) < len(tasks):
+                    worker.kill()
+                worker.wait()
+                log.close()
+    return [results[index] for index in range(len(tasks))]
+
+
+def _send(worker: subprocess.Popen, task: Any) -> None:
+    worker.stdin.write(json.dumps(task) + "\n")
+    worker.stdin.flush()
+
+
+def serve(entry: str, setup: dict) -> None:
+    """A worker's life: build the handler once, then answer each task line on stdin."""
+    module, _, factory = entry.partition(":")
+    handler = getattr(importlib.import_module(module), factory)(setup)
+    answers, sys.stdout = sys.stdout, sys.stderr  # stdout carries the answers alone
+    for line in sys.stdin:
+        print(json.dumps(handler(json.loads(line))), file=answers, flush=True)
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1], json.loads(sys.argv[2]))

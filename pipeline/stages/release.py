@@ -29,6 +29,7 @@ import shutil
 from pathlib import Path
 
 from coreml import manifest as package_manifest
+from coreml.kinds import package_kind
 from pipeline.stages.survey import REPORT_NAME as SURVEY_NAME
 from pipeline.stages.survey import load_survey, passed_gate_of
 from manifests.chain import upstream_path
@@ -45,8 +46,8 @@ from manifests.identity import (
     write_json,
 )
 from manifests.output import staged_output
-from manifests.signing import sign_manifest
-from pipeline.stages import align
+from pipeline.stages.signing import sign_manifest
+from pipeline.stages import gates
 from pipeline.ground.errors import CmfdeployError, IdentityError
 from pipeline.stages.release_copies import check_release_copies
 
@@ -79,11 +80,11 @@ def _entry(role: str, name: str, package: Manifest, gate: Manifest) -> dict:
         "gate": {
             "path": f"gates/{name}",
             "manifest_sha256": sha256_file(gate.path / MANIFEST_NAME),
-            "report_sha256": sha256_file(gate.path / align.REPORT_NAME),
+            "report_sha256": sha256_file(gate.path / gates.REPORT_NAME),
             "passed": True,
             "recipe": gate["recipe"],
             "backend": gate["candidate_backend"],
-            "tolerance": read_json(gate.path / align.REPORT_NAME)["tolerance"],
+            "tolerance": read_json(gate.path / gates.REPORT_NAME)["tolerance"],
             "summary": gate["summary"],
         },
     }
@@ -114,7 +115,7 @@ def make_release(
 
     `packages` adds further FP32 packages (e.g. the stateless one), each with its passed
     alignment folder. `sign_key` (an Ed25519 private key file) adds a detached signature
-    over the release manifest (`manifests.signing`). Returns the release manifest.
+    over the release manifest (`pipeline.stages.signing`). Returns the release manifest.
     """
     survey_dir = Path(survey_dir)
     survey = load_survey(survey_dir)
@@ -195,7 +196,7 @@ def _check_survey_bindings(survey_dir: Path, survey: dict, record: dict, checked
         (f"recipes[{record['name']}].package.manifest_sha256", record["package"]["manifest_sha256"],
          compressed.path / MANIFEST_NAME),
         (f"recipes[{record['name']}].gate.report.sha256", record["gate"]["report"]["sha256"],
-         gate.path / align.REPORT_NAME),
+         gate.path / gates.REPORT_NAME),
     ]
     for field, recorded, path in expected:
         _expect(where, field, recorded, path)
@@ -238,11 +239,11 @@ def verify_release(path: str | Path, hashes: bool = True) -> Manifest:
     for index, entry in enumerate(manifest["packages"]):
         package_dir, gate_dir = path / entry["path"], path / entry["gate"]["path"]
         package = package_manifest.verify_package(package_dir, hashes=hashes)
-        gate = align.verify_alignment(gate_dir, hashes=hashes)
+        gate = gates.verify_alignment(gate_dir, hashes=hashes)
         field = f"packages/{index}"
         _expect(where, f"{field}/manifest_sha256", entry["manifest_sha256"], package_dir / MANIFEST_NAME)
         _expect(where, f"{field}/gate/manifest_sha256", entry["gate"]["manifest_sha256"], gate_dir / MANIFEST_NAME)
-        _expect(where, f"{field}/gate/report_sha256", entry["gate"]["report_sha256"], gate_dir / align.REPORT_NAME)
+        _expect(where, f"{field}/gate/report_sha256", entry["gate"]["report_sha256"], gate_dir / gates.REPORT_NAME)
         _expect(gate_dir / MANIFEST_NAME, "source.manifest_sha256", gate["source"]["manifest_sha256"],
                 package_dir / MANIFEST_NAME)
         if not gate["passed"]:
@@ -256,7 +257,7 @@ def verify_release(path: str | Path, hashes: bool = True) -> Manifest:
     _expect(path / compressed["path"] / MANIFEST_NAME, "source.manifest_sha256",
             compressed_manifest["source"]["manifest_sha256"], path / fp32["path"] / MANIFEST_NAME)
     _expect(path / compressed["path"] / MANIFEST_NAME, "fp32_alignment.report_sha256",
-            compressed_manifest["fp32_alignment"]["report_sha256"], path / fp32["gate"]["path"] / align.REPORT_NAME)
+            compressed_manifest["fp32_alignment"]["report_sha256"], path / fp32["gate"]["path"] / gates.REPORT_NAME)
     _check_tokenizer(path, manifest)
     _check_metadata(path, manifest)
     survey = read_json(path / manifest["survey"]["path"])
@@ -266,7 +267,7 @@ def verify_release(path: str | Path, hashes: bool = True) -> Manifest:
     _expect(path / manifest["survey"]["path"], f"recipes[{manifest['recipe']}].package.manifest_sha256",
             record["package"]["manifest_sha256"], path / compressed["path"] / MANIFEST_NAME)
     _expect(path / manifest["survey"]["path"], f"recipes[{manifest['recipe']}].gate.report.sha256",
-            record["gate"]["report"]["sha256"], path / compressed["gate"]["path"] / align.REPORT_NAME)
+            record["gate"]["report"]["sha256"], path / compressed["gate"]["path"] / gates.REPORT_NAME)
     check_release_copies(path, manifest, survey, record)
     return Manifest(path, manifest)
 
@@ -329,8 +330,7 @@ def release_metadata(manifest: dict, record: dict) -> dict:
 def _python_snippet(manifest: dict) -> str:
     """Load the shipped package and the tokenizer on a Mac and predict the next token."""
     interface, recipe = manifest["interface"], manifest["recipe"]
-    kind = interface["kind"]
-    function = ', function_name="prefill"' if kind == "stateful" else ""
+    kind = package_kind(interface["kind"], "the release's interface")
     lines = [
         "import json",
         "",
@@ -341,27 +341,13 @@ def _python_snippet(manifest: dict) -> str:
         f'release = "dist/{manifest["model"]}-{recipe}"  # this folder',
         'tokenizer = Tokenizer.from_file(f"{release}/tokenizer/tokenizer.json")',
         'config = json.load(open(f"{release}/tokenizer/tokenizer_config.json"))',
-        f'model = ct.models.MLModel(f"{{release}}/packages/{recipe}/model.mlpackage"{function})',
+        f'model = ct.models.MLModel(f"{{release}}/packages/{recipe}/model.mlpackage"{kind.snippet_model_arguments})',
         'ids = tokenizer.encode("I was sent to", add_special_tokens=False).ids',
         'if config.get("bos_token_id") is not None:',
         '    ids = [config["bos_token_id"]] + ids',
         'inputs = {"input_ids": np.array([ids], dtype=np.int32)}',
     ]
-    if kind == "chunk_kv":
-        shape = next(f["shape"] for f in interface["inputs"] if f["name"] == "key_cache")
-        lines += [
-            f"cache = np.zeros({tuple(shape)}, dtype=np.float32)  # (layer, batch, kv_head, slot, head_dim)",
-            "inputs.update(position=np.array([0], dtype=np.int32), key_cache=cache, value_cache=cache)",
-            "out = model.predict(inputs)  # out['new_key_cache'], out['new_value_cache'] feed the next call",
-        ]
-    elif kind == "stateful":
-        lines += [
-            "state = model.make_state()  # the fp16 K/V cache; the decode function continues from it",
-            'inputs["position"] = np.array([0], dtype=np.int32)',
-            "out = model.predict(inputs, state=state)",
-        ]
-    else:
-        lines += ["out = model.predict(inputs)"]
+    lines += kind.snippet(interface)
     lines += ['next_id = int(out["logits"][0, -1].argmax())', "print(tokenizer.decode(ids + [next_id]))"]
     return "\n".join(lines)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from coreml import manifest as package_manifest
 from manifests.copied import check_copied
 from manifests.identity import MANIFEST_NAME, read_json
-from pipeline.stages import align
+from pipeline.stages import gates
 
 
 def check_release_copies(path: Path, manifest: dict, survey: dict, record: dict) -> None:
@@ -16,14 +16,14 @@ def check_release_copies(path: Path, manifest: dict, survey: dict, record: dict)
     where, survey_where = path / MANIFEST_NAME, path / manifest["survey"]["path"]
     for index, entry in enumerate(manifest["packages"]):
         package_dir, gate_dir = path / entry["path"], path / entry["gate"]["path"]
-        package, report = read_json(package_dir / MANIFEST_NAME), read_json(gate_dir / align.REPORT_NAME)
+        package, report = read_json(package_dir / MANIFEST_NAME), read_json(gate_dir / gates.REPORT_NAME)
         check_copied(where, f"packages/{index}", entry, {
             "format": package["format"], "kind": package["package"]["kind"],
             "size_bytes": package_manifest.package_bytes(package_dir / package["package"]["name"])},
             package_dir, keys=("format", "kind", "size_bytes"))
         check_copied(where, f"packages/{index}/gate", entry["gate"], {
             "recipe": report["recipe"], "backend": report["candidate_backend"], "passed": report["passed"],
-            "tolerance": report["tolerance"], "summary": report["summary"]}, gate_dir / align.REPORT_NAME,
+            "tolerance": report["tolerance"], "summary": report["summary"]}, gate_dir / gates.REPORT_NAME,
             keys=("recipe", "backend", "passed", "tolerance", "summary"))
     fp32, compressed = manifest["packages"][0], manifest["packages"][1]
     deployed = read_json(path / compressed["path"] / MANIFEST_NAME)
@@ -31,11 +31,11 @@ def check_release_copies(path: Path, manifest: dict, survey: dict, record: dict)
                  keys=("architecture", "special_tokens"))
     check_copied(where, "interface", manifest["interface"], deployed["package"],
                  path / compressed["path"] / MANIFEST_NAME)
-    report = read_json(path / compressed["gate"]["path"] / align.REPORT_NAME)
+    report = read_json(path / compressed["gate"]["path"] / gates.REPORT_NAME)
     check_copied(survey_where, f"recipes[{record['name']}].gate", record["gate"],
                  {**report["summary"], "passed": report["passed"], "tolerance": report["tolerance"],
                   "quality": {k: report["quality"].get(k) for k in record["gate"].get("quality", {})}},
-                 path / compressed["gate"]["path"] / align.REPORT_NAME,
+                 path / compressed["gate"]["path"] / gates.REPORT_NAME,
                  keys=[k for k in record["gate"] if k != "report"])
     check_copied(survey_where, f"recipes[{record['name']}].package", record["package"], deployed,
                  path / compressed["path"] / MANIFEST_NAME, keys=("size_bytes",))

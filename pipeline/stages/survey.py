@@ -5,7 +5,7 @@
 
 For each recipe of `coreml.recipes.RECIPES` the FP32 package is compressed
 (`compress_package`, given the calibration text's token ids), the compressed manifest is
-bound to the FP32 gate it was surveyed under, and the package is gated (`pipeline.stages.align`):
+bound to the FP32 gate it was surveyed under, and the package is gated (`pipeline.stages.gates`):
 exact against the reference of its own decoded weights, quality within the user's budget
 of FP32 on the held-out quality text and the scoring set, invariants intact. The FP32 side
 of the quality part is computed once for all recipes. A recipe that is exact but over
@@ -21,11 +21,6 @@ once or not at all. Nested artifacts were written inside the staging folder; the
 `manifests.chain` follows it, pinned by manifest sha256.
 """
 
-import json
-import selectors
-import subprocess
-import sys
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -35,9 +30,9 @@ from tqdm import tqdm
 from coreml import manifest as package_manifest
 from coreml.bits import bits_per_weight
 from coreml.recipes import RECIPES, RecipePrecondition, compress_package
-from manifests.chain import upstream_path
 from manifests.identity import (
     MANIFEST_NAME,
+    Manifest,
     artifact_source,
     check_files,
     environment,
@@ -51,11 +46,11 @@ from manifests.identity import (
 )
 from manifests.output import refuse_existing, staged_output
 from manifests.schema import validate
-from pipeline.stages import align, scoring
+from pipeline.stages import gates, scoring
 from pipeline.ground.errors import CmfdeployError
 from pipeline.stages.report import md_table, scatter_plot
 from pipeline.ground.text_roles import text_roles
-from pipeline.ground.workers import thread_share_env
+from pipeline.ground.workers import run_in_workers
 
 FORMAT = "cmfdeploy.survey/1"
 FOLDER_FORMAT = "cmfdeploy.survey_folder/1"
@@ -74,7 +69,7 @@ class ForeignGate(CmfdeployError):
 
 def passed_gate_of(package_dir: Path, gate_dir: Path) -> dict:
     """The manifest of `gate_dir`: verified, passed, and of exactly the package at `package_dir`."""
-    manifest = align.require_passed(gate_dir)
+    manifest = gates.require_passed(gate_dir)
     package_sha = sha256_file(Path(package_dir) / MANIFEST_NAME)
     if manifest["source"]["manifest_sha256"] != package_sha:
         raise ForeignGate(
@@ -92,7 +87,7 @@ def fp32_gate(package_dir: Path, alignment_dir: Path, survey_dir: Path) -> dict:
     return {
         "path": relative_path(alignment_dir, survey_dir),
         "manifest_sha256": sha256_file(Path(alignment_dir) / MANIFEST_NAME),
-        "report_sha256": sha256_file(Path(alignment_dir) / align.REPORT_NAME),
+        "report_sha256": sha256_file(Path(alignment_dir) / gates.REPORT_NAME),
         "passed": True,
         "summary": manifest["summary"],
     }
@@ -123,7 +118,7 @@ def calibration_ids(tokenizer, text_path: Path) -> np.ndarray:
 
 
 def _unmet(name: str, stage: str, reason: str) -> dict:
-    return {"name": name, "params": RECIPES[name], "status": "precondition_unmet",
+    return {"name": name, "params": RECIPES[name].params_record(), "status": "precondition_unmet",
             "precondition": {"stage": stage, "reason": reason}}
 
 
@@ -147,7 +142,7 @@ def survey_recipe(name: str, package_dir: Path, staging: Path, context: dict) ->
     """Compress, bind, gate (all three parts) one recipe; its survey record."""
     compressed, gate_dir, run_dir = (staging / part / name for part in ("packages", "gates", "scores"))
     extra = {}
-    if RECIPES[name].get("calibration"):  # the recipe measures on calibration text itself
+    if RECIPES[name].calibration:  # the recipe measures on calibration text itself
         extra["calibration_ids"] = context["calibration_ids"]
         if context["mixed_bpw"] is not None:
             extra["bpw"] = context["mixed_bpw"]
@@ -156,19 +151,15 @@ def survey_recipe(name: str, package_dir: Path, staging: Path, context: dict) ->
     except RecipePrecondition as error:
         return _unmet(name, "compress", str(error))
     bind_fp32_gate(compressed, context["fp32_gate"])
-    try:
-        align.align_package(compressed, context["fixtures"].directory, gate_dir, budget=context["budget"],
-                            backend=context["backend"], quality=context["quality"], scores_out=run_dir,
-                            all_figures=context["all_figures"])
-    except align.GateFailed:
-        if not (gate_dir / align.REPORT_NAME).is_file():
-            raise  # the gate could not run at all: a problem of the survey's inputs
-    report = read_json(gate_dir / align.REPORT_NAME)
+    gate = gates.align_package(compressed, context["fixtures"].directory, gate_dir, budget=context["budget"],
+                               backend=context["backend"], quality=context["quality"], scores_out=run_dir,
+                               all_figures=context["all_figures"])
+    report = gate.report
     summary, quality = report["summary"], report["quality"]
     size = manifest["size_bytes"]
     return {
         "name": name,
-        "params": RECIPES[name],
+        "params": RECIPES[name].params_record(),
         "status": "measured",
         "package": {
             "path": f"packages/{name}",
@@ -182,8 +173,8 @@ def survey_recipe(name: str, package_dir: Path, staging: Path, context: dict) ->
             "exact": summary["exact"],
             "within_budget": summary["within_budget"],
             "invariants_passed": summary["invariants_passed"],
-            "report": {"path": f"gates/{name}/{align.REPORT_NAME}",
-                       "sha256": sha256_file(gate_dir / align.REPORT_NAME),
+            "report": {"path": f"gates/{name}/{gates.REPORT_NAME}",
+                       "sha256": sha256_file(gate_dir / gates.REPORT_NAME),
                        "manifest_sha256": sha256_file(gate_dir / MANIFEST_NAME)},
             "tolerance": report["tolerance"],
             "max_abs": summary["max_abs"],
@@ -191,7 +182,7 @@ def survey_recipe(name: str, package_dir: Path, staging: Path, context: dict) ->
             "quality": {k: quality[k] for k in ("ppl_change", "top1_agreement", "kl_mean", "items_top1_changed",
                                                 "over_budget")},
         },
-        "scoring": ({**_scoring_effects(scoring.read_run(run_dir), context["quality"].fp32_scores),
+        "scoring": ({**_scoring_effects(gate.scores, context["quality"].fp32_scores),
                      "scores_sha256": read_json(run_dir / MANIFEST_NAME)["scores_sha256"], "run": f"scores/{name}"}
                     if quality["items_top1_changed"] is not None else {"not_measured": quality["items_not_measured"]}),
     }
@@ -289,14 +280,15 @@ def survey_context(settings: dict, manifest: dict | None = None) -> dict:
     folder) the FP32 side of the scoring set is read from that run instead of scored again."""
     package_dir = Path(settings["package_dir"])
     manifest = manifest or package_manifest.verify_package(package_dir).data
-    _, fp32 = align.intended_for_package(package_dir, manifest)
-    quality = align.quality_inputs_for(package_dir, manifest, fp32, settings["quality_text"], Path(settings["items"]))
+    _, _, bundle = gates.upstream_of(package_dir, manifest)
+    _, fp32 = gates.intended_references(package_dir, manifest, bundle)
+    quality = gates.QualityInputs(fp32, bundle, settings["quality_text"], Path(settings["items"]), fp32.context)
     if settings.get("baseline"):
         quality.use_fp32_scores(Path(settings["baseline"]))
     return {
         "backend": settings["backend"],
-        "budget": align.parse_budget(settings["budget"]),
-        "fixtures": align.ReferenceFixtures(settings["fixtures_dir"]),
+        "budget": gates.parse_budget(settings["budget"]),
+        "fixtures": gates.ReferenceFixtures(settings["fixtures_dir"]),
         "fp32_gate": settings["fp32_gate"],
         "fp32_bytes": manifest["package_bytes"],
         "quality": quality,
@@ -307,55 +299,27 @@ def survey_context(settings: dict, manifest: dict | None = None) -> dict:
 
 
 def _recipes_in_workers(recipes: tuple[str, ...], staging: Path, settings: dict, jobs: int, bar) -> list[dict]:
-    """Each recipe's record from `jobs` worker processes (`python -m pipeline.stages.survey`), each
-    with an equal share of the cores for its BLAS threads: two 1-thread processes get through
+    """Each recipe's record from `jobs` worker processes (`pipeline.ground.workers`), each with
+    an equal share of the cores for its BLAS threads: two 1-thread processes get through
     ~1.2x the items of one 2-thread process on two cores, and overlap each other's
     single-threaded parts (MIL passes, GPTQ's column loop, k-means). A worker builds its
-    context once, reads the FP32 baseline from scores/fp32, then takes recipe names on stdin
-    and answers each with its record as one JSON line, writing into the same staging folder
-    (its recipe's own subfolders). JSON in, JSON out: no pickle."""
-    env = thread_share_env(jobs)
-    order = json.dumps({"staging": str(staging), "settings": {**settings, "baseline": str(staging / "scores" / "fp32")}})
+    context once, reads the FP32 baseline from scores/fp32, then surveys the recipes it is
+    given into the same staging folder (its recipe's own subfolders)."""
+    setup = {"staging": str(staging), "settings": {**settings, "baseline": str(staging / "scores" / "fp32")}}
     # Calibration-aware recipes measure the model before they code it, the longest compressions
     # (mixed: 170 s of one worker on SmolLM2): started first, they do not leave one worker
     # running alone at the end. Records come back in the order asked.
-    waiting = sorted(recipes, key=lambda name: not RECIPES[name].get("calibration"))
-    records, workers = {}, []
-    with tempfile.TemporaryDirectory(prefix="cmfdeploy-survey-") as logs, selectors.DefaultSelector() as ready:
-        for index in range(min(jobs, len(recipes))):
-            log = open(Path(logs) / f"worker-{index}.log", "w+")
-            worker = subprocess.Popen([sys.executable, "-m", "pipeline.stages.survey", order], env=env, text=True,
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
-            workers.append((worker, log))
-            ready.register(worker.stdout, selectors.EVENT_READ, (worker, log, [waiting.pop(0)]))
-            _send(worker, ready.get_key(worker.stdout).data[2][0])
-        try:
-            while len(records) < len(recipes):
-                for key, _ in ready.select():
-                    worker, log, current = key.data
-                    line = worker.stdout.readline()
-                    if not line:
-                        log.seek(0)
-                        raise SurveyError(f"{staging}: the worker surveying recipe {current[0]} exited "
-                                          f"{worker.wait()}:\n{log.read()[-4000:]}")
-                    records[current[0]] = json.loads(line)
-                    bar.update()
-                    if waiting:
-                        current[0] = waiting.pop(0)
-                        _send(worker, current[0])
-        finally:
-            for worker, log in workers:
-                worker.stdin.close()
-                if len(records) < len(recipes):  # a failure: the others' work is lost with the staging folder
-                    worker.kill()
-                worker.wait()
-                log.close()
-    return [records[name] for name in recipes]
+    longest_first = sorted(recipes, key=lambda name: not RECIPES[name].calibration)
+    records = run_in_workers("pipeline.stages.survey:survey_worker", setup, longest_first, jobs, where=staging,
+                             done=lambda recipe, record: bar.update())
+    by_recipe = dict(zip(longest_first, records))
+    return [by_recipe[name] for name in recipes]
 
 
-def _send(worker: subprocess.Popen, recipe: str) -> None:
-    worker.stdin.write(recipe + "\n")
-    worker.stdin.flush()
+def survey_worker(setup: dict):
+    """A worker of `_recipes_in_workers`: each recipe it is given, surveyed into the staging folder."""
+    context = survey_context(setup["settings"])
+    return lambda recipe: survey_recipe(recipe, Path(setup["settings"]["package_dir"]), Path(setup["staging"]), context)
 
 
 def run_survey(
@@ -367,8 +331,8 @@ def run_survey(
     recipes: Iterable[str] = ALL_RECIPES,
     force: bool = False,
     backend: str = "auto",
-    budget: str = align.DEFAULT_BUDGET,
-    quality_text: str | Path = align.DEFAULT_QUALITY_TEXT,
+    budget: str = gates.DEFAULT_BUDGET,
+    quality_text: str | Path = gates.DEFAULT_QUALITY_TEXT,
     mixed_bpw: float | None = None,
     progress: bool = True,
     all_figures: bool = False,
@@ -467,8 +431,6 @@ def write_survey_manifest(staging: Path, survey: dict) -> None:
 def verify_survey(path: str | Path, hashes: bool = True):
     """Verifier of a survey folder for `cmfdeploy verify-artifact`: its manifest's inventory,
     survey.json (schema, and its own inventory), and every measured recipe's package and gate."""
-    from manifests.identity import Manifest, load_manifest
-
     path = Path(path)
     manifest = load_manifest(path, FOLDER_FORMAT)
     check_files(path, manifest["files"], hashes=hashes)
@@ -476,7 +438,7 @@ def verify_survey(path: str | Path, hashes: bool = True):
     measured = [r for r in survey["recipes"] if r["status"] == "measured"]
     for record in measured:
         package_manifest.verify_package(path / record["package"]["path"], hashes=False)
-        align.verify_alignment(path / "gates" / record["name"], hashes=False)
+        gates.verify_alignment(path / "gates" / record["name"], hashes=False)
     return Manifest(path, manifest)
 
 
@@ -497,13 +459,3 @@ def load_survey(survey_dir: str | Path, hashes: bool = True) -> dict:
     # accept exactly that one extra file.
     check_files(survey_dir, {**survey["files"], REPORT_NAME: file_identity(survey_dir / REPORT_NAME)}, hashes=hashes)
     return survey
-
-
-if __name__ == "__main__":  # a survey worker (`_recipes_in_workers`): recipe names in, records out
-    order, records_out = json.loads(sys.argv[1]), sys.stdout
-    sys.stdout = sys.stderr  # stdout carries the records alone
-    worker_context = survey_context(order["settings"])
-    for recipe in sys.stdin:
-        record = survey_recipe(recipe.strip(), Path(order["settings"]["package_dir"]), Path(order["staging"]),
-                               worker_context)
-        print(json.dumps(record), file=records_out, flush=True)

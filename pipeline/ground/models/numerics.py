@@ -21,7 +21,7 @@ Two strengths of the same analysis:
   and mean-zero, a sum of N terms errs by at most exp(lam sqrt(N) u + N u^2/(1-u)) - 1
   times sum|terms| with probability at least 1 - 2 N exp(-lam^2 (1-u)^2 / 2). With
   lam = 10 that failure probability is below 2 N e^-49.99 < 5e-16 per value for N < 2^20,
-  under 1e-8 over the ~10^7 values a gate compares. The gates (`pipeline.stages.align`) and the
+  under 1e-8 over the ~10^7 values a gate compares. The gates (`pipeline.stages.gates`) and the
   converter's schedule checks use it: it grows as sqrt(N), and it is still fixed by the
   model's shapes and weights alone, never by a measured difference.
 Typical differences sit two to three decades below either; a real bug (a wrong slot, mask,

@@ -1,4 +1,4 @@
-"""Reference fixtures: the PyTorch FP32 logits every alignment gate compares against.
+"""Reference fixtures: the PyTorch FP32 logits every alignment gate compares against, made and read.
 
 A fixtures folder holds `logits.npz` (no pickle) with, per case, `{case}.input_ids` int64
 [T], `{case}.logits` float32 [T, vocab] and `{case}.valid_prefix` (leading ids that are
@@ -9,21 +9,18 @@ a gate can refuse fixtures that belong to another model.
 Cases: `short` (16 tokens), `long` (the full context), `right_pad` (short right-padded with
 PAD to 32), `changed_future` (short's 16 tokens, then 16 others: rows 0..15 must equal
 short's). The default fixture's folder is frozen in the repository; any other model gets
-one made here from its own CMF.
+one made here from its own CMF (`make_reference_fixtures`). Torch is imported by the
+writer alone, so reading fixtures (and `cmfdeploy align --help`) never loads it.
 """
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from manifests.identity import canonical_json, sha256_bytes, sha256_file
+from manifests.identity import canonical_json, file_identity, portable_name, read_json, sha256_bytes, sha256_file
 from manifests.output import refuse_existing, staged_output
-from pipeline.ground.cmf import open_cmf
 from pipeline.ground.errors import CmfdeployError
-from pipeline.ground.models import KVCache
-from pipeline.ground.reference import load_reference
-from pipeline.ground.tokenizer import Tokenizer, tokenizer_from_artifact
 
 FORMAT = "cmfdeploy.fixtures/1"
 SHORT = 16
@@ -37,7 +34,46 @@ class FixtureTextError(CmfdeployError):
     """The text given for the fixtures is too short for a case."""
 
 
-def pad_id(tokenizer: Tokenizer) -> int:
+# ---------------------------------------------------------------- reading
+
+@dataclass(frozen=True)
+class FixtureCase:
+    name: str
+    input_ids: np.ndarray
+    logits: np.ndarray
+    valid_prefix: int
+
+
+class ReferenceFixtures:
+    """The frozen reference: `index.json` (identity, format, cases) plus `logits.npz`."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        self.index = read_json(self.directory / "index.json")
+        self.npz_path = self.directory / "logits.npz"
+        with np.load(self.npz_path, allow_pickle=False) as npz:
+            arrays = {key: npz[key] for key in npz.files}
+        self.cases = {
+            name: FixtureCase(name, arrays[f"{name}.input_ids"], arrays[f"{name}.logits"], int(arrays[f"{name}.valid_prefix"]))
+            for name, meta in self.index["cases"].items()
+        }
+
+    @property
+    def checkpoint_sha256(self) -> str:
+        return self.index["checkpoint"]["sha256"]
+
+    def identity(self, relative_to: str | Path | None = None) -> dict:
+        """`path` as `relative_to` may name it when given (reports that travel name no build path)."""
+        path = str(self.directory) if relative_to is None else portable_name(self.directory, relative_to)
+        return {"name": "reference-fixtures", "path": path,
+                "sha256": sha256_file(self.directory / "index.json"),
+                "logits": file_identity(self.npz_path),
+                "checkpoint_sha256": self.checkpoint_sha256}
+
+
+# ---------------------------------------------------------------- making
+
+def pad_id(tokenizer) -> int:
     """PAD, or the first EOS for tokenizers without one (padding only has to be a real token)."""
     if tokenizer.pad_id is not None:
         return tokenizer.pad_id
@@ -47,7 +83,7 @@ def pad_id(tokenizer: Tokenizer) -> int:
                            "to right-pad the right_pad case with")
 
 
-def build_cases(tokenizer: Tokenizer, lines: list[str], context: int) -> dict[str, dict]:
+def build_cases(tokenizer, lines: list[str], context: int) -> dict[str, dict]:
     def ids(line: int, count: int) -> np.ndarray:
         encoded = tokenizer.encode(" ".join(lines[line : line + LINES_PER_CASE]), add_bos=True)
         if len(encoded) < count:
@@ -67,24 +103,34 @@ def build_cases(tokenizer: Tokenizer, lines: list[str], context: int) -> dict[st
     return {name: {"input_ids": i, "valid_prefix": v, "text": tokenizer.decode(i[:v])} for name, (i, v) in cases.items()}
 
 
-@torch.no_grad()
 def reference_arrays(artifact: Path, cases: dict[str, dict], context: int) -> dict[str, np.ndarray]:
-    model, args, _ = load_reference(artifact)
-    arrays = {}
-    for name, case in cases.items():
-        arrays[f"{name}.input_ids"] = case["input_ids"]
-        arrays[f"{name}.logits"] = model(torch.as_tensor(case["input_ids"])).numpy().astype(np.float32)
-        arrays[f"{name}.valid_prefix"] = np.int64(case["valid_prefix"])
-    cache = KVCache.empty(args, context)
-    steps = [model.forward_cached(torch.as_tensor(cases["long"]["input_ids"][i : i + 1]), cache)
-             for i in range(context)]
-    arrays["long_kv_step_logits"] = torch.cat(steps).numpy().astype(np.float32)
+    import torch
+
+    from pipeline.ground.models import KVCache
+    from pipeline.ground.reference import load_reference
+
+    with torch.no_grad():
+        model, args, _ = load_reference(artifact)
+        arrays = {}
+        for name, case in cases.items():
+            arrays[f"{name}.input_ids"] = case["input_ids"]
+            arrays[f"{name}.logits"] = model(torch.as_tensor(case["input_ids"])).numpy().astype(np.float32)
+            arrays[f"{name}.valid_prefix"] = np.int64(case["valid_prefix"])
+        cache = KVCache.empty(args, context)
+        steps = [model.forward_cached(torch.as_tensor(cases["long"]["input_ids"][i : i + 1]), cache)
+                 for i in range(context)]
+        arrays["long_kv_step_logits"] = torch.cat(steps).numpy().astype(np.float32)
     return arrays
 
 
 def make_reference_fixtures(artifact: str | Path, out_dir: str | Path, lines: list[str], *, context: int,
                             force: bool = False) -> Path:
     """Compute the cases from `lines` of text with the CMF at `artifact`; write `out_dir` atomically."""
+    import torch
+
+    from pipeline.ground.cmf import open_cmf
+    from pipeline.ground.tokenizer import tokenizer_from_artifact
+
     artifact, out_dir = Path(artifact), Path(out_dir)
     refuse_existing(out_dir, force)
     torch.manual_seed(0)

@@ -1,5 +1,5 @@
-"""CMF-native codes: a quantized CMF's own codes and scales, as Core ML constexpr ops that
-decode to exactly the CMF's values.
+"""The cmf-native recipe: a quantized CMF's own codes and scales, as Core ML constexpr ops
+that decode to exactly the CMF's values, read through the package's identity chain.
 
     cmf_path = source_cmf(package_dir, manifest)       # package -> bundle -> CMF record
     code, why = native_code(cmf, "model.layers.0.mlp.up_proj.weight")
@@ -25,13 +25,17 @@ Only a tensor whose CMF decode equals the package's constant bit for bit is carr
 bundle baked with a task mask or a skill holds other values, and those are refused.
 """
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from coreml.codes import ShiftScale
+from coreml.recipes.base import (WEIGHT_THRESHOLD, Code, Context, Prepared, Recipe, RecipePrecondition, Selected,
+                                 Weight, carried, register_recipe)
 from manifests.chain import upstream_path
 from manifests.identity import read_json, MANIFEST_NAME
+from pipeline.ground.cmf import open_cmf
 from pipeline.ground.cmf.dtypes import GROUP
 
 EXACT_DTYPES = ("q4_block", "q4_tiled", "q8_row", "f16")
@@ -73,3 +77,50 @@ def native_code(cmf, name: str):
     nibbles = parts["nibbles"]
     q = np.stack([nibbles & 15, nibbles >> 4], axis=-1).reshape(rows, cols).astype(np.int8) - 8
     return ShiftScale(q, parts["scales"].astype(np.float32).reshape(rows, cols // GROUP), None, 4, True), None
+
+
+@dataclass(frozen=True)
+class Native(Code):
+    """The CMF's own code of one tensor; the recipe carries it (`carried`), nothing is fitted."""
+
+    cmf_dtype: str
+
+    def record(self) -> dict:
+        return {"kind": "cmf-native", "cmf_dtype": self.cmf_dtype}
+
+
+@dataclass(frozen=True)
+class NativeRecipe(Recipe):
+    """Every tensor the CMF stores in an `EXACT_DTYPES` dtype, at its own codes; the rest stays FP32."""
+
+    def params(self) -> dict:
+        return {"cmf_native": {"exact": list(EXACT_DTYPES), "other dtypes": "kept FP32"}}
+
+    def prepare(self, weights: list[Weight], context: Context) -> Prepared:
+        native = _native_plan(context.package_dir, context.manifest, weights)
+
+        def select(weight: Weight) -> Selected:
+            code, why, dtype = native.get(weight.name, (None, "no tensor of this name in the CMF", None))
+            if code is None:
+                return Selected({}, {"compressed": False, "reason": why, "cmf_dtype": dtype})
+            return Selected({"code": Native(dtype)}, {
+                "compressed": True, "how": f"CMF-native {dtype}: the CMF's own codes and scales, exact",
+                "cmf_dtype": dtype})
+
+        return Prepared(select, {n: carried(n, code, code.decode() if hasattr(code, "decode") else
+                                            code.astype(np.float32))
+                                 for n, (code, _, _) in native.items() if code is not None})
+
+
+def _native_plan(package_dir: Path, source: dict, weights: list[Weight]) -> dict[str, tuple]:
+    """MIL name -> (code or None, why, CMF dtype) from the CMF the package's chain starts from."""
+    path = source_cmf(package_dir, source)
+    if path is None:
+        raise RecipePrecondition(f"{package_dir}: recipe cmf-native needs the source CMF, and the package's chain "
+                                 f"(package -> bundle -> CMF record) does not reach a CMF file")
+    with open_cmf(path) as cmf:
+        return {w.name: native_code(cmf, w.hf_names[0]) + (cmf.info(w.hf_names[0]).dtype.name,)
+                for w in weights if w.hf_names and w.size > WEIGHT_THRESHOLD and w.hf_names[0] in cmf.tensors}
+
+
+register_recipe(NativeRecipe("cmf-native"))

@@ -1,0 +1,95 @@
+"""What the kinds that carry a K/V cache share to drive a saved package: frozen cache
+snapshots and the runner base.
+
+A chunk-KV package is pure: it takes caches and returns new ones. A stateful package keeps
+its caches in Core ML state; its runner copies a snapshot into a fresh state before each
+call and copies the state out after it, so both kinds look alike from outside. Snapshots
+are frozen numpy arrays, so branching from one (scoring candidates, rollback, the gates'
+A/B/A check) can never mutate it by accident.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipeline.ground.errors import CmfdeployError
+
+
+class PackageInterfaceError(CmfdeployError):
+    """A package's inputs or outputs do not follow the contract this runner drives."""
+
+
+@dataclass(frozen=True)
+class KVSnapshot:
+    key_cache: np.ndarray  # (layers, 1, kv_heads, context, head_dim), read-only, in the package's cache dtype
+    value_cache: np.ndarray
+    position: int  # slots [0, position) are valid
+
+
+def _frozen(array: np.ndarray, dtype=np.float32) -> np.ndarray:
+    array = np.array(array, dtype=dtype, copy=True)
+    array.flags.writeable = False
+    return array
+
+
+def _input_ids(ids) -> np.ndarray:
+    return np.asarray(ids, dtype=np.int32).reshape(1, -1)
+
+
+def _features(package, section: str, kind: str) -> dict[str, dict]:
+    """The manifest's `package.<section>` features by name, checked to be the `kind` interface."""
+    block = (package.manifest or {}).get("package", {})
+    features = {f["name"]: f for f in block.get(section, [])}
+    if block.get("kind") != kind or "key_cache" not in features or "value_cache" not in features:
+        raise PackageInterfaceError(
+            f"{package.path}: manifest package.kind {block.get('kind')!r} with {section} {sorted(features)} "
+            f"is not the {kind} interface (key_cache and value_cache {section})")
+    return features
+
+
+class _CacheRunner:
+    """What the cache-carrying kinds share: snapshots, the context check and chunk schedules.
+    Subclasses set `package`, `cache_shape` and `cache_dtype`, and implement `run`."""
+
+    package: object
+    cache_shape: tuple[int, ...]
+    cache_dtype: type
+
+    @property
+    def context(self) -> int:
+        return self.cache_shape[3]
+
+    def empty(self, fill: float = 0.0) -> KVSnapshot:
+        cache = _frozen(np.full(self.cache_shape, fill), self.cache_dtype)
+        return KVSnapshot(cache, cache, 0)
+
+    def _end(self, snapshot: KVSnapshot, ids: np.ndarray) -> int:
+        """The position after `ids`, refused when it runs past the cache."""
+        end = snapshot.position + ids.shape[1]
+        if end > self.context:
+            raise PackageInterfaceError(
+                f"{self.package.path}: position {snapshot.position} + {ids.shape[1]} tokens "
+                f"exceeds the cache context {self.context}")
+        return end
+
+    def cache_arrays(self, snapshot: KVSnapshot) -> tuple[np.ndarray, np.ndarray, int]:
+        return snapshot.key_cache, snapshot.value_cache, snapshot.position
+
+    def with_cache_arrays(self, snapshot: KVSnapshot, keys, values) -> KVSnapshot:
+        return self._snapshot(keys, values, snapshot.position)
+
+    def _snapshot(self, key_cache, value_cache, position: int) -> KVSnapshot:
+        return KVSnapshot(_frozen(key_cache, self.cache_dtype), _frozen(value_cache, self.cache_dtype), position)
+
+    def run_schedule(self, ids, schedule, snapshot: KVSnapshot | None = None) -> tuple[np.ndarray, KVSnapshot]:
+        """Logits of `ids` fed in chunks of the given sizes, and the snapshot after the last."""
+        ids = np.asarray(ids)
+        if sum(schedule) != len(ids):
+            raise ValueError(f"schedule {schedule} does not cover {len(ids)} tokens")
+        snapshot = snapshot or self.empty()
+        logits, start = [], 0
+        for size in schedule:
+            chunk_logits, snapshot = self.run(snapshot, ids[start:start + size])
+            logits.append(chunk_logits)
+            start += size
+        return np.concatenate(logits), snapshot

@@ -1,0 +1,284 @@
+"""What the kinds' exporters share: the bundle's reference model, tracing, the checks of a
+traced graph against the reference, the conversion of a traced graph with its interface,
+the model's metadata and the package manifest.
+
+Every kind is traced from the same reference model (`pipeline.ground.models`), never from a
+second implementation, and a graph that fails its check is refused, never shipped.
+"""
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import coremltools as ct
+import numpy as np
+import torch
+from torch import nn
+
+from coreml import crosscheck
+from coreml import manifest as package_manifest
+from coreml.mil import load_program
+from manifests.identity import Manifest, artifact_source, load_manifest, sha256_bytes
+from pipeline.ground.errors import CmfdeployError, UnsupportedModel
+from pipeline.ground.models import KVCache, ModelArgs, build_model
+from pipeline.ground.models.numerics import model_cache_bound, model_logits_bound
+from pipeline.ground.reference import load_reference
+
+# Chunk schedules (token counts per call) that together exercise a first call longer than
+# one token, single-token decode between long chunks, and a chunk ending at the last slot.
+CHECK_SCHEDULES = ((1, 3, 124), (128,), (3, 1, 124), (124, 3, 1), (127, 1))
+# Lengths at which the stateless trace is replayed against the reference.
+STATELESS_CHECK_LENGTHS = (1, 7, 128)
+TRACE_LENGTH = 5
+
+
+class ScheduleMismatch(CmfdeployError):
+    """A traced graph disagrees with the reference model on a chunk schedule or a length."""
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The bundle's reference model and what a package must record about it."""
+
+    bundle_dir: Path
+    args: ModelArgs
+    model: nn.Module
+    context: int
+    bundle_manifest: dict
+    source: dict  # the manifest's `source` record: the bundle, by manifest sha256
+
+    @property
+    def cache_shape(self) -> tuple[int, ...]:
+        a = self.args
+        return (a.num_layers, 1, a.num_kv_heads, self.context, a.head_dim)
+
+    @cached_property
+    def tolerance(self) -> float:
+        """float32 graph vs float32 reference: only summation order differs. FP32's bound for
+        this model over the context (pipeline.ground.models.numerics, the probable form the gates use)."""
+        return model_logits_bound(self.model, self.context, probable=True)
+
+    @cached_property
+    def cache_tolerance(self) -> float:
+        return model_cache_bound(self.model, self.context, probable=True)
+
+
+def reference_for_export(bundle_dir: Path, context: int | None = None) -> Reference:
+    """Verify the bundle (hashes included) and build its reference model.
+
+    Core ML packages here are dense full-attention decoders: anything else is refused by
+    name before tracing.
+    """
+    bundle_dir = Path(bundle_dir)
+    model, args, _ = load_reference(bundle_dir)  # verifies the bundle first
+    where = bundle_dir / "config.json"
+    if args.moe is not None or set(args.layer_types) != {"FullAttention"}:
+        raise UnsupportedModel(
+            f"{where}: Core ML conversion supports dense full-attention decoders; "
+            f"got layer_types {sorted(set(args.layer_types))}, moe {args.moe is not None}"
+        )
+    context = args.max_position_embeddings if context is None else context
+    if not 1 <= context <= args.max_position_embeddings:
+        raise UnsupportedModel(
+            f"{where}: context {context} is outside 1..arch.max_position_embeddings {args.max_position_embeddings}"
+        )
+    return Reference(
+        bundle_dir, args, model.eval(), context, load_manifest(bundle_dir), artifact_source(bundle_dir)
+    )
+
+
+# --- tracing ---------------------------------------------------------------------------
+
+
+def _example_ids(vocab: int, length: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (1, length), generator=generator, dtype=torch.int32)
+
+
+def _position(value: int) -> torch.Tensor:
+    return torch.tensor([value], dtype=torch.int32)
+
+
+def _trace(module: nn.Module, example: tuple) -> torch.jit.ScriptModule:
+    with torch.no_grad():
+        return torch.jit.trace(module.eval(), example, check_trace=False)
+
+
+# --- checks against the reference ------------------------------------------------------
+
+
+def _clip_schedule(schedule: Iterable[int], context: int) -> tuple[int, ...]:
+    """The schedule's chunks cut to fit `context` slots (the full schedules need 128)."""
+    ends = np.minimum(np.cumsum(schedule), context)
+    sizes = np.diff(ends, prepend=0)
+    return tuple(int(s) for s in sizes if s > 0)
+
+
+def check_chunk_schedules(
+    graph: Callable,
+    ref: Reference,
+    schedules: Iterable[tuple[int, ...]] = CHECK_SCHEDULES,
+    tolerance: float | None = None,
+) -> dict[str, float]:
+    """Run `graph(ids, position, k, v)` chunk by chunk and compare with the reference.
+
+    The caches start as noise, so a graph that reads a slot at or after position+T (or
+    writes the wrong slots) shows up as a logit error. Each schedule is compared with the
+    plain forward over all tokens and with `forward_cached` fed the same chunks.
+    Returns max |Δ| per schedule; raises `ScheduleMismatch` naming the first that fails.
+    """
+    tolerance = ref.tolerance if tolerance is None else tolerance
+    errors = {}
+    generator = torch.Generator().manual_seed(1)
+    for schedule in schedules:
+        schedule = _clip_schedule(schedule, ref.context)
+        ids = _example_ids(ref.args.vocab_size, sum(schedule), seed=len(errors) + 2)
+        key_cache = torch.randn(ref.cache_shape, generator=generator)
+        value_cache = torch.randn(ref.cache_shape, generator=generator)
+        cache = KVCache.empty(ref.args, ref.context)
+        graph_logits, cached_logits = [], []
+        position = 0
+        with torch.no_grad():
+            full = ref.model(ids).reshape(-1, ref.args.vocab_size)
+            for size in schedule:
+                chunk = ids[:, position : position + size]
+                logits, key_cache, value_cache = graph(chunk, _position(position), key_cache, value_cache)
+                graph_logits.append(logits.reshape(-1, ref.args.vocab_size))
+                cached_logits.append(ref.model.forward_cached(chunk, cache).reshape(-1, ref.args.vocab_size))
+                position += size
+        graph_logits = torch.cat(graph_logits)
+        delta = max(
+            float((graph_logits - full).abs().max()),
+            float((graph_logits - torch.cat(cached_logits)).abs().max()),
+        )
+        name = "[" + ",".join(map(str, schedule)) + "]"
+        errors[name] = delta
+        if not delta <= tolerance:  # also catches NaN
+            raise ScheduleMismatch(
+                f"{ref.bundle_dir}: chunk-KV graph on schedule {name} differs from the reference "
+                f"by max |Δ| {delta:.3g} > {tolerance:g}; refusing to export"
+            )
+    return errors
+
+
+def check_stateless(graph: Callable, ref: Reference) -> dict[str, float]:
+    """Replay a traced stateless graph at several lengths: a baked-in T shows up here."""
+    tolerance, errors = ref.tolerance, {}
+    for length in sorted({min(n, ref.context) for n in STATELESS_CHECK_LENGTHS}):
+        ids = _example_ids(ref.args.vocab_size, length, seed=100 + length)
+        with torch.no_grad():
+            delta = float((graph(ids).reshape(length, -1) - ref.model(ids).reshape(length, -1)).abs().max())
+        errors[f"T={length}"] = delta
+        if not delta <= tolerance:
+            raise ScheduleMismatch(
+                f"{ref.bundle_dir}: stateless graph at T={length} differs from the reference "
+                f"by max |Δ| {delta:.3g} > {tolerance:g}; refusing to export"
+            )
+    return errors
+
+
+# --- conversion, metadata and manifest -------------------------------------------------
+
+
+def _ct_inputs(block: dict, dims: dict) -> list:
+    def dim(d):
+        if isinstance(d, int):
+            return d
+        low, high = dims[d]
+        return low if low == high else ct.RangeDim(lower_bound=low, upper_bound=high, default=low)
+
+    return [ct.TensorType(name=f["name"], shape=tuple(dim(d) for d in f["shape"]), dtype=np.dtype(f["dtype"]).type)
+            for f in block["inputs"]]
+
+
+def _convert(traced, block: dict, dims: dict):
+    states = [ct.StateType(wrapped_type=ct.TensorType(shape=tuple(f["shape"]), dtype=np.float16), name=f["name"])
+              for f in block.get("states", [])]
+    return ct.convert(
+        traced,
+        inputs=_ct_inputs(block, dims),
+        outputs=[ct.TensorType(name=f["name"]) for f in block["outputs"]],
+        states=states or None,
+        convert_to="mlprogram",
+        minimum_deployment_target=ct.target.iOS18,
+        compute_precision=ct.precision.FLOAT32,
+    )
+
+
+def _describe(mlmodel, block: dict, ref: Reference, description: str, features: bool = True) -> None:
+    """Model-level metadata, and per-feature descriptions (single-function models only:
+    coremltools cannot address a multifunction model's features by name)."""
+    package_manifest.set_model_metadata(
+        mlmodel,
+        description=description,
+        license_=ref.bundle_manifest.get("license") or "unspecified; see the source CMF's provenance",
+        version=f"{package_manifest.COREML_FORMAT} {block['kind']}",
+        user={crosscheck.BUNDLE_SHA_KEY: ref.source["manifest_sha256"], crosscheck.KIND_KEY: block["kind"]},
+    )
+    if features:
+        for f in block["inputs"]:
+            mlmodel.input_description[f["name"]] = f["meaning"]
+        for f in block["outputs"]:
+            mlmodel.output_description[f["name"]] = f["meaning"]
+
+
+def _source_files() -> list[Path]:
+    """The code a package's bytes depend on, for the manifest's digest: the conversion, the
+    kinds (this module's folder) and the reference model."""
+    models_dir = Path(build_model.__code__.co_filename).parent
+    kinds_dir = Path(__file__).parent
+    return [kinds_dir.parent / "convert.py", Path(package_manifest.__file__), *sorted(kinds_dir.glob("*.py")),
+            *sorted(models_dir.glob("*.py"))]
+
+
+def weight_names(mlpackage: Path, model: nn.Module) -> dict[str, list[str]]:
+    """Program constant name -> the HF tensor names whose float32 bytes it holds exactly.
+
+    Compression recipes select by these names, and reports and tests map decompressed
+    constants back onto the reference model through them.
+    """
+    by_bytes: dict[str, list[str]] = {}
+    for name, tensor in model.state_dict().items():
+        by_bytes.setdefault(sha256_bytes(tensor.numpy().astype(np.float32).tobytes()), []).append(name)
+    names = {}
+    for function in load_program(mlpackage).functions.values():
+        for op in function.block.operations:
+            value = op.attributes.get("val") if op.type == "const" else None
+            if isinstance(value, np.ndarray) and value.dtype == np.float32 and value.ndim:
+                if found := by_bytes.get(sha256_bytes(np.ascontiguousarray(value).tobytes())):
+                    names[op.outputs[0][0]] = sorted(found)
+    return dict(sorted(names.items()))
+
+
+def _finish(package_dir: Path, ref: Reference, block: dict, checks: dict, seconds: float) -> Manifest:
+    mlpackage = package_dir / package_manifest.MODEL_NAME
+    block = {**block, "weights": weight_names(mlpackage, ref.model)}
+    return package_manifest.write_package_manifest(
+        package_dir,
+        {
+            "format": package_manifest.COREML_FORMAT,
+            "source": ref.source,
+            "architecture": ref.bundle_manifest["architecture"],
+            "special_tokens": ref.bundle_manifest["special_tokens"],
+            "tokenizer": package_manifest.carry_tokenizer(ref.bundle_dir, package_dir),
+            "package": block,
+            "checks": checks,
+            "package_bytes": package_manifest.package_bytes(mlpackage),
+            "conversion": {"seconds": round(seconds, 2), "code": package_manifest.source_digest(_source_files())},
+        },
+    )
+
+
+def _save_single(ref: Reference, package_dir: Path, step: Callable[[str], None], traced, block: dict,
+                 description: str, checks: dict, start: float) -> Manifest:
+    """A single-function package: `traced` converted with interface `block`, described and
+    saved with its manifest (`start`: when its export began, by time.perf_counter)."""
+    step(f"{block['kind']}: convert")
+    mlmodel = _convert(traced, block, block["dims"])
+    _describe(mlmodel, block, ref, description)
+    step(f"{block['kind']}: save")
+    package_dir.mkdir(parents=True)
+    mlmodel.save(str(package_dir / package_manifest.MODEL_NAME))
+    return _finish(package_dir, ref, block, checks, time.perf_counter() - start)

@@ -1,0 +1,40 @@
+"""Affine and symmetric block codes (`coreml.codes`), one fp16 scale (and offset) per block
+of input columns: int4-b32 (mlx-lm's `q4 g32` grid) and int4-b32-emb8."""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from coreml import codes
+from coreml.recipes.base import STORAGE, Code, CodeRecipe, register_recipe
+
+
+@dataclass(frozen=True)
+class Affine(Code):
+    """Codes per block of `block_size` input columns with fp16 (or fp32) parameters: min/max
+    (unsigned codes, a scale and an offset), or `symmetric` absmax (signed codes, a scale)."""
+
+    nbits: int
+    block_size: int = 32
+    dtype: str = "fp16"
+    symmetric: bool = False
+
+    def record(self) -> dict:
+        return {"kind": "symmetric" if self.symmetric else "affine", "nbits": self.nbits,
+                "block_size": self.block_size, "dtype": self.dtype}
+
+    def bits(self, shape: tuple[int, ...]) -> float:
+        n, width = int(np.prod(shape)), 16 if self.dtype == "fp16" else 32
+        return n * self.nbits + n / self.block_size * (1 if self.symmetric else 2) * width
+
+    def encode(self, value: np.ndarray) -> codes.ShiftScale:
+        fit = codes.symmetric_blocks if self.symmetric else codes.affine_blocks
+        return fit(value, self.nbits, self.block_size, STORAGE[self.dtype])
+
+
+register_recipe(CodeRecipe("int4-b32", Affine(4)))
+# The grid a Q4_1/Q8_0 GGUF import carries: the layers' affine uint4 per 32 (fp16 scale
+# and offset, as Q4_1 stores them) and the tied embedding/head's int8 per 32 with an fp16
+# scale (Q8_0's own), 5.0 and 8.5 bits. docs/COMPRESSION.md: the 4-bit head is what costs
+# int4-b32 its top-1 agreement.
+register_recipe(CodeRecipe("int4-b32-emb8", Affine(4), embedding=Affine(8, symmetric=True)))

@@ -1,0 +1,242 @@
+"""The recipe unit: a typed, registered compression recipe and the steps it gives each weight.
+
+    register_recipe(CodeRecipe("int4-b32", code=Affine(4)))
+    RECIPES["int4-b32"].params_record()     # what the manifest records, verbatim
+    RECIPES["int4-b32"].steps(weight)       # {"code": Affine(4)}
+
+A step is a `Code` (numpy codes from `coreml.codes`, written as constexpr ops by
+`coreml.recipes.emit`) or coremltools' own linear quantizer (`coreml.recipes.linear`).
+`Recipe.prepare` readies a recipe for one package's weights, measuring on calibration text
+through `Context` when it must, and returns a `Prepared`: how each weight is selected, the
+encoders that replace a code step's data-free fit, and what the recipe adds to the
+selection record. `coreml.recipes.compress` applies every recipe the same way.
+"""
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar, NamedTuple
+
+import numpy as np
+
+from coreml import calibration
+from coreml.calibration import Calibration
+from pipeline.ground.errors import CmfdeployError
+
+WEIGHT_THRESHOLD = 2048
+EMBEDDING = "model.embed_tokens.weight"
+# Ops whose weight axes are (output 0, input 1), as coremltools' own axis inference has it.
+WEIGHT_CONSUMERS = ("linear", "gather")
+# The numpy dtype a code stores its scales, offsets or LUT in.
+STORAGE = {"fp16": np.float16, "fp32": np.float32}
+
+Encoder = Callable[[np.ndarray], object]
+
+
+class RecipePrecondition(CmfdeployError):
+    """A recipe cannot be applied as written to this package (never silently skipped)."""
+
+
+class UnknownRecipe(CmfdeployError):
+    """The recipe name is not in the table."""
+
+
+class RecipeRegistry(CmfdeployError):
+    """The registry is inconsistent: a name registered twice, or an order missing one."""
+
+
+@dataclass(frozen=True)
+class Weight:
+    """A constant of the program: its MIL name, the HF names it carries, shape and consumers."""
+
+    name: str
+    hf_names: tuple[str, ...]
+    shape: tuple[int, ...]
+    consumers: tuple[str, ...]  # op types
+    uses: tuple[tuple[str, str], ...]  # (consumer op name, input parameter) pairs
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape))
+
+    @property
+    def group(self) -> str:
+        """The decoder layer (`layers.3`) this weight belongs to, or its own name."""
+        name = self.hf_names[0] if self.hf_names else self.name
+        parts = name.split(".")
+        return ".".join(parts[1:3]) if parts[:2] == ["model", "layers"] else name
+
+
+class Step:
+    """One way a weight is compressed. `kind` names the mechanism that writes it (`code`:
+    our numpy codes, `quantize`: coremltools); `record()` is its params as recorded."""
+
+    kind: ClassVar[str]
+
+    def record(self) -> dict:
+        raise NotImplementedError
+
+    def bits(self, shape: tuple[int, ...]) -> float:
+        """Storage of a weight of `shape`: codes plus every scale, offset and LUT."""
+        raise NotImplementedError
+
+    def encode(self, value: np.ndarray) -> object:
+        """What the step stores for `value`: a `coreml.codes` code or a float16 array (for
+        coremltools' quantizer, the values its step decodes to)."""
+        raise NotImplementedError
+
+
+class Code(Step):
+    """A step whose codes are computed in numpy and written as constexpr ops."""
+
+    kind = "code"
+
+
+def precondition(weight: Weight, params: dict) -> str | None:
+    """Why a step of `params` cannot compress `weight`, or None when it can."""
+    unknown = sorted(set(weight.consumers) - set(WEIGHT_CONSUMERS))
+    if unknown or len(weight.shape) != 2:
+        return f"rank {len(weight.shape)}, consumers {list(weight.consumers)}: axes unknown for ops {unknown}"
+    if "block_size" in params and weight.shape[1] % params["block_size"]:
+        return f"input axis {weight.shape[1]} not divisible by block_size {params['block_size']}"
+    for axis, size in enumerate(params.get("tile", ())):
+        if weight.shape[axis] % size:
+            return f"{('output', 'input')[axis]} axis {weight.shape[axis]} not divisible by LUT tile {size}"
+    return None
+
+
+def describe(steps: Mapping[str, Step]) -> str:
+    """`code kind=affine,nbits=4,...` per step, as the selection record's `how` says it."""
+    return " + ".join(f"{kind} {describe_params(step.record())}" for kind, step in steps.items())
+
+
+def describe_params(params: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in params.items() if k != "weight_threshold")
+
+
+def carried(name: str, code, reference: np.ndarray) -> Encoder:
+    """An encoder that returns `code`, made from `reference`, for a constant that must equal it."""
+    def encode(value: np.ndarray):
+        if value.shape != reference.shape or not np.array_equal(value, reference):
+            raise RecipePrecondition(f"constant {name}: the package's value differs from the tensor its code was "
+                                     f"made from (a package of other weights than its upstream's)")
+        return code
+    return encode
+
+
+class Selected(NamedTuple):
+    """What a recipe does to one weight: its steps (none: left as it is) and the fields its
+    selection record adds (`compressed`, and `how` or `reason`)."""
+
+    steps: dict[str, Step]
+    entry: dict
+
+
+@dataclass
+class Prepared:
+    """A recipe readied for one package's weights."""
+
+    select: Callable[[Weight], Selected]
+    encoders: dict[str, Encoder] = field(default_factory=dict)  # MIL name -> replaces its code step's fit
+    record: dict = field(default_factory=dict)  # added to the manifest's `selection`
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a recipe may look at beyond the program's weights: the package, its verified
+    manifest, and calibration text, measured only when a recipe asks."""
+
+    package_dir: Path
+    manifest: dict
+    calibration_ids: np.ndarray | None
+    bpw: float  # the mixed recipe's budget in bits per weight
+
+    def calibration(self, windows: int = calibration.WINDOWS) -> Calibration:
+        """The reference model of the package's upstream on `windows` calibration windows."""
+        return Calibration.from_package(self.package_dir, self.manifest, self.calibration_ids, windows)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A named compression recipe. `params()` is its table row as the manifest records it;
+    `calibration` recipes measure on calibration text and refuse without it."""
+
+    name: str
+    calibration: ClassVar[bool] = False
+
+    def params(self) -> dict:
+        raise NotImplementedError
+
+    def params_record(self) -> dict:
+        """The params the manifest and the survey record, verbatim."""
+        return {**self.params(), **({"calibration": True} if self.calibration else {})}
+
+    def steps(self, weight: Weight) -> dict[str, Step]:
+        """The steps this recipe gives `weight`, before any calibration."""
+        raise NotImplementedError
+
+    def estimated_bits(self, shape: tuple[int, ...]) -> float:
+        """Storage of a (non-embedding) weight of `shape` under this recipe."""
+        (step,) = self.steps(Weight("", (), tuple(shape), (), ())).values()
+        return step.bits(shape)
+
+    def describe(self, steps: Mapping[str, Step]) -> str:
+        return describe(steps)
+
+    def select(self, weight: Weight, as_part_of: str | None = None) -> Selected:
+        """`weight`'s steps, checked up front; raises `RecipePrecondition` naming the weight and
+        the recipe (`as_part_of`: the recipe that chose this one for the weight)."""
+        steps = self.steps(weight)
+        for kind, step in steps.items():
+            reason = precondition(weight, step.record())
+            if reason:
+                raise RecipePrecondition(
+                    f"recipe {as_part_of or self.name}: weight {weight.name} ({', '.join(weight.hf_names)}, "
+                    f"shape {list(weight.shape)}) cannot be compressed by step {kind}: {reason}"
+                )
+        return Selected(steps, {"compressed": True, "how": self.describe(steps)})
+
+    def prepare(self, weights: list[Weight], context: Context) -> Prepared:
+        """This recipe readied for `weights`; a data-free recipe needs nothing from `context`."""
+        return Prepared(self.select)
+
+    def after_codes(self, program) -> None:
+        """A pass over `program` once its code steps are written (none by default)."""
+
+
+@dataclass(frozen=True)
+class CodeRecipe(Recipe):
+    """One code step for every selected weight, and the tied embedding/head's own if given."""
+
+    code: Code
+    embedding: Code | None = None
+
+    def params(self) -> dict:
+        return {"code": self.code.record(), **({"embedding": self.embedding.record()} if self.embedding else {})}
+
+    def steps(self, weight: Weight) -> dict[str, Step]:
+        if self.embedding is not None and EMBEDDING in weight.hf_names:
+            return {"code": self.embedding}
+        return {"code": self.code}
+
+
+# name -> recipe, in the order surveys list them (`order_recipes`).
+RECIPES: dict[str, Recipe] = {}
+
+
+def register_recipe(recipe: Recipe) -> Recipe:
+    if recipe.name in RECIPES:
+        raise RecipeRegistry(f"coreml/recipes: recipe {recipe.name!r} is registered twice")
+    RECIPES[recipe.name] = recipe
+    return recipe
+
+
+def order_recipes(names: Iterable[str]) -> None:
+    """Put RECIPES in the order of `names`, which lists every registered recipe once."""
+    names = list(names)
+    if sorted(names) != sorted(RECIPES):
+        raise RecipeRegistry(f"coreml/recipes: recipe order {names} does not list the registered recipes "
+                             f"{sorted(RECIPES)} once each")
+    ordered = {name: RECIPES[name] for name in names}
+    RECIPES.clear()
+    RECIPES.update(ordered)

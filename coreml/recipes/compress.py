@@ -1,0 +1,221 @@
+"""Applying a recipe to a package: the orchestration every recipe goes through.
+
+    manifest = compress_package("out/chunk_kv", "int4-b32", "out/chunk_kv-int4-b32")
+
+The program is loaded once; its constants are listed (`program_weights`); the recipe,
+readied for them (`Recipe.prepare`), selects each weight's steps (`plan_selection`); the
+`code` steps are written as constexpr ops (`coreml.recipes.emit`), then the recipe's own
+pass (`Recipe.after_codes`), then coremltools' `quantize` steps; the saved program is
+checked to hold a decompression op for every selected weight (`_bind_compressed`), because
+coremltools itself only logs a warning and skips a weight it cannot compress.
+"""
+
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import coremltools as ct
+import coremltools.optimize.coreml as cto
+import numpy as np
+from coremltools.converters.mil.converter import mil_convert
+from coremltools.converters.mil.frontend.milproto import load as milproto
+from coremltools.models.utils import _convert_model_spec_to_pymil_prog
+from coremltools.optimize.coreml._quantization_passes import linear_quantize_weights as LinearQuantizeWeights
+
+from coreml import calibration, codes
+from coreml import manifest as package_manifest
+from coreml.recipes.base import (RECIPES, WEIGHT_THRESHOLD, Context, Encoder, Recipe, RecipePrecondition, Selected,
+                                 UnknownRecipe, Weight)
+from coreml.recipes.emit import WriteCodes
+from coreml.recipes.mixed import MIXED_BPW
+from manifests.identity import Manifest, artifact_source
+from manifests.output import refuse_existing, staged_output
+from pipeline.ground.errors import UnsupportedModel
+
+
+def load_program(mlmodel):
+    """The package's MIL program, loaded once: the weights are listed from it and every step
+    of a recipe rewrites it in place."""
+    return _convert_model_spec_to_pymil_prog(mlmodel, mlmodel.get_spec().specificationVersion, milproto.load)
+
+
+def program_weights(program, weight_names: Mapping[str, list[str]]) -> list[Weight]:
+    """Every array constant of the program (nested blocks included), with the HF names the
+    conversion recorded."""
+    def constants(block):
+        for op in block.operations:
+            for inner in op.blocks:
+                yield from constants(inner)
+            if op.op_type == "const" and isinstance(op.val.val, np.ndarray) and op.val.val.size:
+                yield op
+
+    weights = []
+    for function in program.functions.values():
+        for op in constants(function):
+            consumers = {id(child): child for child in op.outputs[0].child_ops}.values()
+            weights.append(Weight(
+                op.name, tuple(weight_names.get(op.name, ())), tuple(op.val.val.shape),
+                tuple(sorted({child.op_type for child in consumers})),
+                tuple((child.name, param) for child in consumers for param, var in child.inputs.items()
+                      if var is op.outputs[0])))
+    return weights
+
+
+def plan_selection(weights: list[Weight], select: Callable[[Weight], Selected]) -> dict:
+    """Which weights each step compresses, as `select` (a recipe's, readied by `prepare`)
+    chooses for every bundle weight over the threshold; raises `RecipePrecondition`.
+
+    Returns `{"steps": {kind: {mil_name: step}}, "record": {...}}` where the record lists
+    every constant with what happens to it and why.
+    """
+    steps: dict[str, dict] = {}
+    record, below = {}, []
+    for weight in weights:
+        if weight.size <= WEIGHT_THRESHOLD:
+            below.append(weight)
+            continue
+        entry = {"hf_names": list(weight.hf_names), "shape": list(weight.shape), "consumers": list(weight.consumers)}
+        record[weight.name] = entry
+        if not weight.hf_names:
+            entry.update(compressed=False, reason="not a bundle weight (structural constant of the graph)")
+            continue
+        selected = select(weight)
+        for kind, step in selected.steps.items():
+            steps.setdefault(kind, {})[weight.name] = step
+        entry.update(selected.entry)
+    shown = [w.name for w in below if w.size > 1]
+    record_below = {
+        "count": len(below), "elements": sum(w.size for w in below), "non_scalar": shown,
+        "reason": f"at most weight_threshold {WEIGHT_THRESHOLD} elements (norm scales, structural constants)",
+    }
+    return {"steps": steps, "record": {"weights": record, "below_threshold": record_below}}
+
+
+def apply_recipe(mlmodel, program, recipe: Recipe, steps: dict[str, dict], encoders: Mapping[str, Encoder]):
+    """The compressed model: each step of `plan_selection`, on exactly the selected weights of
+    `program` (`mlmodel`'s, from `load_program`; rewritten in place).
+
+    `encoders` replaces a `code` step's own fit per weight (calibration-aware or carried codes).
+    """
+    if "code" in steps:
+        WriteCodes({name: encoders[name] if name in encoders else step.encode
+                    for name, step in steps["code"].items()}).apply(program)
+        recipe.after_codes(program)
+    if "quantize" in steps:
+        configs = {n: cto.OpLinearQuantizerConfig(**step.record()) for n, step in steps["quantize"].items()}
+        LinearQuantizeWeights(cto.OptimizationConfig(op_name_configs=configs)).apply(program)
+    spec = mlmodel.get_spec()
+    # No main pass pipeline: the program was optimized when it was converted, and the steps
+    # above add only constexpr ops. coremltools' own compression API reruns all 92 default
+    # passes here (20 s on SmolLM2) and finds nothing to change; the backend passes still run.
+    return mil_convert(program, convert_to="mlprogram", convert_from="milinternal",
+                        specification_version=spec.specificationVersion, compute_units=mlmodel.compute_unit,
+                        model_description=spec.description, skip_model_load=True,
+                        pass_pipeline=ct.PassPipeline.EMPTY)
+def _bind_compressed(mlpackage: Path, weights: list[Weight], selection: dict, recipe: str) -> None:
+    """Record under each selected weight the variable that now feeds its consumers, and check
+    that a decompression op produces it (coremltools skips a weight with only a warning) and
+    that every other constant is still a plain const (nothing compressed beyond the plan)."""
+    spec = ct.utils.load_spec(str(mlpackage))
+    producers, inputs, producer_op = {}, {}, {}
+    for function in spec.mlProgram.functions.values():
+        for block in function.block_specializations.values():
+            for op in block.operations:
+                name = op.attributes["name"].immediateValue.tensor.strings.values[0]
+                producers.update({output.name: op.type for output in op.outputs})
+                producer_op.update({output.name: name for output in op.outputs})
+                inputs[name] = {param: [a.name for a in arg.arguments] for param, arg in op.inputs.items()}
+    for weight in weights:
+        entry = selection["weights"].get(weight.name)
+        if entry is None:  # at or below the threshold: no compression step looks at it
+            continue
+        if not entry["compressed"]:
+            if producers.get(weight.name) != "const":
+                raise RecipePrecondition(
+                    f"{mlpackage}: recipe {recipe} changed {weight.name}, which it was not meant to compress"
+                )
+            continue
+        fed = sorted({inputs.get(op, {}).get(param, ["absent"])[0] for op, param in weight.uses})
+        kinds = [producers.get(var, "absent") for var in fed]
+        if len(fed) != 1 or not kinds[0].startswith("constexpr_"):
+            raise RecipePrecondition(
+                f"{mlpackage}: recipe {recipe} left {weight.name} uncompressed (its consumers now read "
+                f"{fed} from {kinds}); coremltools declined it, see its warning"
+            )
+        entry.update(compressed_as=fed[0], op=kinds[0], chain=_constexpr_chain(fed[0], producers, producer_op, inputs))
+
+
+def _constexpr_chain(var: str, producers: dict, producer_op: dict, inputs: dict) -> list[str]:
+    """The constexpr ops that make `var`, innermost first (e.g. shift_scale then the fp32 cast)."""
+    chain = []
+    while producers.get(var, "").startswith("constexpr_"):
+        chain.insert(0, producers[var])
+        feeding = [args[0] for args in inputs[producer_op[var]].values() if args
+                   and producers.get(args[0], "").startswith("constexpr_")]
+        if not feeding:
+            break
+        var = feeding[0]
+    return chain
+
+
+def compress_package(
+    package_dir: str | Path,
+    recipe: str,
+    out_dir: str | Path,
+    force: bool = False,
+    *,
+    calibration_ids: np.ndarray | None = None,
+    bpw: float = MIXED_BPW,
+) -> Manifest:
+    """Apply `recipe` to the verified package at `package_dir`, writing `out_dir` atomically.
+
+    Calibration-aware recipes (`mixed`) measure what they need on `calibration_ids` (int64
+    token ids of calibration text, never the quality text) through the package's reference
+    model, and refuse without them; `bpw` is mixed's budget in bits per weight.
+    `cmf-native` reads the source CMF through the package's identity chain.
+    """
+    package_dir, out_dir = Path(package_dir), Path(out_dir)
+    if recipe not in RECIPES:
+        raise UnknownRecipe(f"{out_dir}: recipe {recipe!r} is not one of {sorted(RECIPES)}")
+    unit = RECIPES[recipe]
+    refuse_existing(out_dir, force)
+    source = package_manifest.verify_package(package_dir)
+    mlpackage = package_dir / source["package"]["name"]
+    if len(source["op_histogram"]) > 1:
+        raise UnsupportedModel(
+            f"{mlpackage}: a multifunction package ({', '.join(source['op_histogram'])}); coremltools 9.0 "
+            "post-training compression refuses multifunction models: compress the chunk_kv or stateless package"
+        )
+    if unit.calibration and (calibration_ids is None or len(calibration_ids) < 2):
+        raise RecipePrecondition(f"{package_dir}: recipe {recipe} measures on calibration text and got no "
+                                 f"calibration_ids (pipeline.ground.text_roles: text_roles(lines)['calibration'])")
+    start = time.perf_counter()
+    mlmodel = ct.models.MLModel(str(mlpackage), skip_model_load=True)
+    program = load_program(mlmodel)
+    weights = program_weights(program, source["package"].get("weights", {}))
+    prepared = unit.prepare(weights, Context(package_dir, source, calibration_ids, bpw))
+    plan = plan_selection(weights, prepared.select)
+    compressed = apply_recipe(mlmodel, program, unit, plan["steps"], prepared.encoders)
+    with staged_output(out_dir, force) as staging:
+        compressed.save(str(staging / package_manifest.MODEL_NAME))
+        _bind_compressed(staging / package_manifest.MODEL_NAME, weights, plan["record"], recipe)
+        size = package_manifest.package_bytes(staging / package_manifest.MODEL_NAME)
+        manifest = package_manifest.write_package_manifest(staging, {
+            "format": package_manifest.COMPRESSED_FORMAT,
+            "source": artifact_source(package_dir, relative_to=out_dir),
+            "architecture": source["architecture"],
+            "special_tokens": source["special_tokens"],
+            "tokenizer": package_manifest.carry_tokenizer(package_dir, staging),
+            "recipe": {"name": recipe, "params": unit.params_record()},
+            "package": source["package"],
+            "selection": {**plan["record"], **prepared.record},
+            "size_bytes": size,
+            "base_size_bytes": source["package_bytes"],
+            "compression": {
+                "seconds": round(time.perf_counter() - start, 2),
+                "code": package_manifest.source_digest([*sorted(Path(__file__).parent.glob("*.py")),
+                                                        Path(package_manifest.__file__), Path(codes.__file__),
+                                                        Path(calibration.__file__)]),
+            },
+        })
+    return Manifest(out_dir, manifest.data)

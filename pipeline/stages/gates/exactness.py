@@ -1,0 +1,197 @@
+"""Part 1, exactness: the package computes what its numerics intend.
+
+The reference of those numerics (`pipeline.stages.gates.references`) is built from the
+package itself. The package is held to FP32's summation-order bound (`exact_tolerances`,
+derived from its shapes and weights) against it, one shot on every fixture case and, for
+packages that run in chunks, chunk by chunk on every chunk pattern: each chunk of the
+reference starts from the package's own cache, and the caches both write must agree too,
+so by induction the whole schedule is checked without carrying a rounding flip along.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipeline.ground.backend_protocol import ChunkSchedule, kl_rows, log_softmax
+from pipeline.stages.gates.fixtures import FixtureCase, ReferenceFixtures
+
+# Chunk patterns. A compressed package is the FP32 program with each weight constant
+# replaced by constexpr ops the runtime decodes once at load (`coreml.recipes` checks that
+# nothing else changed), so the schedule logic its FP32 package's gate ran on every pattern
+# is the same graph; what is new is the decoded weights, which one shot (every case) and one
+# two-chunk schedule (the K/V projections written to the cache and read back) exercise.
+ALL_PATTERNS = ("one_shot", "single_tokens", "split_3", "half_half")
+COMPRESSED_PATTERNS = ("one_shot", "split_3")
+# The package's caches before each chunk are held until the reference runs those chunks as one
+# batch of branches (`TorchBackend.advance_arrays`): at most this many bytes of them at a time.
+REFERENCE_BATCH_BYTES = 256 * 2**20
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Elementwise: |got - want| <= atol + rtol * |want| at every compared value.
+
+    `min_top1` and `max_kl` are None for exactness: within the elementwise bound b a top-1
+    can only swap where the reference's top two logits lie within 2b (a tie the bound
+    allows), and KL(p || q) <= (max Δ - min Δ)^2 / 8 <= b^2 / 2 (Hoeffding's lemma on the
+    log-partition), so neither adds a check of its own.
+    """
+    atol: float
+    rtol: float
+    min_top1: float | None
+    max_kl: float | None
+    why: str
+
+
+def exact_tolerances(model, context: int) -> tuple[Tolerance, Tolerance]:
+    """FP32's summation-order bound for `model` over `context` positions: (logits, K/V cache
+    entries). The package and its reference run the same float32 operations on the same
+    float32 weights; only the order of additions differs (blocked matmuls, fused attention,
+    another reduction tree). The bound is `pipeline.ground.models.numerics`' probable form: set by
+    the model's shapes and weights (a deeper or wider model accumulates more roundings), never
+    by a recipe's bit width nor by a measured difference. A compressed package's model is the
+    reference with its own decoded weights, whose norm and head scales enter as they are."""
+    from pipeline.ground.models.numerics import PROBABLE_LAMBDA, model_cache_bound, model_logits_bound
+
+    why = (f"the same float32 arithmetic in another summation order: 2·γ̃_N(λ={PROBABLE_LAMBDA:g})·scale over "
+           f"this model's accumulation chain at {context} positions (pipeline/ground/models/numerics.py)")
+    return (Tolerance(model_logits_bound(model, context, probable=True), 0.0, None, None, why),
+            Tolerance(model_cache_bound(model, context, probable=True), 0.0, None, None, why))
+
+
+# ---------------------------------------------------------------- comparisons
+
+def compare(got: np.ndarray, want: np.ndarray, tol: Tolerance) -> dict:
+    """The error record of one comparison (positions x vocab); passed iff nothing lies outside."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    if got.shape != want.shape:
+        return {"passed": False, "error": f"shape {list(got.shape)} != reference {list(want.shape)}"}
+    delta = np.abs(got - want)
+    outside = int(np.count_nonzero(delta > tol.atol + tol.rtol * np.abs(want)) + np.count_nonzero(~np.isfinite(got)))
+    top1 = got.argmax(-1) == want.argmax(-1)
+    return {
+        "positions": int(got.shape[0]),
+        "max_abs": float(delta.max()),
+        "p99_abs": float(np.percentile(delta, 99)),
+        "mean_abs": float(delta.mean()),
+        "outside": outside,
+        "top1_agreement": float(top1.mean()),
+        "kl_mean": float(np.mean(kl_rows(log_softmax(want), log_softmax(got)))),
+        "passed": outside == 0,
+    }
+
+
+def cache_outside(got: np.ndarray, want: np.ndarray, tol: Tolerance) -> int:
+    """Cache entries beyond the bound once one step of the cache dtype is forgiven: the
+    package rounds its own value to fp16, and a value summation order left a hair to the
+    other side of a rounding boundary lands one fp16 step away (exactly 0 for float32 steps
+    below the bound)."""
+    got32, want32 = got.astype(np.float32), want.astype(np.float32)
+    step = np.spacing(np.maximum(np.abs(got), np.abs(want))).astype(np.float32)
+    allowed = tol.atol + tol.rtol * np.abs(want32) + step
+    return int(np.count_nonzero(np.abs(got32 - want32) > allowed) + np.count_nonzero(~np.isfinite(got32)))
+
+
+def bitwise(a: np.ndarray, b: np.ndarray) -> bool:
+    a, b = np.ascontiguousarray(a, np.float32), np.ascontiguousarray(b, np.float32)
+    return a.shape == b.shape and bool(np.array_equal(a.view(np.uint32), b.view(np.uint32)))
+
+
+def delta_histogram(got: np.ndarray, want: np.ndarray) -> np.ndarray:
+    """log10 |Δ| samples (capped) for the report's plot."""
+    delta = np.abs(np.asarray(got, np.float32) - np.asarray(want, np.float32)).ravel()
+    rng = np.random.default_rng(0)
+    sample = delta if delta.size <= 20000 else rng.choice(delta, 20000, replace=False)
+    return np.log10(np.maximum(sample, 1e-12))
+
+
+# ---------------------------------------------------------------- one shot
+
+def _one_shot_want(intended, case: FixtureCase, frozen: bool) -> np.ndarray:
+    """FP32 weights: the frozen fixtures are the FP32 reference's logits; otherwise compute."""
+    return case.logits if frozen else intended.logits(case.input_ids)
+
+
+def exactness_one_shot(one_shot: dict, intended, fixtures: ReferenceFixtures, frozen: bool, samples: dict,
+                       tolerance: Tolerance) -> list[dict]:
+    records = []
+    for case in fixtures.cases.values():
+        got = one_shot[case.name][:case.valid_prefix]
+        want = _one_shot_want(intended, case, frozen)[:case.valid_prefix]
+        records.append({"check": "one_shot", "case": case.name, "pattern": "one_shot", **compare(got, want, tolerance)})
+        samples.setdefault("one_shot", []).append(delta_histogram(got, want))
+    return records
+
+
+# ---------------------------------------------------------------- chunk patterns
+
+def chunk_patterns(n: int) -> dict[str, list[int]]:
+    return {
+        "one_shot": [n],
+        "single_tokens": [1] * n,
+        "split_3": [3, n - 3],
+        "half_half": [n // 2, n - n // 2],
+    }
+
+
+def run_checked(chunks: ChunkSchedule, intended, ids: np.ndarray, schedule: list[int],
+                cache_tolerance: Tolerance) -> dict:
+    """`ids` through the package in chunks of `schedule`, each chunk also through the reference
+    `intended` (a TorchBackend) from the package's own cache before it: logits of both and the
+    written-cache check. The reference's chunks depend on the package's caches only, so they
+    run in batches of branches (one weight read for many single-token chunks: SmolLM2's
+    single_tokens pattern 3x faster). A batched chunk is the same float32 arithmetic in
+    another summation order, which the tolerances already allow for (`exact_tolerances`:
+    FP32's summation-order bound), so the bounds are the chunk-by-chunk ones, unchanged."""
+    snapshot, got, want, outside, start, pending, held = chunks.empty(), [], [], 0, 0, [], 0
+
+    def check() -> int:
+        # Chunks of one length per batch: unpadded, so the reference writes exactly the slots
+        # the chunk covers and the whole written cache is compared, as it was chunk by chunk.
+        refs = [None] * len(pending)
+        for size in {len(part) for _, part, _ in pending}:
+            alike = [i for i, (_, part, _) in enumerate(pending) if len(part) == size]
+            for i, ref in zip(alike, intended.advance_arrays([pending[i][:2] for i in alike])):
+                refs[i] = ref
+        want.extend(logits for logits, _ in refs)
+        return sum(cache_outside(new, ref, cache_tolerance)
+                   for (_, (ref_keys, ref_values, _)), (_, _, after) in zip(refs, pending)
+                   for new, ref in zip(after, (ref_keys, ref_values)))
+
+    for size in schedule:
+        part = ids[start:start + size]
+        before = chunks.cache_arrays(snapshot)
+        logits, snapshot = chunks.run(snapshot, part)
+        got.append(logits)
+        pending.append((before, part, chunks.cache_arrays(snapshot)[:2]))
+        held += before[0].nbytes + before[1].nbytes
+        if held >= REFERENCE_BATCH_BYTES:
+            outside += check()
+            pending, held = [], 0
+        start += size
+    if pending:
+        outside += check()
+    return {"got": np.concatenate(got), "want": np.concatenate(want), "cache_outside": outside}
+
+
+def exactness_chunks(chunks: ChunkSchedule, intended, fixtures: ReferenceFixtures, patterns, samples: dict,
+                     check: str, tolerances: tuple[Tolerance, Tolerance]) -> tuple[list[dict], dict]:
+    """Every case on every pattern, held to `tolerances` (logits, caches); also returns the runs
+    for the pattern and prefix invariants. The one_shot pattern feeds the whole case (padding
+    included: the prefix invariants read it); logits are compared over the valid prefix,
+    caches everywhere."""
+    tolerance, cache_tolerance = tolerances
+    records, runs = [], {}
+    for case in fixtures.cases.values():
+        n = case.valid_prefix
+        for pattern, schedule in chunk_patterns(n).items():
+            if pattern not in patterns:
+                continue
+            ids = case.input_ids if pattern == "one_shot" else case.input_ids[:n]
+            run = runs[case.name, pattern] = run_checked(chunks, intended, ids, [len(ids)] if pattern == "one_shot"
+                                                         else schedule, cache_tolerance)
+            record = compare(run["got"][:n], run["want"][:n], tolerance)
+            record.update(cache_outside=run["cache_outside"], passed=record["passed"] and run["cache_outside"] == 0)
+            records.append({"check": check, "case": case.name, "pattern": pattern, **record})
+            samples.setdefault(check, []).append(delta_histogram(run["got"][:n], run["want"][:n]))
+    return records, runs

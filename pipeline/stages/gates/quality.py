@@ -1,0 +1,134 @@
+"""Part 2, quality: the intended numerics stay within the user's `Budget` of FP32.
+
+Measured on held-out text (`pipeline.ground.text_roles` "quality" lines: not the calibration
+text, not the gate fixtures) and on the scoring set: perplexity change, mean KL(FP32 ||
+package), pooled top-1 agreement, the fraction of items whose top-1 candidate changed.
+"""
+
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from manifests.identity import file_identity, portable_name, sha256_file
+from pipeline.ground.backend_protocol import kl_rows, log_softmax
+from pipeline.stages.gates.budget import Budget
+from pipeline.stages.gates.lineage import upstream_of
+from pipeline.stages.gates.report import GateFailed
+
+
+class QualityInputs:
+    """The held-out text and scoring set a quality part is measured on, with FP32's side
+    computed once (a survey measures every recipe against the same FP32 figures). `bundle`:
+    the bundle (or CMF) whose tokenizer reads them and whose reference `fp32` is."""
+
+    def __init__(self, fp32, bundle: Path, text_path: Path, items_path: Path, window: int):
+        from pipeline.stages.evaluate import windows
+        from pipeline.stages.scoring import load_items
+        from pipeline.ground.text_roles import text_roles
+        from pipeline.ground.tokenizer import tokenizer_from_artifact
+
+        self.fp32, self.bundle, self.tokenizer = fp32, Path(bundle), tokenizer_from_artifact(bundle)
+        self.text_path, self.items_path = Path(text_path), Path(items_path)
+        lines = self.text_path.read_text(encoding="utf-8").splitlines()
+        ids = self.tokenizer.encode(" ".join(text_roles(lines, str(self.text_path))["quality"]))
+        self.windows = windows(np.asarray(ids, np.int64), window, self.tokenizer.bos_id)
+        self.items = load_items(self.items_path)
+        self._fp32_scores = self._fp32_logits = None
+
+    @property
+    def fp32_logits(self) -> list[np.ndarray]:
+        """FP32's logits per window, as the model returned them (float32)."""
+        if self._fp32_logits is None:
+            self._fp32_logits = [self.fp32.logits(w) for w in self.windows]
+        return self._fp32_logits
+
+    def use_fp32_scores(self, run_dir: Path) -> None:
+        """Take FP32's item scores from a finished scoring run of this scoring set by the FP32
+        reference of this bundle (the FP32 gate's `--scores-out`, or a survey's scores/fp32
+        shared by its worker processes) instead of scoring them again. The run is verified;
+        one of another scoring set, backend or bundle is refused, naming the field."""
+        from manifests.chain import upstream_path
+        from manifests.identity import load_manifest
+        from pipeline.stages.scoring import read_run, verify_scores
+
+        run_dir = Path(run_dir)
+        manifest = verify_scores(run_dir).data
+        scored = upstream_path(run_dir, manifest["source"])
+        expected = {"scoring_set.sha256": (manifest["scoring_set"]["sha256"], sha256_file(self.items_path)),
+                    "backend": (manifest["backend"], self.fp32.name),
+                    "source (its bundle's manifest sha256)": (
+                        sha256_file(upstream_of(scored, load_manifest(scored))[2] / "manifest.json"),
+                        sha256_file(self.bundle / "manifest.json"))}
+        for field, (got, want) in expected.items():
+            if got != want:
+                raise GateFailed(f"{run_dir / 'manifest.json'}: field {field!r} is {got!r}, not {want!r}: not the "
+                                 f"FP32 baseline of {self.items_path} on the bundle {self.bundle}")
+        self._fp32_scores = read_run(run_dir)
+
+    @property
+    def fp32_scores(self) -> list:
+        from pipeline.stages.scoring import score_items
+
+        if self._fp32_scores is None:
+            self._fp32_scores = score_items(self.fp32, self.tokenizer, self.items)
+        return self._fp32_scores
+
+    def identity(self, relative_to: str | Path) -> dict:
+        """Inputs named as `portable_name` names them from `relative_to` (reports travel in releases)."""
+        return {"text": file_identity(self.text_path) | {"path": portable_name(self.text_path, relative_to),
+                                                         "role": "quality lines"},
+                "items": file_identity(self.items_path) | {"path": portable_name(self.items_path, relative_to)},
+                "windows": len(self.windows), "tokens": int(sum(len(w) - 1 for w in self.windows))}
+
+
+def measure_quality(intended, inputs: QualityInputs, budget: Budget, all_figures: bool = False) -> tuple[dict, list]:
+    """The quality record of `intended` (any Backend) against FP32, and its item scores.
+
+    The held-out text comes first. The scoring set costs ten times its tokens (320 items on
+    SmolLM2: 100 s, against 5 s for the text), so it is measured only where its figure can
+    still matter: a package within budget on the text, or every package with `all_figures`.
+    Over budget on the text is over budget whatever the items say; the record says the
+    figure was not measured and why. Intended numerics that are FP32's own (the same
+    object) have nothing to compare: no item can change, and no scores are returned.
+    """
+    from pipeline.stages.scoring import rank_differences, score_items
+
+    same = intended is inputs.fp32
+    nll = {"fp32": 0.0, "package": 0.0}
+    kl_sum = agree = count = 0
+    for tokens, logits in zip(inputs.windows, inputs.fp32_logits):
+        log_p = log_softmax(logits)[:-1]
+        log_q = log_p if same else log_softmax(intended.logits(tokens))[:-1]
+        rows, targets = np.arange(len(tokens) - 1), tokens[1:]
+        nll["fp32"] -= log_p[rows, targets].sum()
+        nll["package"] -= log_q[rows, targets].sum()
+        kl_sum += kl_rows(log_p, log_q).sum()
+        agree += int(np.count_nonzero(log_p.argmax(-1) == log_q.argmax(-1)))
+        count += len(tokens) - 1
+    ppl = {k: float(np.exp(v / count)) for k, v in nll.items()}
+    figures = {"ppl_change": ppl["package"] / ppl["fp32"] - 1, "top1_agreement": agree / count,
+               "kl_mean": float(kl_sum / count)}
+    limits = {"ppl_change": ("<=", budget.ppl), "top1_agreement": (">=", budget.top1),
+              "kl_mean": ("<=", budget.kl), "items_top1_changed": ("<=", budget.items)}
+
+    def over(names):
+        return [k for k in names if limits[k][1] is not None and not (
+            figures[k] <= limits[k][1] if limits[k][0] == "<=" else figures[k] >= limits[k][1])]
+
+    over_text, skipped = over(("ppl_change", "top1_agreement", "kl_mean")), None
+    scores = None
+    if same:
+        figures["items_top1_changed"] = 0.0
+    elif over_text and not all_figures:
+        figures["items_top1_changed"] = None
+        skipped = (f"over budget on {', '.join(over_text)} from the held-out text already, so the scoring set "
+                   "cannot change the verdict (--all-figures measures it anyway)")
+    else:
+        scores = score_items(intended, inputs.tokenizer, inputs.items)
+        figures["items_top1_changed"] = len(rank_differences(inputs.fp32_scores, scores).top1_changed) / len(inputs.items)
+    over_budget = over_text + ([] if figures["items_top1_changed"] is None else over(("items_top1_changed",)))
+    return {"perplexity": ppl, **figures, "tokens": count, "items": len(inputs.items),
+            **({"items_not_measured": skipped} if skipped else {}),
+            "budget": {**asdict(budget), "spec": budget.spec()}, "over_budget": over_budget,
+            "within_budget": not over_budget, "measured_on": intended.name}, scores

@@ -1,0 +1,189 @@
+"""The gate over any backend (`gate_backend`), and the stage over a Core ML package (`align_package`).
+
+A gate speaks only the Backend protocol (`pipeline.ground.backend_protocol`), so an MLX
+artifact is gated by the same code. No bound here is set from a measurement of the artifact
+it gates.
+"""
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from manifests.identity import portable_name, sha256_file
+from pipeline.stages.gates.budget import DEFAULT_BUDGET, Budget, parse_budget
+from pipeline.stages.gates.exactness import (
+    ALL_PATTERNS,
+    COMPRESSED_PATTERNS,
+    exact_tolerances,
+    exactness_chunks,
+    exactness_one_shot,
+)
+from pipeline.stages.gates.fixtures import ReferenceFixtures
+from pipeline.stages.gates.invariants import GateRun, run_invariants
+from pipeline.stages.gates.lineage import resolve_lineage
+from pipeline.stages.gates.quality import QualityInputs, measure_quality
+from pipeline.stages.gates.references import intended_references
+from pipeline.stages.gates.report import FORMAT, REPORT_NAME, GateFailed, failure, markdown, samples_plot, summarize
+
+ROOT = Path(__file__).resolve().parents[3]
+DEFAULT_QUALITY_TEXT = ROOT / "fixtures" / "botchan.txt"
+DEFAULT_ITEMS = ROOT / "fixtures" / "scoring" / "cloze.jsonl"
+
+
+class _Clock:
+    """Wall seconds per step of a gate, recorded in its report (benchmarks/pipeline_bench.py reads them)."""
+
+    def __init__(self):
+        self.laps, self._last = {}, time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name] = round(now - self._last, 3)
+        self._last = now
+
+
+def gate_backend(candidate, intended, fixtures: ReferenceFixtures, quality: QualityInputs, budget: Budget, *,
+                 frozen: bool, patterns=ALL_PATTERNS, check: str = "chunked", all_figures: bool = False) -> dict:
+    """All three parts on `candidate` (any Backend; its `chunks`, where it has them, for the
+    chunk patterns and the snapshot checks) against `intended` (a TorchBackend of the
+    numerics it intends). `frozen`: the fixtures' logits are the intended one-shot logits
+    (FP32 weights). Returns the report body and, under "_scores", the item scores of the
+    quality part (None where they were not measured; `measure_quality`)."""
+    samples, clock = {}, _Clock()
+    tolerance, cache_tolerance = exact_tolerances(intended.model, intended.context)
+    chunks = getattr(candidate, "chunks", None)
+    records, runs = [], None
+    if chunks is not None:
+        records, runs = exactness_chunks(chunks, intended, fixtures, patterns, samples, check,
+                                         (tolerance, cache_tolerance))
+        one_shot = {name: runs[name, "one_shot"]["got"] for name in fixtures.cases}
+        clock.lap("chunk_patterns")
+    else:
+        one_shot = {name: candidate.logits(case.input_ids) for name, case in fixtures.cases.items()}
+    # FP32 weights: the same one-shot logits against the frozen fixtures as well.
+    if frozen or chunks is None:
+        records = exactness_one_shot(one_shot, intended, fixtures, frozen, samples, tolerance) + records
+    clock.lap("one_shot")
+    invariants = run_invariants(GateRun(candidate, fixtures, one_shot, runs, tolerance,
+                                        intended.cache_dtype == np.float16))
+    clock.lap("branching")
+    quality_record, scores = measure_quality(intended, quality, budget, all_figures)
+    clock.lap("quality")
+    exact = all(r["passed"] for r in records)
+    invariants_passed = all(i["passed"] is not False for i in invariants)
+    return {
+        "passed": exact and quality_record["within_budget"] and invariants_passed,
+        "numerics": intended.numerics,
+        "candidate_backend": candidate.name,
+        "exactness": {"passed": exact, "reference": intended.name,
+                      "patterns": list(patterns) if chunks is not None else ["one_shot"]},
+        "quality": quality_record,
+        "tolerance": asdict(tolerance),
+        "cache_tolerance": asdict(cache_tolerance),
+        "summary": {**summarize(records), "exact": exact, "within_budget": quality_record["within_budget"],
+                    "invariants_passed": invariants_passed},
+        "records": records,
+        "invariants": invariants,
+        "seconds": clock.laps,
+        "_samples": samples,
+        "_scores": scores,
+    }
+
+
+@dataclass(frozen=True)
+class GateResult:
+    """A gate that ran, passed or not: its report (as written to `out_dir`) and the item scores
+    of its quality part (what `scores_out` received; None where none were written)."""
+    package_dir: Path
+    out_dir: Path
+    report: dict
+    scores: list | None
+
+    @property
+    def passed(self) -> bool:
+        return self.report["passed"]
+
+    def failure(self) -> str:
+        """The failed gate in one line: the package, what failed, where the report is."""
+        return f"{self.package_dir}: {failure(self.report)}; report at {self.out_dir / REPORT_NAME}"
+
+
+def align_package(package_dir, fixtures_dir, out_dir, *, budget: Budget | str = DEFAULT_BUDGET,
+                  quality_text=DEFAULT_QUALITY_TEXT, items=DEFAULT_ITEMS, backend: str = "auto",
+                  force: bool = False, quality: QualityInputs | None = None, scores_out=None,
+                  all_figures: bool = False, fp32_scores=None) -> GateResult:
+    """Gate the package at `package_dir`; write `out_dir/{alignment.json,.md,.png}` and a manifest.
+
+    The report is written and returned whatever the outcome (`GateResult.passed`); GateFailed
+    is raised only where the gate cannot run (a kind without a gate, fixtures of another
+    model, a foreign FP32 baseline). `quality` shares one FP32 side across calls (the
+    survey); `scores_out` writes the quality part's scoring run there
+    (`pipeline.stages.scoring.write_run`) where the scoring set was measured; `all_figures`
+    measures it even over budget (`measure_quality`); `fp32_scores` reads FP32's side of it
+    from that run (`QualityInputs.use_fp32_scores`).
+    """
+    from coreml.kinds import KINDS
+    from coreml.runner import open_package_backend
+    from manifests.identity import MANIFEST_NAME, artifact_source, environment, inventory, write_json
+    from manifests.output import refuse_existing, staged_output
+    from pipeline.stages.scoring import write_run
+
+    package_dir, out_dir = Path(package_dir), Path(out_dir)
+    refuse_existing(out_dir, force)  # before minutes of gating, not after
+    if scores_out is not None:
+        refuse_existing(Path(scores_out), force)
+    budget = parse_budget(budget) if isinstance(budget, str) else budget
+    lineage = resolve_lineage(package_dir)
+    kind = lineage.kind
+    if kind not in KINDS:
+        raise GateFailed(f"{package_dir}: package kind {kind!r} has no alignment gate; gated: {list(KINDS)}")
+    fixtures = ReferenceFixtures(fixtures_dir)
+    if lineage.source_cmf_sha256 != fixtures.checkpoint_sha256:
+        raise GateFailed(f"{fixtures.directory / 'index.json'}: fixtures were made from CMF sha256 "
+                         f"{fixtures.checkpoint_sha256}, but {package_dir} comes from {lineage.source_cmf_sha256}")
+    candidate = open_package_backend(package_dir, backend=backend)
+    intended, fp32 = intended_references(package_dir, lineage.manifest, lineage.bundle)
+    quality = quality or QualityInputs(fp32, lineage.bundle, quality_text, items, fp32.context)
+    if fp32_scores is not None:
+        quality.use_fp32_scores(fp32_scores)
+    recipe = lineage.recipe
+    body = gate_backend(candidate, intended, fixtures, quality, budget, frozen=recipe == "fp32",
+                        patterns=ALL_PATTERNS if recipe == "fp32" else COMPRESSED_PATTERNS, check=kind,
+                        all_figures=all_figures)
+    samples, scores = body.pop("_samples"), body.pop("_scores")
+    # Every path the gate records is relative to its own folder: gates ship in releases.
+    fixtures_identity = fixtures.identity(relative_to=out_dir)
+    report = {
+        "format": FORMAT,
+        "recipe": recipe,
+        **body,
+        "reference": {"backend": intended.name, "fixtures": {
+            "kind": "artifact", "format": "cmfdeploy.fixtures/1", "path": fixtures_identity["path"],
+            "manifest_sha256": fixtures_identity["sha256"]}},
+        "package": {"path": portable_name(package_dir, out_dir), "kind": kind,
+                    "manifest_sha256": sha256_file(package_dir / MANIFEST_NAME)},
+        "fixtures": fixtures_identity,
+        "quality_inputs": quality.identity(relative_to=out_dir),
+        "chain": [str(link.relative_to(out_dir)) for link in lineage.chain],
+    }
+    with staged_output(out_dir, force) as staging:
+        write_json(staging / REPORT_NAME, report)
+        (staging / "alignment.md").write_text(markdown(report))
+        samples_plot(staging / "alignment.png", samples, report["tolerance"]["atol"])
+        write_json(staging / MANIFEST_NAME, {
+            "format": FORMAT, "status": "complete", "passed": report["passed"], "recipe": recipe,
+            "candidate_backend": candidate.name, "budget": budget.spec(),
+            "source": artifact_source(package_dir, relative_to=out_dir),
+            "fixtures": fixtures_identity,
+            "summary": report["summary"],
+            "files": inventory(staging),
+            "environment": environment(),
+        })
+    if scores_out is not None and intended is quality.fp32:
+        scores = quality.fp32_scores  # FP32 is its own quality baseline: its scores are the baseline's
+    if scores_out is not None and scores is not None:
+        write_run(scores, scores_out, artifact=package_dir, backend_name=intended.name, items_path=quality.items_path,
+                  force=force)
+    return GateResult(package_dir, out_dir, report, scores if scores_out is not None else None)

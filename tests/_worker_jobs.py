@@ -1,0 +1,25 @@
+"""Worker factories for tests/test_workers.py: plain handlers a worker process imports by name."""
+
+import os
+import sys
+
+
+def arithmetic(setup: dict):
+    """Each task n -> n * setup's factor, with what the worker saw (its pid, thread share, setups built)."""
+    built = {"count": 0}
+    built["count"] += 1
+
+    def handle(n: int) -> dict:
+        print("noise a handler prints must not reach the answers")
+        return {"value": n * setup["factor"], "pid": os.getpid(), "threads": os.environ["OMP_NUM_THREADS"],
+                "setups": built["count"]}
+    return handle
+
+
+def dies_on(setup: dict):
+    def handle(task: str) -> str:
+        if task == setup["fatal"]:
+            print(f"cannot do {task}", file=sys.stderr)
+            os._exit(3)
+        return task
+    return handle
