@@ -39,6 +39,8 @@ QUALITY_TEXT ?= fixtures/botchan.txt
 CONTEXT ?= 128
 # The package kinds converted and gated (coreml.kinds registers them).
 KINDS ?= stateless chunk_kv stateful
+# The conversion writes every kind at once; its first kind's manifest stands for the whole output.
+PACKAGES := $(OUT)/coreml/$(firstword $(KINDS))/manifest.json
 # The default fixture ships frozen reference logits; any other model gets them computed
 # once from its own CMF by the PyTorch reference.
 REFERENCE := $(if $(filter $(DEFAULT_MODEL),$(MODEL)),fixtures/reference,$(OUT)/reference)
@@ -82,7 +84,7 @@ test-portability: $(INSTALLED)
 	if [ -n "$$failed" ]; then echo "test-portability failed under:$$failed"; exit 1; fi
 
 bundle: $(OUT)/bundle/manifest.json
-coreml: $(OUT)/coreml/stateless/manifest.json
+coreml: $(PACKAGES)
 align: $(KINDS:%=$(OUT)/align/%.passed)
 compress: $(OUT)/survey/survey.json
 score: $(OUT)/scores/fp32-chunk_kv/manifest.json
@@ -91,7 +93,7 @@ release: $(OUT)/release.done
 $(OUT)/bundle/manifest.json: $(MODEL) | $(INSTALLED)
 	$(CLI) bundle $(MODEL) -o $(OUT)/bundle --force
 
-$(OUT)/coreml/stateless/manifest.json: $(OUT)/bundle/manifest.json
+$(PACKAGES): $(OUT)/bundle/manifest.json
 	$(CLI) coreml $(OUT)/bundle -o $(OUT)/coreml --kinds $(KINDS) --context $(CONTEXT) --jobs $(COREML_JOBS) --force
 
 $(OUT)/reference/index.json: $(OUT)/bundle/manifest.json
@@ -103,7 +105,7 @@ FP32_SCORES := $(OUT)/scores/fp32-reference
 GATE_FLAGS_chunk_kv = --scores-out $(FP32_SCORES)
 GATE_FLAGS_stateful = --fp32-scores $(FP32_SCORES)
 
-$(OUT)/align/%.passed: $(OUT)/coreml/stateless/manifest.json $(REFERENCE)/index.json $(ITEMS)
+$(OUT)/align/%.passed: $(PACKAGES) $(REFERENCE)/index.json $(ITEMS)
 	rm -f $@
 	$(CLI) align $(OUT)/coreml/$* --fixtures $(REFERENCE) -o $(OUT)/align/$* $(QUALITY_FLAGS) $(GATE_FLAGS_$*) --force
 	touch $@

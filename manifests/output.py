@@ -13,6 +13,13 @@ An existing output is refused with OutputExists unless `force`; with `force` it 
 aside first and removed only once the new one is in place (and put back if that rename
 fails), so the final name never holds a half-written output.
 
+The rename is the one commit point, for a run killed at any instant: a folder is an output
+only at its final name. A staging folder may already hold every file and a complete manifest
+(a kill just before the rename), so `unfinished_output` names staging and set-aside folders
+by their names, and `manifests.identity.load_manifest` refuses them to every reader but the
+run writing them. The next run of the same output, once it holds the lock, removes what
+killed runs staged and puts back an old output that a killed `force` run had set aside.
+
 Two runs writing the same output at once: `staged_output` holds an exclusive lock on a
 hidden `.<name>.lock` beside the output from the first staged byte to the rename, and a
 second run that finds it held fails at once with OutputBusy (the first one wins; the output
@@ -25,6 +32,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import re
 import secrets
 import shutil
 from collections.abc import Iterator
@@ -43,6 +51,42 @@ def refuse_existing(path: str | os.PathLike, force: bool) -> None:
 def _sibling(path: Path, tag: str) -> Path:
     """An unused hidden name beside `path` (random, so concurrent stages never collide)."""
     return path.with_name(f".{path.name}.{secrets.token_hex(6)}.{tag}")
+
+
+# `_sibling` names of a folder being staged, or of an old output set aside by a forced run.
+_UNFINISHED = re.compile(r"\.(?P<name>.+)\.[0-9a-f]{12}\.(?:partial|old)")
+# The staging folders this process is writing now: only their own run may read them.
+_WRITING: set[Path] = set()
+
+
+def unfinished_output(path: str | os.PathLike) -> Path | None:
+    """The final path of the output that the folder at `path` is staged (or set aside) for,
+    unless this process is writing it now; None for any other folder."""
+    path = Path(path).resolve()
+    match = _UNFINISHED.fullmatch(path.name)
+    if match is None or path in _WRITING:
+        return None
+    return path.with_name(match["name"])
+
+
+def _leftovers(out_dir: Path, tag: str) -> list[Path]:
+    final = out_dir.resolve()
+    return sorted(p for p in out_dir.parent.iterdir() if p.name.endswith(f".{tag}") and unfinished_output(p) == final)
+
+
+def _clear_leftovers(out_dir: Path) -> None:
+    """What killed runs of `out_dir` left: only a run holding its lock stages it, so every
+    staging folder found by the holder is a dead run's. A set-aside old output is put back
+    when the kill came before the new one's rename, and removed when it came after."""
+    for staging in _leftovers(out_dir, "partial"):
+        # Best effort: what a dead run's orphaned worker still writes there is refused by its
+        # name all the same, and cleared by a later run.
+        shutil.rmtree(staging, ignore_errors=True)
+    for aside in _leftovers(out_dir, "old"):
+        if out_dir.exists() or out_dir.is_symlink():
+            _remove(aside)
+        else:
+            os.rename(aside, out_dir)
 
 
 def temp_file_beside(path: Path, tag: str = "tmp") -> BinaryIO:
@@ -100,8 +144,12 @@ def staged_output(out_dir: str | os.PathLike, force: bool) -> Iterator[Path]:
     refuse_existing(out_dir, force)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with output_lock(out_dir):
+        _clear_leftovers(out_dir)
+        refuse_existing(out_dir, force)  # again: an output put back by `_clear_leftovers` is one
         staging = _sibling(out_dir, "partial")
         staging.mkdir()
+        live = staging.resolve()
+        _WRITING.add(live)
         try:
             yield staging
             _fsync_tree(staging)
@@ -115,6 +163,8 @@ def staged_output(out_dir: str | os.PathLike, force: bool) -> Iterator[Path]:
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
+        finally:
+            _WRITING.discard(live)
 
 
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -151,7 +201,11 @@ def _move_into_place(staging: Path, out_dir: Path, force: bool) -> None:
         raise
     _fsync(out_dir.parent)
     if aside is not None:
-        if aside.is_dir() and not aside.is_symlink():
-            shutil.rmtree(aside)
-        else:
-            aside.unlink()
+        _remove(aside)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()

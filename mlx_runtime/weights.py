@@ -24,7 +24,7 @@ import mlx.core as mx
 import numpy as np
 
 from pipeline.ground.cmf import CmfFile, DType
-from pipeline.ground.cmf.dtypes import GROUP, _q2tp_scales, ladder, tile_rungs, vbit_row_bytes
+from pipeline.ground.cmf.dtypes import GROUP, ladder, q2tp_scales, tile_rungs, vbit_row_bytes
 from pipeline.ground.errors import UnsupportedModel
 
 Shape = tuple[int, int]
@@ -147,7 +147,7 @@ def _q4tp(p, shape, decode):
 def _q2tp(p, shape, decode):
     """2-bit fields are LSB-first like MLX's; rung 0 gives scale 0, an exactly-zero group."""
     gpr = p["plane"].shape[1]
-    s = _q2tp_scales(ladder(p["lo"], p["step"]), tile_rungs(p["codes"], gpr)).astype(np.float32)
+    s = q2tp_scales(ladder(p["lo"], p["step"]), tile_rungs(p["codes"], gpr)).astype(np.float32)
     return Linear("", shape, (_packed(p["plane"], s, np.float32(-1.5) * s, 2),))
 
 

@@ -1,31 +1,37 @@
 """Stages killed, starved of disk, or run twice at once never leave a complete-looking output.
 
-Each stage runs as `cmfdeploy <stage>` in a child process, SIGKILLed at staggered delays
-after its staging folder appears; then nothing at the output name claims to be complete
-(the name is absent, or it holds a finished output that verifies; no staging folder
-verifies as an artifact), and a plain re-run
-succeeds beside whatever the kills left. A full tmpfs makes a forced rerun fail with a
-clear error that leaves the old output as it was. Two runs writing one output: one wins,
-the other fails saying why, and the output is one run's, never a mix.
+Each stage runs as `cmfdeploy <stage>` in a child stopped before every filesystem step it
+takes in the output's folder (`_stepped_stage.py`), so the instants are steps of the write,
+not delays that the machine's load would move. At each one the disk is what a SIGKILL there
+would leave, and it must hold the contract: the output name is absent or holds a finished
+output that verifies, and no staging or set-aside folder is taken as an output, not even the
+whole one of the instant before the rename. A first run is SIGKILLed a few steps into its
+staging folder; a second, checked at every step, runs to the end beside what it left and
+leaves the output and nothing else. A full tmpfs makes a forced rerun fail with a clear error
+that leaves the old output as it was. Two runs writing one output: one wins, the other fails
+saying why, and the output is one run's, never a mix.
 """
 
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from conftest import FIXTURE_CMF, FIXTURE_REFERENCE, ROOT
 
-from manifests.chain import verify_artifact, verify_chain
+from manifests.output import unfinished_output
+from pipeline.stages.artifacts import verify_artifact, verify_chain
 from pipeline.ground.errors import CmfdeployError
 
-# Seconds after the staging folder appears: at once, early in the work, later in it.
-KILL_DELAYS = (0.0, 0.4, 1.5)
 ITEMS = 4
+# The killed run dies before this many steps on paths in its staging folder (mkdir, the first
+# manifest, early work), so what it leaves is half-written; the run after it is stopped at
+# every step, the one before its rename included.
+KILL_AT_STAGED_STEP = 3
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
@@ -33,8 +39,9 @@ def _cli(*args) -> list[str]:
     return [sys.executable, "-m", "pipeline.cli", *map(str, args)]
 
 
-def _staging(out: Path) -> list[Path]:
-    return sorted(out.parent.glob(f".{out.name}.*.partial"))
+def _leftovers(out: Path) -> list[Path]:
+    """Staging folders of `out`, and old outputs a forced run set aside."""
+    return sorted(p for p in out.parent.iterdir() if unfinished_output(p) == out.resolve())
 
 
 def _looks_complete(folder: Path) -> bool:
@@ -45,43 +52,103 @@ def _looks_complete(folder: Path) -> bool:
     return True
 
 
-def _kill_after(command: list[str], out: Path, delay: float) -> str:
-    """Run `command`, SIGKILL it `delay` s after its staging folder appears; what happened."""
-    before = set(_staging(out))
-    child = subprocess.Popen(command, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    while child.poll() is None and not set(_staging(out)) - before and time.monotonic() < deadline:
-        time.sleep(0.002)
-    time.sleep(delay)
-    finished = child.poll() is not None
-    child.send_signal(signal.SIGKILL)
-    child.wait()
-    return "finished" if finished else "killed"
+class SteppedStages:
+    """The fork server of `_stepped_stage.py`: each `run` is one stage, stopped at every step."""
 
+    def __init__(self, log: Path):
+        self.log = log.open("w")
+        self.server = subprocess.Popen([sys.executable, str(Path(__file__).with_name("_stepped_stage.py"))],
+                                       cwd=ROOT, env=ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                       stderr=self.log)
 
-def _assert_killed_runs_leave_nothing_complete(command: list[str], out: Path, verify=verify_chain) -> None:
-    """`verify(out)` checks a finished output (an artifact's chain by default)."""
-    outcomes = []
-    for delay in KILL_DELAYS:
-        outcomes.append(_kill_after(command, out, delay))
-        for partial in _staging(out):
-            assert not _looks_complete(partial), f"{partial} verifies as a complete output"
-        if out.exists():  # the run got to its rename before the kill: a whole, verified output
-            verify(out)
-            shutil.rmtree(out)
-    assert "killed" in outcomes, f"no kill landed while the stage was working: {outcomes}"
-    assert _staging(out), "the killed runs left no staging folder: the kills landed outside the work"
-    done = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    verify(out)
+    def _read(self) -> str:
+        line = self.server.stdout.readline().decode()
+        assert line, f"the stage server died; see {self.log.name}"
+        return line.rstrip("\n")
+
+    def run(self, argv: list, watch: Path, at_step) -> tuple[int, int]:
+        """(exit status, steps taken) of `cmfdeploy argv`; before each of its steps in or under
+        `watch`, `at_step(event, paths)` says whether it may go on (False: SIGKILL it and its
+        workers there)."""
+        request = {"argv": [str(a) for a in argv], "watch": str(watch)}
+        self.server.stdin.write((json.dumps(request) + "\n").encode())
+        self.server.stdin.flush()
+        pid, steps = int(self._read().removeprefix("pid ")), 0
+        while (line := self._read()).startswith("step "):
+            event, *paths = line.removeprefix("step ").split("\t")
+            steps += 1
+            if at_step(event, [Path(p) for p in paths]):
+                self.server.stdin.write(b"go\n")
+                self.server.stdin.flush()
+            else:
+                os.killpg(pid, signal.SIGKILL)
+        return int(line.removeprefix("exit ")), steps
+
+    def close(self) -> None:
+        self.server.stdin.close()
+        self.server.wait(timeout=60)
+        self.log.close()
 
 
 @pytest.fixture(scope="module")
-def gate(fixture_packages, tmp_path_factory) -> Path:
-    from pipeline.stages.align import align_package
+def stages(tmp_path_factory):
+    runs = SteppedStages(tmp_path_factory.mktemp("stepped") / "server.log")
+    yield runs
+    runs.close()
+
+
+def _assert_the_contract_holds(out: Path, verify) -> None:
+    """What a kill at this instant would leave: nothing taken as output but a verified `out`."""
+    for folder in _leftovers(out):
+        assert not _looks_complete(folder), f"{folder} verifies as a complete output"
+    if out.exists():
+        verify(out)
+
+
+def _assert_killed_runs_leave_nothing_complete(stages: SteppedStages, argv: list, out: Path,
+                                               verify=verify_chain) -> None:
+    """`verify(out)` checks a finished output (an artifact's chain by default)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    watch = out.parent.resolve()
+    staged = []
+
+    def until_a_few_staged_steps(event, paths):
+        _assert_the_contract_holds(out, verify)
+        staged.extend(p for p in paths if any(p.is_relative_to(folder) for folder in _leftovers(out)))
+        return len(staged) < KILL_AT_STAGED_STEP
+
+    status, _ = stages.run(argv, watch, until_a_few_staged_steps)
+    assert status == -9, f"the run was not killed in its staging folder (exit {status}); see {stages.log.name}"
+    assert not out.exists() and len(_leftovers(out)) == 1
+    _assert_the_contract_holds(out, verify)
+    renamed = []
+
+    def every_step(event, paths):
+        _assert_the_contract_holds(out, verify)
+        if event == "os.rename" and paths[-1] == out.resolve():
+            (staging,) = _leftovers(out)  # the killed run's is gone
+            # The instant of the race: whole, its manifest complete, one rename from its final
+            # name; a copy at a final name verifies, the folder itself did not just above.
+            probe = out.with_name(out.name + "-probe")
+            shutil.copytree(staging, probe)
+            verify(probe)
+            shutil.rmtree(probe)
+            renamed.append(staging)
+        return True
+
+    status, steps = stages.run(argv, watch, every_step)
+    assert status == 0, f"the run beside the killed one failed (exit {status}); see {stages.log.name}"
+    assert renamed, f"none of the {steps} filesystem steps seen was the rename into place"
+    verify(out)
+    assert _leftovers(out) == [], "the finished run left a staging folder behind"
+
+
+@pytest.fixture(scope="module")
+def gate(fixture_packages, items, tmp_path_factory) -> Path:
+    from pipeline.stages.gates import align_package
 
     out = tmp_path_factory.mktemp("killed") / "gate-chunk_kv"
-    align_package(fixture_packages / "chunk_kv", FIXTURE_REFERENCE, out)
+    align_package(fixture_packages / "chunk_kv", FIXTURE_REFERENCE, out, items=items)
     return out
 
 
@@ -94,51 +161,50 @@ def items(tmp_path_factory) -> Path:
     return path
 
 
-def _survey_command(fixture_packages, gate, items, out) -> list[str]:
-    return _cli("survey", fixture_packages / "chunk_kv", "--fp32-gate", gate, "--fixtures", FIXTURE_REFERENCE,
-                "--items", items, "-o", out, "--recipes", "int8-b32")
+def _survey_argv(fixture_packages, gate, items, out) -> list:
+    return ["survey", fixture_packages / "chunk_kv", "--fp32-gate", gate, "--fixtures", FIXTURE_REFERENCE,
+            "--items", items, "-o", out, "--recipes", "int8-b32"]
 
 
 @pytest.fixture(scope="module")
-def survey(fixture_packages, gate, items, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("killed-survey") / "survey"
-    subprocess.run(_survey_command(fixture_packages, gate, items, out), cwd=ROOT, env=ENV, check=True,
-                   capture_output=True, timeout=600)
-    return out
-
-
-def test_killed_bundle(tmp_path):
-    out = tmp_path / "bundle"
-    _assert_killed_runs_leave_nothing_complete(_cli("bundle", FIXTURE_CMF, "-o", out), out)
-
-
-def test_killed_coreml(fixture_bundle, tmp_path):
-    out = tmp_path / "coreml"
-    command = _cli("coreml", fixture_bundle, "-o", out, "--kinds", "stateless")
-    # The output is a folder of packages; each is an artifact with its own chain.
-    _assert_killed_runs_leave_nothing_complete(command, out, lambda folder: verify_chain(folder / "stateless"))
-
-
-def test_killed_align(fixture_packages, tmp_path):
-    out = tmp_path / "gate"
-    command = _cli("align", fixture_packages / "stateless", "--fixtures", FIXTURE_REFERENCE, "-o", out)
-    _assert_killed_runs_leave_nothing_complete(command, out)
-
-
-def test_killed_survey(fixture_packages, gate, items, tmp_path):
+def survey(stages, fixture_packages, gate, items, tmp_path_factory) -> Path:
+    """The survey of a run beside a killed one, each checked at every step; the release's input."""
     from pipeline.stages.survey import load_survey
 
     def verify(folder):
         load_survey(folder)  # survey.json and every file it records
         verify_chain(folder / "packages" / "int8-b32")
 
-    out = tmp_path / "survey"
-    _assert_killed_runs_leave_nothing_complete(_survey_command(fixture_packages, gate, items, out), out, verify)
+    out = tmp_path_factory.mktemp("killed-survey").resolve() / "survey"
+    _assert_killed_runs_leave_nothing_complete(stages, _survey_argv(fixture_packages, gate, items, out), out, verify)
+    return out
 
 
-def test_killed_release(survey, tmp_path):
-    out = tmp_path / "dist" / "m-int8-b32"
-    _assert_killed_runs_leave_nothing_complete(_cli("release", survey, "-o", out.parent, "--name", "m"), out)
+def test_killed_bundle(stages, tmp_path):
+    out = tmp_path.resolve() / "bundle"
+    _assert_killed_runs_leave_nothing_complete(stages, ["bundle", FIXTURE_CMF, "-o", out], out)
+
+
+def test_killed_coreml(stages, fixture_bundle, tmp_path):
+    out = tmp_path.resolve() / "coreml"
+    argv = ["coreml", fixture_bundle, "-o", out, "--kinds", "stateless"]
+    # The output is a folder of packages; each is an artifact with its own chain.
+    _assert_killed_runs_leave_nothing_complete(stages, argv, out, lambda folder: verify_chain(folder / "stateless"))
+
+
+def test_killed_align(stages, fixture_packages, items, tmp_path):
+    out = tmp_path.resolve() / "gate"
+    argv = ["align", fixture_packages / "stateless", "--fixtures", FIXTURE_REFERENCE, "--items", items, "-o", out]
+    _assert_killed_runs_leave_nothing_complete(stages, argv, out)
+
+
+def test_killed_survey(survey):
+    assert sorted(p.name for p in survey.parent.iterdir()) == ["survey"]
+
+
+def test_killed_release(stages, survey, tmp_path):
+    out = tmp_path.resolve() / "dist" / "m-int8-b32"
+    _assert_killed_runs_leave_nothing_complete(stages, ["release", survey, "-o", out.parent, "--name", "m"], out)
 
 
 # --- a full disk -------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from pipeline.ground.cmf import DTYPES, dtype_by_name, open_cmf
-from pipeline.ground.cmf.dtypes import GROUP, _q2tp_scales, ladder, tile_rungs
+from pipeline.ground.cmf.dtypes import GROUP, ladder, q2tp_scales, tile_rungs
 from pipeline.ground.errors import UnsupportedModel
 from mlx_runtime.weights import HANDLERS, Packed, dense, linear_from_payload, load_linear, lookup, matmul
 
@@ -100,7 +100,7 @@ def assert_ladder_matches_conformance(lin, want: np.ndarray, dtype: str, parts: 
     gpr = cols // GROUP
     t = ladder(parts["lo"], parts["step"])
     rung = tile_rungs(parts["codes"], gpr)
-    want_s = np.take_along_axis(t, rung.astype(np.intp), axis=1) if dtype == "q4tp" else _q2tp_scales(t, rung)
+    want_s = np.take_along_axis(t, rung.astype(np.intp), axis=1) if dtype == "q4tp" else q2tp_scales(t, rung)
     np.testing.assert_array_equal(s.view(np.uint32), want_s.view(np.uint32))
     k = LADDER_OFFSET[dtype]
     scale = np.repeat(s, GROUP, axis=1)

@@ -5,7 +5,7 @@ import stat
 
 import pytest
 
-from manifests.output import refuse_existing, staged_file, staged_output
+from manifests.output import refuse_existing, staged_file, staged_output, unfinished_output
 from pipeline.ground.errors import OutputBusy, OutputExists
 
 
@@ -90,3 +90,41 @@ def test_a_lock_left_by_a_killed_run_does_not_block(tmp_path):
     with staged_output(out, force=False) as staging:
         (staging / "f").write_text("x")
     assert (out / "f").read_text() == "x"
+
+
+def test_a_staging_folder_is_never_an_output_but_to_its_own_run(tmp_path):
+    from manifests.identity import MANIFEST_NAME, load_manifest, write_json
+    from pipeline.ground.errors import IdentityError
+
+    out = tmp_path / "out"
+    manifest = {"format": "cmfdeploy.scores/1", "status": "complete"}
+    with staged_output(out, force=False) as staging:
+        assert unfinished_output(staging) is None  # the run writing it may check it
+    assert unfinished_output(tmp_path / f".out.{'0' * 12}.old") == out.resolve()  # set aside: refused alike
+    dead = tmp_path / f".out.{'0' * 12}.partial"  # whole, one rename short: a kill's leftover
+    dead.mkdir()
+    write_json(dead / MANIFEST_NAME, manifest)
+    with pytest.raises(IdentityError, match=r"\.out\.0{12}\.partial: the staging \(or set-aside\) folder of .*out, "
+                                            "left by a run that did not finish"):
+        load_manifest(dead)
+    assert unfinished_output(out) is None and unfinished_output(tmp_path / ".out.lock") is None
+
+
+def test_the_next_run_clears_what_killed_runs_left(tmp_path):
+    out, other = tmp_path / "out", tmp_path / "out.b"
+    for name in (f".out.{'1' * 12}.partial", f".out.b.{'2' * 12}.partial"):
+        (tmp_path / name).mkdir()
+    aside = tmp_path / f".out.{'3' * 12}.old"  # a forced run killed between its two renames
+    aside.mkdir()
+    (aside / "f").write_text("old")
+    with pytest.raises(OutputExists), staged_output(out, force=False):
+        pytest.fail("the old output was not put back")
+    assert (out / "f").read_text() == "old"
+    # Another output's staging folder, however alike its name, is not this one's to clear.
+    assert sorted(os.listdir(tmp_path)) == [f".out.b.{'2' * 12}.partial", "out"]
+    (tmp_path / f".out.{'4' * 12}.old").mkdir()  # killed after its rename: the old one is garbage
+    with staged_output(out, force=True) as staging:
+        (staging / "f").write_text("new")
+    assert (out / "f").read_text() == "new"
+    assert sorted(os.listdir(tmp_path)) == [f".out.b.{'2' * 12}.partial", "out"]
+    assert not other.exists()

@@ -25,8 +25,8 @@ Plane names, per dtype (`G` groups of 32 over the flattened tensor, `gpr = in/32
 | q1t | `scales` f16[G], `codes` u8[G,7], `row_ptr` u32[rows+1], `col` u16[nnz], `value` f16[nnz] |
 
 Nibble order everywhere: element 2k of a group is the LOW nibble of byte k.
-`ladder(lo, step)` and `tile_rungs(codes, gpr)` expose the q4tp/q2tp rung maths
-and `vbit_row_bytes(bits, in_)` the vbit row lengths, so runtimes reuse them.
+`ladder(lo, step)`, `tile_rungs(codes, gpr)` and `q2tp_scales(ladder, rungs)` expose the
+q4tp/q2tp rung maths and `vbit_row_bytes(bits, in_)` the vbit row lengths, so runtimes reuse them.
 
 Every method takes `where`, a prefix for error messages (the reader passes the
 file and tensor name). Bad payloads raise `Bounds` (sizes, offsets, indices)
@@ -162,6 +162,13 @@ def tile_rungs(codes: np.ndarray, gpr: int) -> np.ndarray:
     byte, shift = bit // 8, (bit % 8).astype(np.uint16)
     pair = wide[:, byte] | (wide[:, byte + 1] << np.uint16(8))
     return ((pair >> shift) & np.uint16(31)).astype(np.uint8)
+
+
+def q2tp_scales(t: np.ndarray, rung: np.ndarray) -> np.ndarray:
+    """q2tp group scales, float32 [rows, gpr], from the row ladders `t` ([rows, 32], `ladder`)
+    and the tile rung codes (`tile_rungs`): code 0 is an exactly-zero group, r >= 1 is rung r - 1."""
+    idx = np.maximum(rung.astype(np.intp) - 1, 0)
+    return np.where(rung > 0, np.take_along_axis(t, idx, axis=1), np.float32(0))
 
 
 def _pack_rungs(rungs: np.ndarray) -> np.ndarray:
@@ -477,16 +484,10 @@ def _q4tp_decode(buf, shape, where):
 _Q2_LUT = _byte_table(((np.arange(256)[:, None] >> (2 * np.arange(4))) & 3) - 1.5)
 
 
-def _q2tp_scales(t: np.ndarray, rung: np.ndarray) -> np.ndarray:
-    """Group scale from rung codes: 0 is an exactly-zero group, r >= 1 is ladder rung r - 1."""
-    idx = np.maximum(rung.astype(np.intp) - 1, 0)
-    return np.where(rung > 0, np.take_along_axis(t, idx, axis=1), np.float32(0))
-
-
 def _q2tp_decode(buf, shape, where):
     p = _q2tp_parts(buf, shape, where)
     rows, gpr = p["plane"].shape[:2]
-    scale = _q2tp_scales(ladder(p["lo"], p["step"]), tile_rungs(p["codes"], gpr))
+    scale = q2tp_scales(ladder(p["lo"], p["step"]), tile_rungs(p["codes"], gpr))
     vals = _expand(_Q2_LUT, p["plane"])
     vals *= scale[..., None]
     return vals.reshape(shape)
@@ -519,7 +520,7 @@ def _enc_q2tp(w):
     lo, step = _fit_ladder(s, LADDER_RUNGS - 1)
     t = ladder(lo, step)
     rung = np.where(s > 0, _nearest_rung(t[:, : LADDER_RUNGS - 1], s) + 1, 0).astype(np.uint8)
-    scale = _q2tp_scales(t, rung)
+    scale = q2tp_scales(t, rung)
     c = np.clip(np.rint(_safe_div(wg, scale[..., None]) + 1.5), 0, 3).astype(np.uint8)
     c = c.reshape(rows, gpr, 8, 4)
     plane = (c[..., 0] | (c[..., 1] << 2) | (c[..., 2] << 4) | (c[..., 3] << 6)).astype(np.uint8)

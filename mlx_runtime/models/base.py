@@ -1,10 +1,10 @@
-"""The decoder families of the reference model (`pipeline.ground.models`) on MLX, weights packed.
+"""What every decoder family shares on MLX: tensor intake, attention, the gated MLP, RMSNorms,
+the decoder loop and the LM head; a family (`Family`) changes only its FFN and embedding scale.
 
-Dense Llama / Qwen2 / Qwen3 / Gemma and Qwen MoE, one forward for all of them: every
-capability is recognised by tensor presence (spec §2), exactly as the reference decoder
-does — q/k/v/o and MLP biases, q/k norms, a router (MoE layer), a shared expert. Task masks
-(spec §5) and skills (spec §9) apply at load. Activations are float32 throughout (MLX's
-float16 quantized matmul on x86 CPUs is far slower).
+Every capability is recognised by tensor presence (spec §2), exactly as the reference decoder
+does: q/k/v/o and MLP biases, q/k norms. Task masks (spec §5) and skills (spec §9) apply at
+load. Activations are float32 throughout (MLX's float16 quantized matmul on x86 CPUs is far
+slower).
 
 A forward of many tokens (`gemm=True`) runs every projection through a transient float32
 expansion and a BLAS GEMM; one of a few tokens runs the packed weights on MLX's quantized
@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import mlx.core as mx
 import numpy as np
@@ -29,7 +30,7 @@ from pipeline.ground.models.errors import ModelConfigError
 from pipeline.ground.models.rope import rope_inv_freq
 from pipeline.ground.models.weights import WeightLedger
 from mlx_runtime.cache import KVCache
-from mlx_runtime.weights import GROUP, Linear, LoadReport, Packed, expanded_matmul, load_linear, lookup, matmul
+from mlx_runtime.weights import Linear, LoadReport, expanded_matmul, load_linear, lookup, matmul
 
 ACTIVATIONS: dict[str, Callable[[mx.array], mx.array]] = {
     "silu": lambda x: x * mx.sigmoid(x),
@@ -49,6 +50,12 @@ def _mask(bits: np.ndarray | None) -> mx.array | None:
     return mx.array(np.asarray(bits, dtype=np.float32))
 
 
+class Ffn(Protocol):
+    """A layer's feed-forward block: `ffn(args, x, gemm)` -> [T, hidden]."""
+
+    def __call__(self, args: ModelArgs, x: mx.array, gemm: bool) -> mx.array: ...
+
+
 @dataclass(frozen=True)
 class Attention:
     q: Linear
@@ -62,31 +69,18 @@ class Attention:
 
 @dataclass(frozen=True)
 class Mlp:
+    """down(act(gate x) * up x): SwiGLU or GeGLU."""
+
     gate: Linear
     up: Linear
     down: Linear
     neuron_mask: mx.array | None = None
 
-
-@dataclass(frozen=True)
-class Stacked:
-    """All experts' gate/up/down packed alike, stacked [E, ...] for mx.gather_qmm."""
-
-    gate: Packed
-    up: Packed
-    down: Packed
-
-
-@dataclass(frozen=True)
-class Moe:
-    router: Linear
-    experts: tuple[Mlp, ...]
-    stacked: Stacked | None
-    allowed: mx.array | None  # bool [E]; None = every expert
-    top_k: int
-    norm_topk_prob: bool
-    shared: Mlp | None
-    shared_gate: Linear | None
+    def __call__(self, args: ModelArgs, x: mx.array, gemm: bool) -> mx.array:
+        h = ACTIVATIONS[args.hidden_act](project(self.gate, x, gemm)) * project(self.up, x, gemm)
+        if self.neuron_mask is not None:
+            h = h * self.neuron_mask
+        return project(self.down, h, gemm)
 
 
 @dataclass(frozen=True)
@@ -94,7 +88,7 @@ class Layer:
     input_norm: mx.array
     post_norm: mx.array
     attn: Attention
-    ffn: Mlp | Moe
+    ffn: Ffn
     active: bool
 
 
@@ -117,7 +111,7 @@ class Model:
 # ---------------------------------------------------------------- loading
 
 
-class _Tensors(WeightLedger):
+class Tensors(WeightLedger):
     """The reference decoder's tensor bookkeeping (each handed out once; a tensor nobody took
     is a capability this runtime lacks and is refused by name), over CMF directory entries
     read through a skill's source map, kept packed and counted in the load report."""
@@ -126,7 +120,7 @@ class _Tensors(WeightLedger):
         super().__init__(source, cmf.path.name)
         self.cmf, self.args = cmf, args
         self.report = LoadReport()
-        self.gemma = args.norm_style == "gemma"
+        self.norm_offset = args.norm_style == "gemma"
 
     def _info(self, name: str, shape: tuple):
         info = self.cmf.info(self.entry(name))
@@ -141,9 +135,9 @@ class _Tensors(WeightLedger):
         return vector
 
     def norm(self, name: str, size: int) -> mx.array:
-        """RMSNorm weight as multiplied: gemma stores w - 1 (spec §2 norm_style)."""
+        """RMSNorm weight as multiplied: norm_style "gemma" stores w - 1 (spec §2)."""
         w = self.vector(name, size)
-        return w + 1.0 if self.gemma else w
+        return w + 1.0 if self.norm_offset else w
 
     def matrix(self, name: str, out: int | None, in_: int | None) -> Linear:
         info = self._info(name, (out, in_))
@@ -161,7 +155,7 @@ class _Tensors(WeightLedger):
         return lin
 
 
-def _attention(t: _Tensors, prefix: str, head_bits: np.ndarray | None) -> Attention:
+def load_attention(t: Tensors, prefix: str, head_bits: np.ndarray | None) -> Attention:
     a = t.args
     heads, kv, dim, hidden = a.num_attention_heads, a.num_kv_heads, a.head_dim, a.hidden_size
     q_norm, k_norm = f"{prefix}.q_norm.weight", f"{prefix}.k_norm.weight"
@@ -176,7 +170,7 @@ def _attention(t: _Tensors, prefix: str, head_bits: np.ndarray | None) -> Attent
     )
 
 
-def _mlp(t: _Tensors, prefix: str, neuron_bits: np.ndarray | None) -> Mlp:
+def load_mlp(t: Tensors, prefix: str, neuron_bits: np.ndarray | None) -> Mlp:
     """The FFN width comes from the tensors (pruned files, spec §11)."""
     hidden = t.args.hidden_size
     gate = t.linear(f"{prefix}.gate_proj", None, hidden)
@@ -189,89 +183,35 @@ def _mlp(t: _Tensors, prefix: str, neuron_bits: np.ndarray | None) -> Mlp:
                _mask(neuron_bits))
 
 
-def _stack(linears: list[Linear]) -> Packed | None:
-    """One Packed of all experts' matrices when they share one plain affine layout."""
-    plain = all(
-        len(l.blocks) == 1 and isinstance(l.blocks[0], Packed) and l.order is None and l.col is None
-        and l.sparse is None and l.bias is None for l in linears
-    )
-    if not plain:
+class Family:
+    """A decoder family's departures from the shared decoder. As it stands it is Llama / Qwen2 /
+    Qwen3; a family module (`mlx_runtime.models.<family>`) subclasses it as `Family`."""
+
+    @staticmethod
+    def embed_scale(args: ModelArgs) -> float | None:
+        """The factor the looked-up embeddings are multiplied by (the tied head stays unscaled)."""
         return None
-    blocks = [l.blocks[0] for l in linears]
-    if len({(b.bits, b.scales.dtype, b.w.shape) for b in blocks}) != 1:
-        return None
-    return Packed(*(mx.stack([getattr(b, f) for b in blocks]) for f in ("w", "scales", "biases")), blocks[0].bits)
+
+    @classmethod
+    def make_ffn(cls, t: Tensors, prefix: str, index: int, mask: TaskMask | None) -> Ffn:
+        return load_mlp(t, prefix, None if mask is None else mask.ffn[index])
 
 
-def _member(p: Packed, index: int) -> Packed:
-    """Expert `index` of a stacked Packed as views (a range slice shares the buffer; an
-    integer index would copy it)."""
-    return Packed(*(a[index : index + 1].reshape(a.shape[1:]) for a in (p.w, p.scales, p.biases)), p.bits)
-
-
-def _moe(t: _Tensors, prefix: str, index: int, mask: TaskMask | None) -> Moe:
-    a = t.args
-    if a.moe is None:
-        raise ModelConfigError(f"{t.source}: {prefix}.gate.weight is a router but the header has no moe block")
-    if mask is not None and not mask.ffn[index].all():
-        raise UnsupportedModel(f"{t.source}: the task mask switches off FFN neurons of MoE layer {index}")
-    router = t.linear(f"{prefix}.gate", None, a.hidden_size)
-    count = router.shape[0]
-    present = 0
-    while t.has(f"{prefix}.experts.{present}.gate_proj.weight"):
-        present += 1
-    if present != count:
-        raise ModelConfigError(f"{t.source}: {prefix}.gate.weight routes to {count} experts but {present} are present")
-    experts = tuple(_mlp(t, f"{prefix}.experts.{e}", None) for e in range(count))
-    bits = None if mask is None or mask.experts is None else np.asarray(mask.experts[index][:count], dtype=bool)
-    if bits is not None and not bits.any():
-        raise ModelConfigError(f"{prefix}: the task mask allows none of the {count} experts")
-    parts = [_stack([getattr(e, f) for e in experts]) for f in ("gate", "up", "down")]
-    stacked = Stacked(*parts) if all(p is not None for p in parts) else None
-    if stacked is not None:
-        # Keep one copy: each expert's blocks become views into the stacked arrays.
-        mx.eval(*(getattr(getattr(stacked, f), a) for f in ("gate", "up", "down") for a in ("w", "scales", "biases")))
-        experts = tuple(
-            Mlp(*(replace(getattr(ex, f), blocks=(_member(getattr(stacked, f), e),)) for f in ("gate", "up", "down")))
-            for e, ex in enumerate(experts)
-        )
-    shared = shared_gate = None
-    if t.has(f"{prefix}.shared_expert.gate_proj.weight"):
-        shared = _mlp(t, f"{prefix}.shared_expert", None)
-        shared_gate = t.linear(f"{prefix}.shared_expert_gate", 1, a.hidden_size)
-    return Moe(
-        router=router,
-        experts=experts,
-        stacked=stacked,
-        allowed=None if bits is None or bits.all() else mx.array(bits),
-        top_k=min(a.moe.top_k, count if bits is None else int(bits.sum())),
-        norm_topk_prob=a.moe.norm_topk_prob,
-        shared=shared,
-        shared_gate=shared_gate,
-    )
-
-
-def load_model(cmf: CmfFile, mask: TaskMask | None = None, skill: str | None = None) -> Model:
-    """The model of an open CMF file, weights packed on MLX; `mask` a task mask, `skill` an id."""
-    if cmf.is_skill_file:
-        raise UnsupportedModel(f"{cmf.path.name}: a skill file (feature bit 6) never runs on its own; "
-                               "apply it to its base (pipeline.ground.cmf.skills.apply_skill_file) and load that")
-    args = ModelArgs.from_header(cmf.header, source=cmf.path.name)
+def load_decoder(family: type[Family], cmf: CmfFile, args: ModelArgs, mask: TaskMask | None,
+                 skill: str | None) -> Model:
+    """The decoder of `family` from an open CMF file of architecture `args`."""
     for index, layer_type in enumerate(args.layer_types):
         if layer_type != "FullAttention":
             raise UnsupportedModel(f"{cmf.path.name}: layer {index} has layer type {layer_type!r}; "
                                    "the MLX runtime runs only FullAttention layers")
-    t = _Tensors(cmf, skill_tensor_source(cmf, skill), args)
+    t = Tensors(cmf, skill_tensor_source(cmf, skill), args)
     hidden, vocab = args.hidden_size, args.vocab_size
     embed = t.matrix("model.embed_tokens.weight", vocab, hidden)
     layers = []
     for i in range(args.num_layers):
         prefix = f"model.layers.{i}"
-        attn = _attention(t, f"{prefix}.self_attn", None if mask is None else mask.heads[i])
-        if t.has(f"{prefix}.mlp.gate.weight"):
-            ffn = _moe(t, f"{prefix}.mlp", i, mask)
-        else:
-            ffn = _mlp(t, f"{prefix}.mlp", None if mask is None else mask.ffn[i])
+        attn = load_attention(t, f"{prefix}.self_attn", None if mask is None else mask.heads[i])
+        ffn = family.make_ffn(t, f"{prefix}.mlp", i, mask)
         layers.append(Layer(
             input_norm=t.norm(f"{prefix}.input_layernorm.weight", hidden),
             post_norm=t.norm(f"{prefix}.post_attention_layernorm.weight", hidden),
@@ -290,7 +230,7 @@ def load_model(cmf: CmfFile, mask: TaskMask | None = None, skill: str | None = N
         norm=norm,
         head=head,
         rope_periods=mx.array(1.0 / rope_inv_freq(args)),
-        embed_scale=hidden**0.5 if args.family == "gemma" else None,
+        embed_scale=family.embed_scale(args),
         report=t.report,
     )
 
@@ -346,55 +286,6 @@ def _attention_forward(model: Model, at: Attention, x: mx.array, cache: KVCache,
     return project(at.o, out.transpose(1, 0, 2).reshape(T, -1), gemm)
 
 
-def _mlp_forward(model: Model, m: Mlp, x: mx.array, gemm: bool) -> mx.array:
-    h = ACTIVATIONS[model.args.hidden_act](project(m.gate, x, gemm)) * project(m.up, x, gemm)
-    if m.neuron_mask is not None:
-        h = h * m.neuron_mask
-    return project(m.down, h, gemm)
-
-
-def _route(moe: Moe, x: mx.array, gemm: bool) -> tuple[np.ndarray, np.ndarray]:
-    """(expert ids [T, k], weights [T, k]) on the host: softmax over all router logits, top-k
-    with ties to the lower index (a stable sort), renormalised iff norm_topk_prob (spec §2.2)."""
-    logits = project(moe.router, x, gemm)
-    if moe.allowed is not None:
-        logits = mx.where(moe.allowed, logits, -mx.inf)
-    probs = np.asarray(mx.softmax(logits, axis=-1, precise=True))
-    chosen = np.argsort(-probs, axis=-1, kind="stable")[:, : moe.top_k]
-    top = np.take_along_axis(probs, chosen, axis=-1)
-    if moe.norm_topk_prob:
-        top = top / top.sum(axis=-1, keepdims=True)
-    return chosen, top
-
-
-def _moe_forward(model: Model, moe: Moe, x: mx.array, gemm: bool) -> mx.array:
-    chosen, top = _route(moe, x, gemm)
-    act = ACTIVATIONS[model.args.hidden_act]
-    if moe.stacked is not None and not gemm:
-        s = moe.stacked
-        idx = mx.array(chosen.astype(np.uint32))
-
-        def qmm(inp, p: Packed):
-            return mx.gather_qmm(inp, p.w, p.scales, p.biases, rhs_indices=idx, transpose=True,
-                                 group_size=GROUP, bits=p.bits)
-
-        xe = x[:, None, None, :]
-        h = act(qmm(xe, s.gate)) * qmm(xe, s.up)  # [T, k, 1, width]
-        y = qmm(h, s.down)[:, :, 0, :]  # [T, k, hidden]
-        out = (y * mx.array(top)[..., None]).sum(axis=1)
-    else:
-        # Each expert runs on the tokens routed to it only.
-        out = mx.zeros_like(x)
-        for e in np.unique(chosen):
-            rows, slot = np.nonzero(chosen == e)
-            ye = _mlp_forward(model, moe.experts[int(e)], x[mx.array(rows)], gemm)
-            weight = mx.array(top[rows, slot][:, None])
-            out = out.at[mx.array(rows)].add(ye * weight)
-    if moe.shared is not None:
-        out = out + mx.sigmoid(project(moe.shared_gate, x, gemm)) * _mlp_forward(model, moe.shared, x, gemm)
-    return out
-
-
 def forward(model: Model, ids: np.ndarray | mx.array, cache: KVCache, *, gemm: bool = False,
             last_only: bool = False) -> mx.array:
     """Logits [T, vocab] (or [1, vocab] with `last_only`) of ids [T] run after the cache's
@@ -420,8 +311,7 @@ def forward(model: Model, ids: np.ndarray | mx.array, cache: KVCache, *, gemm: b
         x = mx.fast.rms_norm(h, layer.input_norm, a.rms_norm_eps)
         h = h + _attention_forward(model, layer.attn, x, cache, index, mask, gemm)
         x = mx.fast.rms_norm(h, layer.post_norm, a.rms_norm_eps)
-        ffn = layer.ffn
-        h = h + (_moe_forward(model, ffn, x, gemm) if isinstance(ffn, Moe) else _mlp_forward(model, ffn, x, gemm))
+        h = h + layer.ffn(a, x, gemm)
         if gemm:
             mx.eval(h)
     cache.advance(T)
