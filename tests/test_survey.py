@@ -11,12 +11,11 @@ import pytest
 from _survey_models import SCORING_ITEMS, SURVEY_RECIPES, built_survey, failed_gate
 from conftest import FIXTURE_REFERENCE
 
-from coreml.package import open_package
 from pipeline.stages.survey import ForeignGate, SurveyError, load_survey, run_survey
 from manifests.chain import upstream_path
 from pipeline.stages.artifacts import verify_chain
 from manifests.identity import read_json, sha256_file
-from pipeline.stages.gates import DEFAULT_QUALITY_TEXT, GateFailed, ReferenceFixtures
+from pipeline.stages.gates import DEFAULT_QUALITY_TEXT, GateFailed
 from pipeline.stages.backends import open_backend
 from pipeline.cli import main
 from pipeline.ground.errors import IdentityError, OutputExists
