@@ -4,7 +4,7 @@ the kind's runner (`coreml.kinds`, `PackageKind.runner`) where it carries a cach
 import numpy as np
 
 from coreml.kinds import KINDS
-from coreml.kinds.cache_runner import KVSnapshot, PackageInterfaceError, _input_ids
+from coreml.kinds.cache_runner import KVSnapshot, PackageInterfaceError, input_ids_array
 from coreml.package import open_package
 
 
@@ -48,7 +48,7 @@ class PackageBackend:
     def prefill(self, ids):
         ids = np.asarray(ids)
         if not self.kv:
-            return np.asarray(self.package.predict({"input_ids": _input_ids(ids)})["logits"])[0], ids
+            return np.asarray(self.package.predict({"input_ids": input_ids_array(ids)})["logits"])[0], ids
         return self._feed(self.kv.empty(), ids)
 
     def extend(self, snapshot, ids) -> np.ndarray:

@@ -26,7 +26,7 @@ from pipeline.ground.errors import CmfdeployError
 if TYPE_CHECKING:
     from torch import nn
 
-    from coreml.kinds.cache_runner import _CacheRunner
+    from coreml.kinds.cache_runner import CacheRunner
     from coreml.kinds.export import Reference
     from manifests.identity import Manifest
 
@@ -63,7 +63,7 @@ class PackageKind(ABC):
     steps: int
     # Drives a saved package chunk by chunk through cache snapshots (coreml.runner); None for
     # a kind without a cache, which runs one full forward per call.
-    runner: type[_CacheRunner] | None = None
+    runner: type[CacheRunner] | None = None
     # Arguments RELEASE.md's Python example adds to `ct.models.MLModel(path...)`.
     snippet_model_arguments: str = ""
 

@@ -32,11 +32,11 @@ def _frozen(array: np.ndarray, dtype=np.float32) -> np.ndarray:
     return array
 
 
-def _input_ids(ids) -> np.ndarray:
+def input_ids_array(ids) -> np.ndarray:
     return np.asarray(ids, dtype=np.int32).reshape(1, -1)
 
 
-def _features(package, section: str, kind: str) -> dict[str, dict]:
+def package_features(package, section: str, kind: str) -> dict[str, dict]:
     """The manifest's `package.<section>` features by name, checked to be the `kind` interface."""
     block = (package.manifest or {}).get("package", {})
     features = {f["name"]: f for f in block.get(section, [])}
@@ -47,7 +47,7 @@ def _features(package, section: str, kind: str) -> dict[str, dict]:
     return features
 
 
-class _CacheRunner:
+class CacheRunner:
     """What the cache-carrying kinds share: snapshots, the context check and chunk schedules.
     Subclasses set `package`, `cache_shape` and `cache_dtype`, and implement `run`."""
 

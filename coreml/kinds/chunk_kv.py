@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from coreml.kinds.base import CACHE_MEANING, PackageKind, feature, position_feature, register_kind
-from coreml.kinds.cache_runner import KVSnapshot, _CacheRunner, _features, _input_ids
+from coreml.kinds.cache_runner import KVSnapshot, CacheRunner, package_features, input_ids_array
 
 if TYPE_CHECKING:
     from torch import nn
@@ -24,14 +24,14 @@ if TYPE_CHECKING:
     from manifests.identity import Manifest
 
 
-class ChunkKVRunner(_CacheRunner):
+class ChunkKVRunner(CacheRunner):
     """Feeds a chunk-KV package: `run(snapshot, ids)` returns logits and the next snapshot."""
 
     cache_dtype = np.float32
 
     def __init__(self, package):
         self.package = package
-        self.cache_shape = tuple(_features(package, "inputs", "chunk_kv")["key_cache"]["shape"])
+        self.cache_shape = tuple(package_features(package, "inputs", "chunk_kv")["key_cache"]["shape"])
 
     def run(self, snapshot: KVSnapshot, ids) -> tuple[np.ndarray, KVSnapshot]:
         feed, end = self._feed(snapshot, ids)
@@ -43,7 +43,7 @@ class ChunkKVRunner(_CacheRunner):
         return [self._result(out, end) for out, end in zip(self.package.predict_batch(list(feeds)), ends)]
 
     def _feed(self, snapshot: KVSnapshot, ids) -> tuple[dict, int]:
-        ids = _input_ids(ids)
+        ids = input_ids_array(ids)
         return {"input_ids": ids, "position": np.array([snapshot.position], dtype=np.int32),
                 "key_cache": snapshot.key_cache, "value_cache": snapshot.value_cache}, self._end(snapshot, ids)
 
@@ -79,16 +79,16 @@ class ChunkKV(PackageKind):
     def export(self, ref: Reference, package_dir: Path, step: Callable[[str], None]) -> Manifest:
         import torch
 
-        from coreml.kinds.export import (TRACE_LENGTH, _example_ids, _position, _save_single, _trace,
+        from coreml.kinds.export import (TRACE_LENGTH, example_ids, position_tensor, save_single, trace_module,
                                          check_chunk_schedules)
 
         start = time.perf_counter()
         step("chunk_kv: trace and check schedules")
         zeros = torch.zeros(ref.cache_shape)
-        example = (_example_ids(ref.args.vocab_size, TRACE_LENGTH, 0), _position(3), zeros, zeros)
-        traced = _trace(self.graph(ref), example)
+        example = (example_ids(ref.args.vocab_size, TRACE_LENGTH, 0), position_tensor(3), zeros, zeros)
+        traced = trace_module(self.graph(ref), example)
         checks = {"schedules_vs_reference_max_abs": check_chunk_schedules(traced, ref), "tolerance": ref.tolerance}
-        return _save_single(ref, package_dir, step, traced, self.interface(ref), self.description, checks, start)
+        return save_single(ref, package_dir, step, traced, self.interface(ref), self.description, checks, start)
 
     def snippet(self, interface: dict) -> list[str]:
         shape = next(f["shape"] for f in interface["inputs"] if f["name"] == "key_cache")

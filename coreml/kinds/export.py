@@ -92,16 +92,16 @@ def reference_for_export(bundle_dir: Path, context: int | None = None) -> Refere
 # --- tracing ---------------------------------------------------------------------------
 
 
-def _example_ids(vocab: int, length: int, seed: int) -> torch.Tensor:
+def example_ids(vocab: int, length: int, seed: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (1, length), generator=generator, dtype=torch.int32)
 
 
-def _position(value: int) -> torch.Tensor:
+def position_tensor(value: int) -> torch.Tensor:
     return torch.tensor([value], dtype=torch.int32)
 
 
-def _trace(module: nn.Module, example: tuple) -> torch.jit.ScriptModule:
+def trace_module(module: nn.Module, example: tuple) -> torch.jit.ScriptModule:
     with torch.no_grad():
         return torch.jit.trace(module.eval(), example, check_trace=False)
 
@@ -109,7 +109,7 @@ def _trace(module: nn.Module, example: tuple) -> torch.jit.ScriptModule:
 # --- checks against the reference ------------------------------------------------------
 
 
-def _clip_schedule(schedule: Iterable[int], context: int) -> tuple[int, ...]:
+def clip_schedule(schedule: Iterable[int], context: int) -> tuple[int, ...]:
     """The schedule's chunks cut to fit `context` slots (the full schedules need 128)."""
     ends = np.minimum(np.cumsum(schedule), context)
     sizes = np.diff(ends, prepend=0)
@@ -133,8 +133,8 @@ def check_chunk_schedules(
     errors = {}
     generator = torch.Generator().manual_seed(1)
     for schedule in schedules:
-        schedule = _clip_schedule(schedule, ref.context)
-        ids = _example_ids(ref.args.vocab_size, sum(schedule), seed=len(errors) + 2)
+        schedule = clip_schedule(schedule, ref.context)
+        ids = example_ids(ref.args.vocab_size, sum(schedule), seed=len(errors) + 2)
         key_cache = torch.randn(ref.cache_shape, generator=generator)
         value_cache = torch.randn(ref.cache_shape, generator=generator)
         cache = KVCache.empty(ref.args, ref.context)
@@ -144,7 +144,7 @@ def check_chunk_schedules(
             full = ref.model(ids).reshape(-1, ref.args.vocab_size)
             for size in schedule:
                 chunk = ids[:, position : position + size]
-                logits, key_cache, value_cache = graph(chunk, _position(position), key_cache, value_cache)
+                logits, key_cache, value_cache = graph(chunk, position_tensor(position), key_cache, value_cache)
                 graph_logits.append(logits.reshape(-1, ref.args.vocab_size))
                 cached_logits.append(ref.model.forward_cached(chunk, cache).reshape(-1, ref.args.vocab_size))
                 position += size
@@ -167,7 +167,7 @@ def check_stateless(graph: Callable, ref: Reference) -> dict[str, float]:
     """Replay a traced stateless graph at several lengths: a baked-in T shows up here."""
     tolerance, errors = ref.tolerance, {}
     for length in sorted({min(n, ref.context) for n in STATELESS_CHECK_LENGTHS}):
-        ids = _example_ids(ref.args.vocab_size, length, seed=100 + length)
+        ids = example_ids(ref.args.vocab_size, length, seed=100 + length)
         with torch.no_grad():
             delta = float((graph(ids).reshape(length, -1) - ref.model(ids).reshape(length, -1)).abs().max())
         errors[f"T={length}"] = delta
@@ -193,7 +193,7 @@ def _ct_inputs(block: dict, dims: dict) -> list:
             for f in block["inputs"]]
 
 
-def _convert(traced, block: dict, dims: dict):
+def convert_traced(traced, block: dict, dims: dict):
     states = [ct.StateType(wrapped_type=ct.TensorType(shape=tuple(f["shape"]), dtype=np.float16), name=f["name"])
               for f in block.get("states", [])]
     return ct.convert(
@@ -207,7 +207,7 @@ def _convert(traced, block: dict, dims: dict):
     )
 
 
-def _describe(mlmodel, block: dict, ref: Reference, description: str, features: bool = True) -> None:
+def describe_model(mlmodel, block: dict, ref: Reference, description: str, features: bool = True) -> None:
     """Model-level metadata, and per-feature descriptions (single-function models only:
     coremltools cannot address a multifunction model's features by name)."""
     package_manifest.set_model_metadata(
@@ -252,7 +252,7 @@ def weight_names(mlpackage: Path, model: nn.Module) -> dict[str, list[str]]:
     return dict(sorted(names.items()))
 
 
-def _finish(package_dir: Path, ref: Reference, block: dict, checks: dict, seconds: float) -> Manifest:
+def finish_package(package_dir: Path, ref: Reference, block: dict, checks: dict, seconds: float) -> Manifest:
     mlpackage = package_dir / package_manifest.MODEL_NAME
     block = {**block, "weights": weight_names(mlpackage, ref.model)}
     return package_manifest.write_package_manifest(
@@ -271,14 +271,14 @@ def _finish(package_dir: Path, ref: Reference, block: dict, checks: dict, second
     )
 
 
-def _save_single(ref: Reference, package_dir: Path, step: Callable[[str], None], traced, block: dict,
+def save_single(ref: Reference, package_dir: Path, step: Callable[[str], None], traced, block: dict,
                  description: str, checks: dict, start: float) -> Manifest:
     """A single-function package: `traced` converted with interface `block`, described and
     saved with its manifest (`start`: when its export began, by time.perf_counter)."""
     step(f"{block['kind']}: convert")
-    mlmodel = _convert(traced, block, block["dims"])
-    _describe(mlmodel, block, ref, description)
+    mlmodel = convert_traced(traced, block, block["dims"])
+    describe_model(mlmodel, block, ref, description)
     step(f"{block['kind']}: save")
     package_dir.mkdir(parents=True)
     mlmodel.save(str(package_dir / package_manifest.MODEL_NAME))
-    return _finish(package_dir, ref, block, checks, time.perf_counter() - start)
+    return finish_package(package_dir, ref, block, checks, time.perf_counter() - start)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from coreml.kinds.base import CACHE_MEANING, PackageKind, feature, position_feature, register_kind
-from coreml.kinds.cache_runner import KVSnapshot, _CacheRunner, _features, _input_ids
+from coreml.kinds.cache_runner import KVSnapshot, CacheRunner, package_features, input_ids_array
 from coreml.package import open_package
 
 if TYPE_CHECKING:
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from manifests.identity import Manifest
 
 
-class StatefulRunner(_CacheRunner):
+class StatefulRunner(CacheRunner):
     """Feeds a stateful package through the same snapshot interface as ChunkKVRunner.
 
     `package` is any function of the package opened with `open_package`; the runner runs
@@ -35,14 +35,14 @@ class StatefulRunner(_CacheRunner):
     cache_dtype = np.float16
 
     def __init__(self, package):
-        states = _features(package, "states", "stateful")
+        states = package_features(package, "states", "stateful")
         self.package = package
         self.cache_shape = tuple(states["key_cache"]["shape"])
         self.functions = {name: package if package.function_name == name else package.function(name)
                           for name in self.FUNCTIONS}
 
     def run(self, snapshot: KVSnapshot, ids) -> tuple[np.ndarray, KVSnapshot]:
-        ids = _input_ids(ids)
+        ids = input_ids_array(ids)
         end = self._end(snapshot, ids)
         function = self.functions["decode" if ids.shape[1] == 1 else "prefill"]
         state = function.make_state()
@@ -100,7 +100,7 @@ class Stateful(PackageKind):
         return StatefulGraph(ref.model, ref.cache_shape)
 
     def export(self, ref: Reference, package_dir: Path, step: Callable[[str], None]) -> Manifest:
-        from coreml.kinds.export import _describe, _finish
+        from coreml.kinds.export import describe_model, finish_package
         from coreml.manifest import MODEL_NAME
         from coreml.multifunction import merge_functions
 
@@ -111,11 +111,11 @@ class Stateful(PackageKind):
             functions = self.convert_functions(ref, Path(scratch), step)
             step("stateful: save multifunction")
             mlmodel = merge_functions(functions, block["default_function"])
-            _describe(mlmodel, block, ref, self.description, features=False)
+            describe_model(mlmodel, block, ref, self.description, features=False)
             mlmodel.save(str(package_dir / MODEL_NAME))
         step("stateful: measure the fp16-cache error")
         checks = self.measure(package_dir / MODEL_NAME, ref)
-        return _finish(package_dir, ref, block, checks, time.perf_counter() - start)
+        return finish_package(package_dir, ref, block, checks, time.perf_counter() - start)
 
     def convert_functions(self, ref: Reference, folder: Path, step: Callable[[str], None]) -> dict[str, Path]:
         """The package's functions, each converted and saved as a single-function package
@@ -131,12 +131,12 @@ class Stateful(PackageKind):
         return paths
 
     def _save_function(self, ref: Reference, block: dict, dims: dict, path: Path) -> None:
-        from coreml.kinds.export import TRACE_LENGTH, _convert, _describe, _example_ids, _position, _trace
+        from coreml.kinds.export import TRACE_LENGTH, convert_traced, describe_model, example_ids, position_tensor, trace_module
 
         length = min(TRACE_LENGTH, dims["T"][1])
-        traced = _trace(self.graph(ref), (_example_ids(ref.args.vocab_size, length, 0), _position(3)))
-        mlmodel = _convert(traced, block, dims)
-        _describe(mlmodel, block, ref, self.description)
+        traced = trace_module(self.graph(ref), (example_ids(ref.args.vocab_size, length, 0), position_tensor(3)))
+        mlmodel = convert_traced(traced, block, dims)
+        describe_model(mlmodel, block, ref, self.description)
         mlmodel.save(str(path))
 
     def measure(self, mlpackage: Path, ref: Reference) -> dict:
@@ -153,7 +153,7 @@ class Stateful(PackageKind):
         """
         import torch
 
-        from coreml.kinds.export import CHECK_SCHEDULES, ScheduleMismatch, _clip_schedule, _example_ids, _position
+        from coreml.kinds.export import CHECK_SCHEDULES, ScheduleMismatch, clip_schedule, example_ids, position_tensor
 
         # One loaded program for both functions: a second load would map the weights again.
         prefill = open_package(mlpackage, backend="executor", function_name="prefill")
@@ -161,8 +161,8 @@ class Stateful(PackageKind):
         conversion, cache, fp16_cache = {}, {}, {}
         tolerance, cache_tolerance = ref.tolerance, ref.cache_tolerance
         for index, schedule in enumerate(CHECK_SCHEDULES):
-            schedule = _clip_schedule(schedule, ref.context)
-            ids = _example_ids(ref.args.vocab_size, sum(schedule), seed=200 + index)
+            schedule = clip_schedule(schedule, ref.context)
+            ids = example_ids(ref.args.vocab_size, sum(schedule), seed=200 + index)
             eager = self.graph(ref)
             state = functions["prefill"].make_state()
             got, simulated, cache_delta, position = [], [], 0.0, 0
@@ -175,7 +175,7 @@ class Stateful(PackageKind):
                     for buffer in ("key_cache", "value_cache"):
                         getattr(eager, buffer).copy_(torch.from_numpy(state.read_state(buffer)))
                     got.append(function.predict(inputs, state)["logits"][0])
-                    simulated.append(eager(chunk, _position(position))[0].numpy())
+                    simulated.append(eager(chunk, position_tensor(position))[0].numpy())
                     for buffer in ("key_cache", "value_cache"):
                         written = _beyond_one_fp16_step(state.read_state(buffer), getattr(eager, buffer).numpy())
                         cache_delta = max(cache_delta, written)

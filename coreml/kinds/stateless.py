@@ -39,13 +39,13 @@ class Stateless(PackageKind):
         return StatelessGraph(ref.model, ref.args.vocab_size)
 
     def export(self, ref: Reference, package_dir: Path, step: Callable[[str], None]) -> Manifest:
-        from coreml.kinds.export import TRACE_LENGTH, _example_ids, _save_single, _trace, check_stateless
+        from coreml.kinds.export import TRACE_LENGTH, example_ids, save_single, trace_module, check_stateless
 
         start = time.perf_counter()
         step("stateless: trace and check")
-        traced = _trace(self.graph(ref), (_example_ids(ref.args.vocab_size, TRACE_LENGTH, 0),))
+        traced = trace_module(self.graph(ref), (example_ids(ref.args.vocab_size, TRACE_LENGTH, 0),))
         checks = {"traced_vs_reference_max_abs": check_stateless(traced, ref), "tolerance": ref.tolerance}
-        return _save_single(ref, package_dir, step, traced, self.interface(ref), self.description, checks, start)
+        return save_single(ref, package_dir, step, traced, self.interface(ref), self.description, checks, start)
 
     def snippet(self, interface: dict) -> list[str]:
         return ["out = model.predict(inputs)"]
