@@ -2,6 +2,8 @@
 
 import os
 import sys
+import threading
+from pathlib import Path
 
 
 def arithmetic(setup: dict):
@@ -21,5 +23,14 @@ def dies_on(setup: dict):
         if task == setup["fatal"]:
             print(f"cannot do {task}", file=sys.stderr)
             os._exit(3)
+        return task
+    return handle
+
+
+def blocks(setup: dict):
+    """Each task: say this worker's pid in setup's file, then wait for ever (a stage mid-task)."""
+    def handle(task: str) -> str:
+        Path(setup["pid_file"]).write_text(str(os.getpid()))
+        threading.Event().wait()
         return task
     return handle

@@ -15,10 +15,12 @@ The caller names its own factory, so this module imports nothing above the groun
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import json
 import os
 import selectors
+import signal
 import subprocess
 import sys
 import tempfile
@@ -53,7 +55,7 @@ def run_in_workers(entry: str, setup: dict, tasks: Sequence[Any], jobs: int, *, 
     since their work is lost with the caller's staging folder anyway.
     """
     env = thread_share_env(jobs)
-    argv = [sys.executable, "-m", __name__, entry, json.dumps(setup)]
+    argv = [sys.executable, "-m", __name__, entry, json.dumps(setup), str(os.getpid())]
     waiting = list(enumerate(tasks))
     results: dict[int, Any] = {}
     workers: list[tuple[subprocess.Popen, Any]] = []
@@ -97,8 +99,9 @@ def _send(worker: subprocess.Popen, task: Any) -> None:
     worker.stdin.flush()
 
 
-def serve(entry: str, setup: dict) -> None:
+def serve(entry: str, setup: dict, parent: int) -> None:
     """A worker's life: build the handler once, then answer each task line on stdin."""
+    _die_with(parent)
     module, _, factory = entry.partition(":")
     handler = getattr(importlib.import_module(module), factory)(setup)
     answers, sys.stdout = sys.stdout, sys.stderr  # stdout carries the answers alone
@@ -106,5 +109,16 @@ def serve(entry: str, setup: dict) -> None:
         print(json.dumps(handler(json.loads(line))), file=answers, flush=True)
 
 
+def _die_with(parent: int) -> None:
+    """End this worker when the process that started it dies: a killed stage must not leave
+    workers writing into its staging folder. On Linux the kernel sends the SIGKILL
+    (PR_SET_PDEATHSIG); elsewhere the parent's closed stdin ends the worker after its task."""
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before the request above was in place
+        os._exit(1)
+
+
 if __name__ == "__main__":
-    serve(sys.argv[1], json.loads(sys.argv[2]))
+    serve(sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]))
