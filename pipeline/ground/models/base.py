@@ -83,13 +83,16 @@ def rotate_half(x, half: int):
 
 
 class Attention(nn.Module):
-    """Multi-head attention with GQA; q/k/v/o biases and q/k norms by tensor presence."""
+    """Multi-head attention with GQA; q/k/v/o biases and q/k norms by tensor presence, the
+    query scale and a sliding window by the arch."""
 
-    def __init__(self, args: ModelArgs, weights: Weights, prefix: str, head_bits: np.ndarray | None):
+    def __init__(self, args: ModelArgs, weights: Weights, prefix: str, head_bits: np.ndarray | None,
+                 sliding: bool = False):
         super().__init__()
         heads, kv_heads, dim, hidden = args.num_attention_heads, args.num_kv_heads, args.head_dim, args.hidden_size
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim
-        self.scale = dim**-0.5
+        self.scale = dim**-0.5 if args.query_pre_attn_scalar is None else args.query_pre_attn_scalar**-0.5
+        self.sliding = sliding
         self.q_proj = linear(weights, f"{prefix}.q_proj", heads * dim, hidden)
         self.k_proj = linear(weights, f"{prefix}.k_proj", kv_heads * dim, hidden)
         self.v_proj = linear(weights, f"{prefix}.v_proj", kv_heads * dim, hidden)
@@ -119,7 +122,7 @@ class Attention(nn.Module):
         v = self._heads(self.v_proj(x), self.kv_heads, None)
         keys, values = step.write(key_cache, k), step.write(value_cache, v)
         scores = torch.matmul(q, self._repeat_kv(keys).transpose(2, 3)) * self.scale
-        scores = scores.masked_fill(~step.attend, float("-inf"))
+        scores = scores.masked_fill(~(step.attend_sliding if self.sliding else step.attend), float("-inf"))
         out = torch.matmul(torch.softmax(scores, dim=-1), self._repeat_kv(values))
         if self.head_mask is not None:
             out = out * self.head_mask.view(1, self.heads, 1, 1)
@@ -159,14 +162,28 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """A pre-norm layer; with `pre_feedforward_layernorm` present, a sandwich-norm one (Gemma 2/3),
+    whose `post_attention_layernorm` then norms the attention output before the residual add
+    instead of the FFN input, and whose `post_feedforward_layernorm` (by presence) norms the
+    FFN output before its residual add."""
+
     def __init__(self, args: ModelArgs, attn: Attention, mlp: nn.Module, weights: Weights, prefix: str, active: bool):
         super().__init__()
         hidden, eps, style = args.hidden_size, args.rms_norm_eps, args.norm_style
+
+        def norm(name: str) -> RMSNorm:
+            return RMSNorm(weights.take(f"{prefix}.{name}.weight", (hidden,)), eps, style)
+
+        def optional_norm(name: str) -> RMSNorm | None:
+            return norm(name) if weights.has(f"{prefix}.{name}.weight") else None
+
         self.self_attn, self.mlp = attn, mlp
-        self.input_layernorm = RMSNorm(weights.take(f"{prefix}.input_layernorm.weight", (hidden,)), eps, style)
-        self.post_attention_layernorm = RMSNorm(
-            weights.take(f"{prefix}.post_attention_layernorm.weight", (hidden,)), eps, style
-        )
+        self.input_layernorm = norm("input_layernorm")
+        self.post_attention_layernorm = norm("post_attention_layernorm")
+        self.pre_feedforward_layernorm = optional_norm("pre_feedforward_layernorm")
+        # Without the pre-FFN norm a post-FFN one has no layout here: left untaken, it is refused.
+        sandwich = self.pre_feedforward_layernorm is not None
+        self.post_feedforward_layernorm = optional_norm("post_feedforward_layernorm") if sandwich else None
         self.active = active
 
     def forward(self, h, cos, sin, step: "CacheStep", key_cache, value_cache):
@@ -175,9 +192,15 @@ class DecoderLayer(nn.Module):
             # are never read by an active layer, so they stay as they were.
             return h, key_cache, value_cache
         attn_out, keys, values = self.self_attn(self.input_layernorm(h), cos, sin, step, key_cache, value_cache)
-        h = h + attn_out
-        h = h + self.mlp(self.post_attention_layernorm(h))
-        return h, keys, values
+        if self.pre_feedforward_layernorm is None:
+            h = h + attn_out
+            h = h + self.mlp(self.post_attention_layernorm(h))
+            return h, keys, values
+        h = h + self.post_attention_layernorm(attn_out)
+        ffn_out = self.mlp(self.pre_feedforward_layernorm(h))
+        if self.post_feedforward_layernorm is not None:
+            ffn_out = self.post_feedforward_layernorm(ffn_out)
+        return h + ffn_out, keys, values
 
 
 def _axis_index(x):
@@ -193,7 +216,7 @@ class CacheStep:
     product is by 0 or 1), and free of data-dependent indexing for tracing.
     """
 
-    def __init__(self, ids, position, slots_axis):
+    def __init__(self, ids, position, slots_axis, sliding_window: int | None = None):
         self.positions = position.to(torch.float32).reshape(1) + _axis_index(ids[0])  # [T]
         slots = _axis_index(slots_axis)  # [S]
         self.place = (slots[None, :] == self.positions[:, None]).to(torch.float32)  # [T, S]
@@ -201,10 +224,25 @@ class CacheStep:
         # A slot at or after position + T is later than every query, so causality alone
         # keeps stale or empty slots out of the output.
         self.attend = (slots[None, :] <= self.positions[:, None])[None, None]  # [1, 1, T, S]
+        self.attend_sliding = None
+        if sliding_window is not None:
+            # transformers' sliding window: query i sees key j iff i - window < j <= i. The cache
+            # holds every position for every layer (slot = position) and the window is this mask
+            # alone; a ring buffer of `window` slots for the sliding layers is a Core ML cache
+            # design choice, not the reference's.
+            recent = slots[None, :] > self.positions[:, None] - sliding_window
+            self.attend_sliding = self.attend & recent[None, None]
 
     def write(self, cache, new):
         """cache [1, kv, S, D] with slots position.. replaced by new [1, kv, T, D]."""
         return cache * self.keep + torch.matmul(self.place.transpose(0, 1), new)
+
+
+def _cos_sin(step: CacheStep, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's cos and sin [T, head_dim] at the step's positions, as transformers builds them."""
+    freqs = step.positions[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
 
 
 class Decoder(nn.Module):
@@ -217,9 +255,9 @@ class Decoder(nn.Module):
     def __init__(self, args: ModelArgs, weights: Weights, masks: TaskMask | None = None):
         super().__init__()
         for index, layer_type in enumerate(args.layer_types):
-            if layer_type != "FullAttention":
+            if layer_type not in ("FullAttention", "SlidingAttention"):
                 raise UnsupportedModel(f"{weights.source}: layer {index} has layer type {layer_type!r}; "
-                                       "the reference decoder runs only FullAttention layers")
+                                       "the reference decoder runs only FullAttention and SlidingAttention layers")
         self.args = args
         hidden, vocab = args.hidden_size, args.vocab_size
         self.model = nn.Module()
@@ -227,7 +265,8 @@ class Decoder(nn.Module):
         layers = []
         for i in range(args.num_layers):
             prefix = f"model.layers.{i}"
-            attn = Attention(args, weights, f"{prefix}.self_attn", None if masks is None else masks.heads[i])
+            attn = Attention(args, weights, f"{prefix}.self_attn", None if masks is None else masks.heads[i],
+                             sliding=args.layer_types[i] == "SlidingAttention")
             mlp = self.make_ffn(args, weights, f"{prefix}.mlp", i, masks)
             active = True if masks is None else bool(masks.layer_gates[i])
             layers.append(DecoderLayer(args, attn, mlp, weights, prefix, active))
@@ -236,6 +275,12 @@ class Decoder(nn.Module):
         tied = args.tie_word_embeddings and not weights.has("lm_head.weight")
         self.lm_head = None if tied else Linear(weights.take("lm_head.weight", (vocab, hidden)))
         self.register_buffer("inv_freq", torch.from_numpy(rope_inv_freq(args)), persistent=False)
+        sliding = "SlidingAttention" in args.layer_types
+        self.sliding_window = args.sliding_window if sliding else None
+        # Sliding layers with a RoPE base of their own (Gemma 3's local base); otherwise they share inv_freq.
+        local = sliding and args.rope_local_base_freq is not None
+        self.register_buffer("sliding_inv_freq", torch.from_numpy(rope_inv_freq(args, "SlidingAttention"))
+                             if local else None, persistent=False)
         weights.refuse_leftovers()
 
     def embed_scale(self) -> torch.Tensor | None:
@@ -259,17 +304,17 @@ class Decoder(nn.Module):
         """`forward_with_cache_tensors` short of the head: the final-normed hidden states, and
         each layer's written caches as lists (stacked after the head, the converted program's
         op order stays what it was)."""
-        step = CacheStep(ids, position, key_cache[0, 0, 0, :, 0])
-        freqs = step.positions[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos(), emb.sin()
+        step = CacheStep(ids, position, key_cache[0, 0, 0, :, 0], self.sliding_window)
+        full = _cos_sin(step, self.inv_freq)
+        rope = {"FullAttention": full,
+                "SlidingAttention": full if self.sliding_inv_freq is None else _cos_sin(step, self.sliding_inv_freq)}
         h = F.embedding(ids, self.model.embed_tokens.weight)
         scale = self.embed_scale()
         if scale is not None:
             h = h * scale
         new_keys, new_values = [], []
         for i, layer in enumerate(self.model.layers):
-            h, keys, values = layer(h, cos, sin, step, key_cache[i], value_cache[i])
+            h, keys, values = layer(h, *rope[self.args.layer_types[i]], step, key_cache[i], value_cache[i])
             new_keys.append(keys)
             new_values.append(values)
         return self.model.norm(h), new_keys, new_values

@@ -71,10 +71,19 @@ def logits_bound(chain: int, hidden: int, final_norm: np.ndarray, head: np.ndarr
 
 def _chain(model, tokens: int) -> int:
     """`decoder_chain` of a pipeline.ground.models Decoder attending over at most `tokens` positions.
-    Per layer it also counts q/k norms (head_dim) and, for MoE, the router (hidden), its
-    softmax (experts) and the weighted sum of top-k and shared experts."""
+    Per layer it also counts q/k norms (head_dim); for MoE, the router (hidden), its softmax
+    (experts) and the weighted sum of top-k and shared experts; and a sandwich-norm layer's
+    (Gemma 2/3) two norms past the pre-norm pair: with pre_feedforward_layernorm present,
+    post_attention_layernorm norms the attention output (decoder_chain's "post-attention
+    RMSNorm" term is then the pre-FFN norm), and post_feedforward_layernorm norms the FFN
+    output, each one more mean of squares over hidden on the path; both rescale, so the gain
+    on a relative error stays one. Sliding layers attend over fewer than `tokens` positions,
+    which `tokens` bounds."""
     a = model.args
     ffn, extra = a.intermediate_size, a.head_dim
+    extra += a.hidden_size * max(
+        (layer.pre_feedforward_layernorm is not None) + (layer.post_feedforward_layernorm is not None)
+        for layer in model.model.layers)
     if a.moe is not None:
         ffn = max(ffn, a.moe.moe_intermediate_size, a.moe.shared_expert_intermediate_size or 0)
         extra += a.hidden_size + a.moe.num_experts + a.moe.top_k + 1

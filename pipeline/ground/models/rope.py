@@ -7,14 +7,20 @@ import numpy as np
 from pipeline.ground.models.args import ModelArgs
 
 
-def rope_inv_freq(args: ModelArgs) -> np.ndarray:
-    """Inverse frequencies float32 [head_dim / 2], transformers' formula step by step.
+def rope_inv_freq(args: ModelArgs, layer_type: str = "FullAttention") -> np.ndarray:
+    """Inverse frequencies float32 [head_dim / 2] of `layer_type`'s layers, transformers' formula
+    step by step.
 
     Shared by the torch reference and the MLX runtime. numpy's float32 power and torch's fused
     elementwise kernels may round differently, so values can sit an ulp from transformers'.
     """
     dim = args.head_dim
-    inv_freq = 1.0 / (args.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
+    exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim
+    if layer_type == "SlidingAttention" and args.rope_local_base_freq is not None:
+        # Gemma 3's local RoPE: its own base, and transformers applies rope scaling to the
+        # full-attention layers alone.
+        return 1.0 / (args.rope_local_base_freq ** exponents)
+    inv_freq = 1.0 / (args.rope_theta ** exponents)
     scaling = args.rope_scaling
     if scaling is None:
         return inv_freq

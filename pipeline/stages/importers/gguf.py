@@ -1,14 +1,15 @@
-"""`import-gguf`: a llama-family GGUF file to CMF v2.
+"""`import-gguf`: a llama or gemma3 GGUF file to CMF v2.
 
 Tensors are dequantized with `gguf.quants.dequantize` (any GGML type that package knows)
-and re-encoded under the quant policy. llama.cpp's converter permutes the rows of q_proj
-and k_proj for its rotary layout; that permutation is undone exactly as transformers' GGUF
-loader undoes it (rows regrouped per head from (dim, 2) to (2, dim) order). The GPT-2-style
-BPE vocabulary is rebuilt as a Hugging Face tokenizer.json carried in the vocab section,
-with llama.cpp's pre-tokenizer split for the file's `tokenizer.ggml.pre`, its control
-tokens as special tokens and its chat template and eos/bos/pad ids in `tokenizer_config`.
-Anything the importer does not map exactly (another architecture, a tensor it does not
-know, rope scaling, a sentencepiece vocabulary, an unknown pre-tokenizer) is refused by name.
+and re-encoded under the quant policy. Each architecture's own layout is undone exactly as
+transformers' GGUF loader undoes it: llama.cpp's llama converter permutes the rows of q_proj
+and k_proj for its rotary layout (rows regrouped per head from (dim, 2) to (2, dim) order);
+its gemma3 converter does not permute, but stores every norm weight as 1 + w (w as Hugging
+Face keeps it, for x_hat * (1 + w)), so 1 is subtracted again. The vocabulary is rebuilt by
+`gguf_vocab`. Gemma 3's sliding-layer pattern, local RoPE base and query scalar are not in
+the file: llama.cpp fixes them for the architecture, and they are taken from the same rules.
+Anything the importer does not map exactly (another architecture, a tensor or gemma3
+metadata key it does not know, rope scaling, an unknown vocabulary) is refused by name.
 """
 
 import os
@@ -22,15 +23,14 @@ from gguf.quants import dequantize
 from manifests.identity import file_identity
 from pipeline.ground.errors import UnsupportedModel
 from pipeline.stages.importers.common import write_import
+from pipeline.stages.importers.gguf_vocab import gguf_vocab
 from pipeline.stages.importers.quant_policy import QuantPolicy
 from pipeline.ground.models.hf_config import arch_from_hf_config
 
-ARCHITECTURES = ("llama",)
 _TOP_LEVEL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
               "output.weight": "lm_head.weight"}  # fmt: skip
-_PER_LAYER = {
+_ATTENTION_AND_MLP = {
     "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight",
     "attn_k.weight": "self_attn.k_proj.weight",
     "attn_v.weight": "self_attn.v_proj.weight",
@@ -42,20 +42,44 @@ _PER_LAYER = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Per-layer GGUF tensor -> HF name, per architecture (gguf-py's tensor map): a llama layer's
+# one FFN norm is its post-attention norm; a gemma3 layer has four norms and q/k norms.
+_PER_LAYER = {
+    "llama": {**_ATTENTION_AND_MLP, "ffn_norm.weight": "post_attention_layernorm.weight"},
+    "gemma3": {**_ATTENTION_AND_MLP, "attn_q_norm.weight": "self_attn.q_norm.weight",
+               "attn_k_norm.weight": "self_attn.k_norm.weight",
+               "post_attention_norm.weight": "post_attention_layernorm.weight",
+               "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+               "post_ffw_norm.weight": "post_feedforward_layernorm.weight"},
+}
+ARCHITECTURES = tuple(_PER_LAYER)
+# What llama.cpp's converter stored in place of the HF weight (convert_hf_to_gguf.py).
+_PERMUTES_QK = {"llama": True, "gemma3": False}
+_NORM_SHIFT = {"llama": None, "gemma3": np.float32(1.0)}
+# The gemma3.* keys llama.cpp writes and this importer reads. llama.cpp fixes the rest of a
+# Gemma 3 for the architecture, so a key it does not write could only mean something this
+# importer would ignore: each other one is refused by name.
+_GEMMA3_KEYS = {f"gemma3.{key}" for key in (
+    "context_length", "embedding_length", "block_count", "feed_forward_length", "vocab_size",
+    "attention.head_count", "attention.head_count_kv", "attention.key_length", "attention.value_length",
+    "attention.layer_norm_rms_epsilon", "attention.sliding_window", "rope.freq_base", "rope.dimension_count")
+}  # fmt: skip
+# llama.cpp's fixed rules for Gemma 3 (llama-model.cpp): five sliding layers then one full
+# (Gemma3TextConfig's default pattern too), sliding layers at RoPE base 10000, and queries
+# scaled by head_dim ** -0.5 except in the 27B (62 layers), where by (hidden / heads) ** -0.5.
+_GEMMA3_LOCAL_ROPE_BASE = 10000.0
+_GEMMA3_27B_LAYERS = 62
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
-# llama.cpp's pre-tokenizer regexes (llama-vocab.cpp) for the `tokenizer.ggml.pre` values
-# handled here: every one ends in the GPT-2 split, which ByteLevel(use_regex=True) applies;
-# some isolate each numeric character first.
-_GPT2_PRE = ("gpt2", "mpt", "olmo", "jais")
-_DIGIT_SPLIT_PRE = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone")
-_CONTROL, _USER_DEFINED = 3, 4
 
 
 def import_gguf(path: str | os.PathLike, out: str | os.PathLike, *, policy: QuantPolicy = QuantPolicy(),
                 force: bool = False) -> list[Path]:
     path = Path(path)
-    reader = GGUFReader(path)
-    fields = _Fields(reader, path)
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, IndexError) as error:  # what gguf-py raises on a cut or corrupt file
+        raise UnsupportedModel(f"{path}: not a complete GGUF file ({path.stat().st_size} bytes): {error}") from None
+    fields = GgufFields(reader, path)
     architecture = fields.get("general.architecture")
     if architecture not in ARCHITECTURES:
         raise UnsupportedModel(f"{path}: general.architecture is {architecture!r}; supported: {ARCHITECTURES}")
@@ -65,33 +89,40 @@ def import_gguf(path: str | os.PathLike, out: str | os.PathLike, *, policy: Quan
 
     mapped = {}
     for name, tensor in tensors.items():
-        hf_name = _hf_name(name, path)
+        hf_name = _hf_name(name, architecture, path)
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # GGUF lists ne0 (the input) first
         # llama.cpp permutes q/k biases along with the weights.
         role = hf_name.split(".", 3)[-1].rsplit(".", 1)[0]
         heads = {"self_attn.q_proj": arch["num_attention_heads"], "self_attn.k_proj": arch["num_kv_heads"]}.get(role)
-        mapped[hf_name] = (shape, _loader(tensor, shape, heads, path))
+        shift = _NORM_SHIFT[architecture] if name.endswith("norm.weight") else None
+        mapped[hf_name] = (shape, _loader(tensor, shape, heads if _PERMUTES_QK[architecture] else None, shift, path))
 
-    tokenizer_json, tokenizer_config = _tokenizer(fields, path)
+    tokenizer_json, tokenizer_config = gguf_vocab(fields, architecture, path)
     provenance = {
         "importer": "cmfdeploy import-gguf",
         "source": path.name,
         **{f"source_{k}": v for k, v in file_identity(path).items()},
         "general.name": fields.optional("general.name"),
         "ggml_types": _type_counts(reader),
-        "qk_permutation": "reversed as transformers' GGUF loader does",
+        "qk_permutation": ("reversed as transformers' GGUF loader does" if _PERMUTES_QK[architecture]
+                           else "none (llama.cpp's converter does not permute this architecture)"),
     }
+    if _NORM_SHIFT[architecture] is not None:
+        provenance["norm_shift"] = "1 subtracted from every norm weight, as transformers' GGUF loader does"
     return write_import(
         out, source=str(path), arch=arch, moe=moe, tensors=mapped, policy=policy,
         tokenizer_json=tokenizer_json, tokenizer_config=tokenizer_config, provenance=provenance, force=force,
     )  # fmt: skip
 
 
-class _Fields:
+class GgufFields:
     """Typed access to GGUF metadata; a missing required key is an error naming it."""
 
     def __init__(self, reader: GGUFReader, path: Path):
         self._fields, self._path = reader.fields, path
+
+    def keys(self) -> list[str]:
+        return list(self._fields)
 
     def optional(self, key: str, default=None):
         field = self._fields.get(key)
@@ -103,7 +134,7 @@ class _Fields:
         return self._fields[key].contents()
 
 
-def _hf_config(fields: _Fields, arch: str, tensors: dict, path: Path) -> dict:
+def _hf_config(fields: GgufFields, arch: str, tensors: dict, path: Path) -> dict:
     """The config.json transformers would build from this file, for `arch_from_hf_config`."""
     for key in (f"{arch}.rope.scaling.type", f"{arch}.rope.scaling.factor"):
         if fields.optional(key) not in (None, "none"):
@@ -117,7 +148,7 @@ def _hf_config(fields: _Fields, arch: str, tensors: dict, path: Path) -> dict:
     if rope_dim != head_dim:
         raise UnsupportedModel(f"{path}: {arch}.rope.dimension_count {rope_dim} != head dim {head_dim} (partial rotary)")
     vocab_size = fields.optional(f"{arch}.vocab_size", len(fields.get("tokenizer.ggml.tokens")))
-    return {
+    config = {
         "model_type": arch,
         "num_hidden_layers": fields.get(f"{arch}.block_count"),
         "hidden_size": hidden,
@@ -130,20 +161,42 @@ def _hf_config(fields: _Fields, arch: str, tensors: dict, path: Path) -> dict:
         "rope_theta": fields.get(f"{arch}.rope.freq_base"),
         "max_position_embeddings": fields.get(f"{arch}.context_length"),
         "tie_word_embeddings": "output.weight" not in tensors,
-        "hidden_act": "silu",
+    }
+    return _gemma3_config(fields, config, path) if arch == "gemma3" else {**config, "hidden_act": "silu"}
+
+
+def _gemma3_config(fields: GgufFields, config: dict, path: Path) -> dict:
+    """The Gemma3TextConfig dict of a gemma3 file (transformers 4's spelling of its RoPE keys)."""
+    unknown = sorted(key for key in fields.keys() if key.startswith("gemma3.") and key not in _GEMMA3_KEYS)
+    if unknown:
+        raise UnsupportedModel(f"{path}: metadata key {unknown[0]!r} is not one this importer maps for gemma3")
+    value_dim = fields.optional("gemma3.attention.value_length", config["head_dim"])
+    if value_dim != config["head_dim"]:
+        raise UnsupportedModel(f"{path}: gemma3.attention.value_length {value_dim} != key_length {config['head_dim']}")
+    layers, hidden, heads = config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"]
+    return {
+        **config,
+        "model_type": "gemma3_text",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": fields.get("gemma3.attention.sliding_window"),
+        # No layer_types: arch_from_hf_config derives them by Gemma3TextConfig's pattern, llama.cpp's too.
+        "rope_local_base_freq": _GEMMA3_LOCAL_ROPE_BASE,
+        "query_pre_attn_scalar": hidden // heads if layers == _GEMMA3_27B_LAYERS else config["head_dim"],
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
     }
 
 
-def _hf_name(name: str, path: Path) -> str:
+def _hf_name(name: str, arch: str, path: Path) -> str:
     if name in _TOP_LEVEL:
         return _TOP_LEVEL[name]
     match = _BLOCK.fullmatch(name)
-    if match is None or match[2] not in _PER_LAYER:
+    if match is None or match[2] not in _PER_LAYER[arch]:
         raise UnsupportedModel(f"{path}: tensor '{name}' has no Hugging Face counterpart this importer knows")
-    return f"model.layers.{match[1]}.{_PER_LAYER[match[2]]}"
+    return f"model.layers.{match[1]}.{_PER_LAYER[arch][match[2]]}"
 
 
-def _loader(tensor, shape: tuple[int, ...], heads: int | None, path: Path):
+def _loader(tensor, shape: tuple[int, ...], heads: int | None, shift: np.float32 | None, path: Path):
     def load() -> np.ndarray:
         try:
             array = dequantize(tensor.data, tensor.tensor_type)
@@ -151,6 +204,8 @@ def _loader(tensor, shape: tuple[int, ...], heads: int | None, path: Path):
             kind = GGMLQuantizationType(tensor.tensor_type).name
             raise UnsupportedModel(f"{path}: tensor '{tensor.name}' is {kind}, which gguf cannot dequantize") from None
         array = array.astype(np.float32, copy=False).reshape(shape)
+        if shift is not None:
+            array = array - shift
         return array if heads is None else unpermute_rows(array, heads)
 
     return load
@@ -173,48 +228,3 @@ def _type_counts(reader: GGUFReader) -> dict[str, int]:
         counts[kind] = counts.get(kind, 0) + 1
     return dict(sorted(counts.items()))
 
-
-def _tokenizer(fields: _Fields, path: Path) -> tuple[bytes, dict]:
-    """(tokenizer.json bytes, CMF tokenizer_config) rebuilt from the GGUF vocabulary."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-
-    kind = fields.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise UnsupportedModel(f"{path}: tokenizer.ggml.model is {kind!r}; only 'gpt2' (byte-level BPE) is rebuilt")
-    pre = fields.get("tokenizer.ggml.pre")
-    if pre not in _GPT2_PRE + _DIGIT_SPLIT_PRE:
-        raise UnsupportedModel(f"{path}: tokenizer.ggml.pre is {pre!r}; known: {sorted(_GPT2_PRE + _DIGIT_SPLIT_PRE)}")
-    tokens = fields.get("tokenizer.ggml.tokens")
-    types = fields.get("tokenizer.ggml.token_type")
-    alphabet = set(pre_tokenizers.ByteLevel.alphabet())
-    outside = next((t for t, kind in zip(tokens, types) if kind != _CONTROL and not set(t) <= alphabet), None)
-    if outside is not None:
-        raise UnsupportedModel(f"{path}: token {outside!r} is not spelled in the byte-level alphabet")
-
-    merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges")]
-    tokenizer = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, dropout=None,
-                                     continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))  # fmt: skip
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tokenizer.pre_tokenizer = (
-        pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"), byte_level])
-        if pre in _DIGIT_SPLIT_PRE else byte_level
-    )  # fmt: skip
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens(
-        [AddedToken(t, normalized=False, special=True) for t, kind in zip(tokens, types) if kind == _CONTROL])
-    tokenizer.add_tokens(
-        [AddedToken(t, normalized=False, special=False) for t, kind in zip(tokens, types) if kind == _USER_DEFINED])
-    if tokenizer.get_vocab_size(with_added_tokens=True) != len(tokens):
-        raise UnsupportedModel(f"{path}: rebuilt vocabulary has {tokenizer.get_vocab_size()} tokens, the file {len(tokens)}")
-
-    eos = [fields.get("tokenizer.ggml.eos_token_id")]
-    eot = fields.optional("tokenizer.ggml.eot_token_id")
-    if eot is not None and eot not in eos:
-        eos.append(eot)
-    config = {
-        "chat_template": fields.optional("tokenizer.chat_template"),
-        "eos_token_ids": eos,
-        "bos_token_id": fields.optional("tokenizer.ggml.bos_token_id"),
-        "pad_token_id": fields.optional("tokenizer.ggml.padding_token_id"),
-    }
-    return tokenizer.to_str().encode("utf-8"), config
