@@ -113,7 +113,8 @@ def _cached_f32_import(gguf: Path, cache: Path, name: str) -> Path:
     from pipeline.stages.importers.quant_policy import QuantPolicy
 
     importer = hashlib.sha256()
-    for source in ("stages/importers/gguf.py", "stages/importers/gguf_vocab.py", "stages/importers/common.py",
+    for source in ("stages/importers/gguf.py", "stages/importers/gguf_fields.py", "stages/importers/gguf_vocab.py",
+                   "stages/importers/common.py",
                    "stages/importers/quant_policy.py", "ground/models/hf_config.py"):
         importer.update((ROOT / "pipeline" / source).read_bytes())
     key = f"{sha256_file(gguf)[:16]}-{importer.hexdigest()[:12]}"

@@ -29,6 +29,16 @@ from pipeline.ground.reference import load_reference
 # Chunk schedules (token counts per call) that together exercise a first call longer than
 # one token, single-token decode between long chunks, and a chunk ending at the last slot.
 CHECK_SCHEDULES = ((1, 3, 124), (128,), (3, 1, 124), (124, 3, 1), (127, 1))
+# The layer types a package's graph runs: the reference's cached step holds a SlidingAttention
+# layer's window in its mask.
+EXPORTED_LAYER_TYPES = ("FullAttention", "SlidingAttention")
+# Why every layer's cache is full-length, in the manifest of a model with SlidingAttention layers.
+SLIDING_CACHE_DESIGN = (
+    "every layer, SlidingAttention included, keeps a full-length cache (slot s = position s) and "
+    "the window is the attention mask alone; a ring buffer of the window for the sliding layers "
+    "would save cache memory but needs its own slot rule (position mod window) and mask, while "
+    "the full-length cache keeps one cache shape and slot rule for every layer type"
+)
 # Lengths at which the stateless trace is replayed against the reference.
 STATELESS_CHECK_LENGTHS = (1, 7, 128)
 TRACE_LENGTH = 5
@@ -68,15 +78,15 @@ class Reference:
 def reference_for_export(bundle_dir: Path, context: int | None = None) -> Reference:
     """Verify the bundle (hashes included) and build its reference model.
 
-    Core ML packages here are dense full-attention decoders: anything else is refused by
-    name before tracing.
+    Core ML packages here are dense decoders of full- and sliding-attention layers: anything
+    else is refused by name before tracing.
     """
     bundle_dir = Path(bundle_dir)
     model, args, _ = load_reference(bundle_dir)  # verifies the bundle first
     where = bundle_dir / "config.json"
-    if args.moe is not None or set(args.layer_types) != {"FullAttention"}:
+    if args.moe is not None or not set(args.layer_types) <= set(EXPORTED_LAYER_TYPES):
         raise UnsupportedModel(
-            f"{where}: Core ML conversion supports dense full-attention decoders; "
+            f"{where}: Core ML conversion supports dense full- and sliding-attention decoders; "
             f"got layer_types {sorted(set(args.layer_types))}, moe {args.moe is not None}"
         )
     context = args.max_position_embeddings if context is None else context
@@ -252,9 +262,18 @@ def weight_names(mlpackage: Path, model: nn.Module) -> dict[str, list[str]]:
     return dict(sorted(names.items()))
 
 
+def sliding_window_record(args: ModelArgs) -> dict:
+    """The manifest's account (under `checks`) of a model's SlidingAttention layers and their cache."""
+    return {"size": args.sliding_window,
+            "layers": [i for i, layer_type in enumerate(args.layer_types) if layer_type == "SlidingAttention"],
+            "cache": "full-length", "why": SLIDING_CACHE_DESIGN}
+
+
 def finish_package(package_dir: Path, ref: Reference, block: dict, checks: dict, seconds: float) -> Manifest:
     mlpackage = package_dir / package_manifest.MODEL_NAME
     block = {**block, "weights": weight_names(mlpackage, ref.model)}
+    if "SlidingAttention" in ref.args.layer_types:
+        checks = {**checks, "sliding_window": sliding_window_record(ref.args)}
     return package_manifest.write_package_manifest(
         package_dir,
         {

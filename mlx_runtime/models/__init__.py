@@ -27,5 +27,12 @@ def load_model(cmf: CmfFile, mask: TaskMask | None = None, skill: str | None = N
         raise UnsupportedModel(f"{cmf.path.name}: a skill file (feature bit 6) never runs on its own; "
                                "apply it to its base (pipeline.ground.cmf.skills.apply_skill_file) and load that")
     args = ModelArgs.from_header(cmf.header, source=cmf.path.name)
-    family = importlib.import_module(f"{__name__}.{args.family}").Family
+    module = f"{__name__}.{args.family}"
+    try:
+        family = importlib.import_module(module).Family
+    except ModuleNotFoundError as error:
+        if error.name != module:  # a module the family's own module imports: not this refusal
+            raise
+        raise UnsupportedModel(f"{cmf.path.name}: arch.arch_name {args.arch_name!r} (family {args.family!r}) "
+                               f"has no MLX decoder ({module} is missing)") from None
     return load_decoder(family, cmf, args, mask, skill)

@@ -2,7 +2,9 @@
 the decoder loop and the LM head; a family (`Family`) changes only its FFN and embedding scale.
 
 Every capability is recognised by tensor presence (spec §2), exactly as the reference decoder
-does: q/k/v/o and MLP biases, q/k norms. Task masks (spec §5) and skills (spec §9) apply at
+does: q/k/v/o and MLP biases, q/k norms, sandwich norms (pre_feedforward_layernorm present).
+SlidingAttention layers, their RoPE base and the query scale come from the arch, as there.
+Task masks (spec §5) and skills (spec §9) apply at
 load. Activations are float32 throughout (MLX's float16 quantized matmul on x86 CPUs is far
 slower).
 
@@ -65,6 +67,7 @@ class Attention:
     q_norm: mx.array | None
     k_norm: mx.array | None
     head_mask: mx.array | None
+    sliding: bool = False  # a SlidingAttention layer: arch.sliding_window keys, the local RoPE
 
 
 @dataclass(frozen=True)
@@ -86,10 +89,14 @@ class Mlp:
 @dataclass(frozen=True)
 class Layer:
     input_norm: mx.array
+    # post_attention_layernorm: the FFN input's norm (Llama), or with pre_ffn_norm present the
+    # attention output's, before its residual add (Gemma 2/3 sandwich norms).
     post_norm: mx.array
     attn: Attention
     ffn: Ffn
     active: bool
+    pre_ffn_norm: mx.array | None = None
+    post_ffn_norm: mx.array | None = None
 
 
 @dataclass(frozen=True)
@@ -102,6 +109,7 @@ class Model:
     rope_periods: mx.array  # 1 / inv_freq, as mx.fast.rope takes them
     embed_scale: float | None
     report: LoadReport
+    sliding_rope_periods: mx.array | None = None  # the SlidingAttention layers'; None without them
 
     def new_cache(self, capacity: int = 256) -> KVCache:
         a = self.args
@@ -155,7 +163,7 @@ class Tensors(WeightLedger):
         return lin
 
 
-def load_attention(t: Tensors, prefix: str, head_bits: np.ndarray | None) -> Attention:
+def load_attention(t: Tensors, prefix: str, head_bits: np.ndarray | None, sliding: bool = False) -> Attention:
     a = t.args
     heads, kv, dim, hidden = a.num_attention_heads, a.num_kv_heads, a.head_dim, a.hidden_size
     q_norm, k_norm = f"{prefix}.q_norm.weight", f"{prefix}.k_norm.weight"
@@ -167,6 +175,7 @@ def load_attention(t: Tensors, prefix: str, head_bits: np.ndarray | None) -> Att
         q_norm=t.norm(q_norm, dim) if t.has(q_norm) else None,
         k_norm=t.norm(k_norm, dim) if t.has(k_norm) else None,
         head_mask=_mask(head_bits),
+        sliding=sliding,
     )
 
 
@@ -201,23 +210,29 @@ def load_decoder(family: type[Family], cmf: CmfFile, args: ModelArgs, mask: Task
                  skill: str | None) -> Model:
     """The decoder of `family` from an open CMF file of architecture `args`."""
     for index, layer_type in enumerate(args.layer_types):
-        if layer_type != "FullAttention":
+        if layer_type not in ("FullAttention", "SlidingAttention"):
             raise UnsupportedModel(f"{cmf.path.name}: layer {index} has layer type {layer_type!r}; "
-                                   "the MLX runtime runs only FullAttention layers")
+                                   "the MLX runtime runs only FullAttention and SlidingAttention layers")
     t = Tensors(cmf, skill_tensor_source(cmf, skill), args)
     hidden, vocab = args.hidden_size, args.vocab_size
     embed = t.matrix("model.embed_tokens.weight", vocab, hidden)
     layers = []
     for i in range(args.num_layers):
         prefix = f"model.layers.{i}"
-        attn = load_attention(t, f"{prefix}.self_attn", None if mask is None else mask.heads[i])
+        attn = load_attention(t, f"{prefix}.self_attn", None if mask is None else mask.heads[i],
+                              sliding=args.layer_types[i] == "SlidingAttention")
         ffn = family.make_ffn(t, f"{prefix}.mlp", i, mask)
+        pre_ffn, post_ffn = f"{prefix}.pre_feedforward_layernorm.weight", f"{prefix}.post_feedforward_layernorm.weight"
+        sandwich = t.has(pre_ffn)
         layers.append(Layer(
             input_norm=t.norm(f"{prefix}.input_layernorm.weight", hidden),
             post_norm=t.norm(f"{prefix}.post_attention_layernorm.weight", hidden),
             attn=attn,
             ffn=ffn,
             active=True if mask is None else bool(mask.layer_gates[i]),
+            pre_ffn_norm=t.norm(pre_ffn, hidden) if sandwich else None,
+            # Without the pre-FFN norm a post-FFN one has no place: left untaken, it is refused.
+            post_ffn_norm=t.norm(post_ffn, hidden) if sandwich and t.has(post_ffn) else None,
         ))
     norm = t.norm("model.norm.weight", hidden)
     tied = args.tie_word_embeddings and not t.has("lm_head.weight")
@@ -232,16 +247,20 @@ def load_decoder(family: type[Family], cmf: CmfFile, args: ModelArgs, mask: Task
         rope_periods=mx.array(1.0 / rope_inv_freq(args)),
         embed_scale=family.embed_scale(args),
         report=t.report,
+        sliding_rope_periods=(mx.array(1.0 / rope_inv_freq(args, "SlidingAttention"))
+                              if "SlidingAttention" in args.layer_types else None),
     )
 
 
 # ---------------------------------------------------------------- forward
 
 
-def _attend_blas(q: mx.array, keys: mx.array, values: mx.array, start: int, scale: float) -> mx.array:
+def _attend_blas(q: mx.array, keys: mx.array, values: mx.array, start: int, scale: float,
+                 window: int | None = None) -> mx.array:
     """Causal grouped-query attention through numpy's BLAS, for long chunks (MLX's CPU
     attention is several times slower there). q [H, T, D] at positions start.., keys and
-    values [KV, start + T, D]; query head h reads kv head h // (H / KV)."""
+    values [KV, start + T, D]; query head h reads kv head h // (H / KV). With `window`, the
+    query at i sees only keys j > i - window (a SlidingAttention layer)."""
     mx.eval(q, keys, values)
     qn, kn, vn = np.asarray(q), np.asarray(keys), np.asarray(values)
     heads, count, dim = qn.shape
@@ -249,6 +268,8 @@ def _attend_blas(q: mx.array, keys: mx.array, values: mx.array, start: int, scal
     scores = np.matmul(qn.reshape(kv, -1, dim), kn.transpose(0, 2, 1)).reshape(heads, count, seen)
     scores *= np.float32(scale)
     future = np.arange(seen)[None, :] > (start + np.arange(count))[:, None]
+    if window is not None:
+        future |= np.arange(seen)[None, :] <= (start + np.arange(count))[:, None] - window
     scores[:, future] = -np.inf
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
@@ -264,7 +285,7 @@ def _attention_forward(model: Model, at: Attention, x: mx.array, cache: KVCache,
     def rope(h: mx.array) -> mx.array:
         """HF's rotate_half RoPE on [heads, T, D]; periods are 1 / inv_freq (rope scaling included)."""
         return mx.fast.rope(h, a.head_dim, traditional=False, base=None, scale=1.0, offset=cache.position,
-                            freqs=model.rope_periods)
+                            freqs=model.sliding_rope_periods if at.sliding else model.rope_periods)
 
     def heads(lin: Linear, count: int, norm: mx.array | None) -> mx.array:
         h = project(lin, x, gemm).reshape(T, count, a.head_dim)
@@ -276,9 +297,9 @@ def _attention_forward(model: Model, at: Attention, x: mx.array, cache: KVCache,
     k = rope(heads(at.k, a.num_kv_heads, at.k_norm))
     v = heads(at.v, a.num_kv_heads, None)
     keys, values = cache.write(index, k, v)
-    scale = a.head_dim**-0.5
+    scale = a.head_dim**-0.5 if a.query_pre_attn_scalar is None else a.query_pre_attn_scalar**-0.5
     if gemm:
-        out = _attend_blas(q, keys, values, cache.position, scale)
+        out = _attend_blas(q, keys, values, cache.position, scale, a.sliding_window if at.sliding else None)
     else:
         out = mx.fast.scaled_dot_product_attention(q[None], keys[None], values[None], scale=scale, mask=mask)[0]
     if at.head_mask is not None:
@@ -301,6 +322,11 @@ def forward(model: Model, ids: np.ndarray | mx.array, cache: KVCache, *, gemm: b
     mask = None
     if T > 1:
         mask = mx.arange(start + T)[None, :] <= (mx.arange(T) + start)[:, None]
+    sliding_mask = None
+    if "SlidingAttention" in a.layer_types:
+        # Query i sees key j iff i - window < j <= i; a lone token too, once the window is full.
+        keys_at, queries_at = mx.arange(start + T)[None, :], (mx.arange(T) + start)[:, None]
+        sliding_mask = (keys_at <= queries_at) & (keys_at > queries_at - a.sliding_window)
     h = lookup(model.embed, ids)
     if model.embed_scale is not None:
         h = h * mx.array(model.embed_scale, dtype=mx.float32)
@@ -309,9 +335,18 @@ def forward(model: Model, ids: np.ndarray | mx.array, cache: KVCache, *, gemm: b
             # A gated-off layer leaves the residual stream alone (spec §5); its slots stay unread.
             continue
         x = mx.fast.rms_norm(h, layer.input_norm, a.rms_norm_eps)
-        h = h + _attention_forward(model, layer.attn, x, cache, index, mask, gemm)
-        x = mx.fast.rms_norm(h, layer.post_norm, a.rms_norm_eps)
-        h = h + layer.ffn(a, x, gemm)
+        attn_out = _attention_forward(model, layer.attn, x, cache, index,
+                                      sliding_mask if layer.attn.sliding else mask, gemm)
+        if layer.pre_ffn_norm is None:
+            h = h + attn_out
+            x = mx.fast.rms_norm(h, layer.post_norm, a.rms_norm_eps)
+            h = h + layer.ffn(a, x, gemm)
+        else:
+            h = h + mx.fast.rms_norm(attn_out, layer.post_norm, a.rms_norm_eps)
+            ffn_out = layer.ffn(a, mx.fast.rms_norm(h, layer.pre_ffn_norm, a.rms_norm_eps), gemm)
+            if layer.post_ffn_norm is not None:
+                ffn_out = mx.fast.rms_norm(ffn_out, layer.post_ffn_norm, a.rms_norm_eps)
+            h = h + ffn_out
         if gemm:
             mx.eval(h)
     cache.advance(T)

@@ -30,6 +30,11 @@ NORM_STYLES = ("qwen", "gemma")
 LAYER_TYPES = ("FullAttention", "SlidingAttention", "LinearAttention")
 # Tanh caps on logits or scores (Gemma 2): no decoder here implements them, so a value is refused.
 SOFTCAPS = ("final_logit_softcapping", "attn_logit_softcapping")
+# Arch keys a family always means (with the layer type that needs them; None: every file).
+# Without them a decoder on any runtime would fall back to a general default, head_dim ** -0.5
+# or the one RoPE base, which is another model: Gemma 3's query scalar is not always its
+# head_dim (the 27B's), and its sliding layers have their own RoPE base.
+FAMILY_KEYS = {"gemma3": {"query_pre_attn_scalar": None, "rope_local_base_freq": "SlidingAttention"}}
 ROPE_TYPES = {
     "default": (),
     "linear": ("factor",),
@@ -127,6 +132,10 @@ class ModelArgs:
             raise ModelConfigError(f"{source}: arch.sliding_window {sliding_window!r} is not a positive size")
         rope_local_base_freq = field.optional("rope_local_base_freq", (int, float), None)
         query_pre_attn_scalar = field.optional("query_pre_attn_scalar", (int, float), None)
+        family = FAMILY_OF_ARCH[arch_name]
+        for key, layer_type in FAMILY_KEYS.get(family, {}).items():
+            if arch.get(key) is None and (layer_type is None or layer_type in layer_types):
+                raise ModelConfigError(f"{source}: arch.{key} is missing ({family} needs it)")
         moe = header.get("moe") or arch.get("moe")  # top-level per spec §2.2; some writers nest it
         return cls(
             arch_name=arch_name,

@@ -23,6 +23,7 @@ from gguf.quants import dequantize
 from manifests.identity import file_identity
 from pipeline.ground.errors import UnsupportedModel
 from pipeline.stages.importers.common import write_import
+from pipeline.stages.importers.gguf_fields import GgufFields
 from pipeline.stages.importers.gguf_vocab import gguf_vocab
 from pipeline.stages.importers.quant_policy import QuantPolicy
 from pipeline.ground.models.hf_config import arch_from_hf_config
@@ -113,25 +114,6 @@ def import_gguf(path: str | os.PathLike, out: str | os.PathLike, *, policy: Quan
         out, source=str(path), arch=arch, moe=moe, tensors=mapped, policy=policy,
         tokenizer_json=tokenizer_json, tokenizer_config=tokenizer_config, provenance=provenance, force=force,
     )  # fmt: skip
-
-
-class GgufFields:
-    """Typed access to GGUF metadata; a missing required key is an error naming it."""
-
-    def __init__(self, reader: GGUFReader, path: Path):
-        self._fields, self._path = reader.fields, path
-
-    def keys(self) -> list[str]:
-        return list(self._fields)
-
-    def optional(self, key: str, default=None):
-        field = self._fields.get(key)
-        return default if field is None else field.contents()
-
-    def get(self, key: str):
-        if key not in self._fields:
-            raise UnsupportedModel(f"{self._path}: metadata key {key!r} is missing")
-        return self._fields[key].contents()
 
 
 def _hf_config(fields: GgufFields, arch: str, tensors: dict, path: Path) -> dict:

@@ -13,14 +13,11 @@ Any other kind, pre-tokenizer or tokenizer key this module does not map is refus
 """
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from pipeline.ground.errors import UnsupportedModel
-
-if TYPE_CHECKING:
-    from pipeline.stages.importers.gguf import GgufFields
+from pipeline.stages.importers.gguf_fields import GgufFields
 
 # llama.cpp's pre-tokenizer regexes (llama-vocab.cpp) for the `tokenizer.ggml.pre` values
 # handled here: every one ends in the GPT-2 split, which ByteLevel(use_regex=True) applies;
@@ -36,7 +33,7 @@ _SENTENCEPIECE_KEYS = {f"tokenizer.ggml.{key}" for key in (
 } | {"tokenizer.chat_template"}  # fmt: skip
 
 
-def gguf_vocab(fields: "GgufFields", architecture: str, path: Path) -> tuple[bytes, dict]:
+def gguf_vocab(fields: GgufFields, architecture: str, path: Path) -> tuple[bytes, dict]:
     """(tokenizer.json bytes, CMF tokenizer_config) rebuilt from the GGUF vocabulary."""
     kind = fields.get("tokenizer.ggml.model")
     if architecture == "gemma3":
@@ -65,7 +62,7 @@ def gguf_vocab(fields: "GgufFields", architecture: str, path: Path) -> tuple[byt
     return tokenizer.to_str().encode("utf-8"), config
 
 
-def _byte_level_bpe(fields: "GgufFields", path: Path) -> Tokenizer:
+def _byte_level_bpe(fields: GgufFields, path: Path) -> Tokenizer:
     pre = fields.get("tokenizer.ggml.pre")
     if pre not in _GPT2_PRE + _DIGIT_SPLIT_PRE:
         raise UnsupportedModel(f"{path}: tokenizer.ggml.pre is {pre!r}; known: {sorted(_GPT2_PRE + _DIGIT_SPLIT_PRE)}")
@@ -89,7 +86,7 @@ def _byte_level_bpe(fields: "GgufFields", path: Path) -> Tokenizer:
     return tokenizer
 
 
-def _gemma_sentencepiece(fields: "GgufFields", path: Path) -> Tokenizer:
+def _gemma_sentencepiece(fields: GgufFields, path: Path) -> Tokenizer:
     unknown = sorted(key for key in fields.keys() if key.startswith("tokenizer.") and key not in _SENTENCEPIECE_KEYS)
     if unknown:
         raise UnsupportedModel(f"{path}: tokenizer key {unknown[0]!r} is not one a gemma3 vocabulary is rebuilt from")
