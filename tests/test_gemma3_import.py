@@ -64,16 +64,39 @@ def _assert_tensors_equal(cmf_path: Path, state: dict) -> None:
 # -- the real file: Gemma 3 270M, Q4_K_M
 
 
+@pytest.fixture(scope="module")
+def hf_gemma3(gemma3_gguf):
+    """transformers' Gemma3ForCausalLM read from the same GGUF (~45 s to load): the peer."""
+    return _transformers_model(gemma3_gguf.parent, gemma3_gguf.name)
+
+
 @pytest.mark.slow
-def test_real_gguf_tensors_equal_transformers_gguf_loader(gemma3_cmf, gemma3_gguf):
+def test_real_gguf_tensors_equal_transformers_gguf_loader(gemma3_cmf, hf_gemma3):
     """Dequantized Q4_K/Q5_0/Q6_K/Q8_0/F32, the name mapping and the norms' 1 + w undone, bit for bit."""
-    hf_model = _transformers_model(gemma3_gguf.parent, gemma3_gguf.name)
+    hf_model = hf_gemma3
     _assert_tensors_equal(gemma3_cmf, hf_model.state_dict())
     with open_cmf(gemma3_cmf) as cmf:
         assert cmf.header["provenance"]["ggml_types"] == {"F32": 109, "Q4_K": 27, "Q5_0": 81, "Q6_K": 9, "Q8_0": 10}
         assert {info.dtype.name for info in cmf.tensors.values()} == {"f32"}
         # transformers' config from the same file maps to the same arch block.
         assert cmf.arch == arch_from_hf_config(hf_model.config.to_dict())[0]
+
+
+@pytest.mark.slow
+def test_real_model_logits_equal_transformers_past_the_window(gemma3_cmf, hf_gemma3):
+    """The reference decoder on the real 270M weights against transformers on the same weights,
+    600 held-out tokens (past the 512-token sliding window), within the worst case of two
+    float32 evaluations of this model (`model_logits_bound`)."""
+    from pipeline.ground.models.numerics import model_logits_bound
+    from pipeline.ground.reference import load_reference
+
+    ids = tokenizer_from_artifact(gemma3_cmf).encode(_held_out_text(), add_bos=True)[:600]
+    assert len(ids) == 600
+    model, _, _ = load_reference(gemma3_cmf)
+    with torch.no_grad():
+        ours = model(torch.from_numpy(ids))
+        theirs = hf_gemma3(torch.from_numpy(ids)[None]).logits[0]
+    assert (ours - theirs).abs().max().item() <= model_logits_bound(model, len(ids))
 
 
 @pytest.mark.slow
