@@ -72,6 +72,8 @@ class Reference:
 
     @cached_property
     def cache_tolerance(self) -> float:
+        """A K/V cache entry, float32 graph vs float32 reference: FP32's bound of one entry for
+        this model over the context (the same probable form)."""
         return model_cache_bound(self.model, self.context, probable=True)
 
 

@@ -22,7 +22,8 @@ up front and a failure raises `RecipePrecondition` naming the weight. The manife
 
 from coreml.recipes import affine, cmf_native, gptq, linear, mixed, palette  # noqa: F401 (each registers its recipes)
 from coreml.recipes.base import (EMBEDDING, RECIPES, WEIGHT_THRESHOLD, Context, Prepared, Recipe, RecipePrecondition,
-                                 Selected, UnknownRecipe, Weight, order_recipes, register_recipe)
+                                 Selected, StepRecipe, UnknownRecipe, Weight, order_recipes,
+                                 register_recipe)
 from coreml.recipes.compress import apply_recipe, compress_package, load_program, plan_selection, program_weights
 from coreml.recipes.emit import emit_code
 from coreml.recipes.mixed import MIXED_BPW, choose_mixed
@@ -32,5 +33,5 @@ order_recipes(("int8-b32", "int4-b32", "int4-b32-emb8", "palette6-gc32", "palett
                "palette4-int8lut", "palette4-skm", "mixed", "cmf-native", "gptq-int4-b32", "gptq-int4-b64"))
 
 __all__ = ["EMBEDDING", "MIXED_BPW", "RECIPES", "WEIGHT_THRESHOLD", "Context", "Prepared", "Recipe",
-           "RecipePrecondition", "Selected", "UnknownRecipe", "Weight", "apply_recipe", "choose_mixed",
+           "RecipePrecondition", "Selected", "StepRecipe", "UnknownRecipe", "Weight", "apply_recipe", "choose_mixed",
            "compress_package", "emit_code", "load_program", "plan_selection", "program_weights", "register_recipe"]

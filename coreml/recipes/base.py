@@ -12,6 +12,7 @@ encoders that replace a code step's data-free fit, and what the recipe adds to t
 selection record. `coreml.recipes.compress` applies every recipe the same way.
 """
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,23 +68,24 @@ class Weight:
         return ".".join(parts[1:3]) if parts[:2] == ["model", "layers"] else name
 
 
-class Step:
+class Step(ABC):
     """One way a weight is compressed. `kind` names the mechanism that writes it (`code`:
     our numpy codes, `quantize`: coremltools); `record()` is its params as recorded."""
 
     kind: ClassVar[str]
 
+    @abstractmethod
     def record(self) -> dict:
-        raise NotImplementedError
+        """The step's params as the manifest records them."""
 
+    @abstractmethod
     def bits(self, shape: tuple[int, ...]) -> float:
         """Storage of a weight of `shape`: codes plus every scale, offset and LUT."""
-        raise NotImplementedError
 
+    @abstractmethod
     def encode(self, value: np.ndarray) -> object:
         """What the step stores for `value`: a `coreml.codes` code or a float16 array (for
         coremltools' quantizer, the values its step decodes to)."""
-        raise NotImplementedError
 
 
 class Code(Step):
@@ -157,23 +159,37 @@ class Context:
 
 
 @dataclass(frozen=True)
-class Recipe:
+class Recipe(ABC):
     """A named compression recipe. `params()` is its table row as the manifest records it;
     `calibration` recipes measure on calibration text and refuse without it."""
 
     name: str
     calibration: ClassVar[bool] = False
 
+    @abstractmethod
     def params(self) -> dict:
-        raise NotImplementedError
+        """The recipe's table row: what each of its steps records."""
 
     def params_record(self) -> dict:
         """The params the manifest and the survey record, verbatim."""
         return {**self.params(), **({"calibration": True} if self.calibration else {})}
 
+    @abstractmethod
+    def prepare(self, weights: list[Weight], context: Context) -> Prepared:
+        """This recipe readied for `weights`: how it selects each one, with any encoders it
+        computed from `context` (calibration, the source CMF)."""
+
+    def after_codes(self, program) -> None:
+        """A pass over `program` once its code steps are written (none by default)."""
+
+
+@dataclass(frozen=True)
+class StepRecipe(Recipe):
+    """A recipe that gives each weight fixed steps (the mixed recipe picks among these)."""
+
+    @abstractmethod
     def steps(self, weight: Weight) -> dict[str, Step]:
         """The steps this recipe gives `weight`, before any calibration."""
-        raise NotImplementedError
 
     def estimated_bits(self, shape: tuple[int, ...]) -> float:
         """Storage of a (non-embedding) weight of `shape` under this recipe."""
@@ -197,15 +213,12 @@ class Recipe:
         return Selected(steps, {"compressed": True, "how": self.describe(steps)})
 
     def prepare(self, weights: list[Weight], context: Context) -> Prepared:
-        """This recipe readied for `weights`; a data-free recipe needs nothing from `context`."""
+        """Data-free: each weight's steps are fixed, and nothing is read from `context`."""
         return Prepared(self.select)
-
-    def after_codes(self, program) -> None:
-        """A pass over `program` once its code steps are written (none by default)."""
 
 
 @dataclass(frozen=True)
-class CodeRecipe(Recipe):
+class CodeRecipe(StepRecipe):
     """One code step for every selected weight, and the tied embedding/head's own if given."""
 
     code: Code

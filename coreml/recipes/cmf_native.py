@@ -35,7 +35,7 @@ from coreml.recipes.base import (WEIGHT_THRESHOLD, Code, Context, Prepared, Reci
                                  Weight, carried, register_recipe)
 from manifests.chain import upstream_path
 from manifests.identity import read_json, MANIFEST_NAME
-from pipeline.ground.cmf import open_cmf
+from pipeline.ground.cmf import dtype_by_name, open_cmf
 from pipeline.ground.cmf.dtypes import GROUP
 
 EXACT_DTYPES = ("q4_block", "q4_tiled", "q8_row", "f16")
@@ -87,6 +87,16 @@ class Native(Code):
 
     def record(self) -> dict:
         return {"kind": "cmf-native", "cmf_dtype": self.cmf_dtype}
+
+    def bits(self, shape: tuple[int, ...]) -> float:
+        """What the CMF stores for a tensor of `shape` in this dtype (its size rule)."""
+        return 8.0 * dtype_by_name(self.cmf_dtype).fixed_nbytes(tuple(shape))
+
+    def encode(self, value: np.ndarray) -> object:
+        # The codes are the CMF's own: the recipe hands each weight's code over (`carried`),
+        # and no code can be fitted to a value without the file it came from.
+        raise RecipePrecondition(f"step cmf-native ({self.cmf_dtype}): codes come from the source CMF, "
+                                 "not from a value")
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import numpy as np
 from coremltools.optimize.coreml._quantization_passes import linear_quantize_weights as quantizer
 
-from coreml.recipes.base import EMBEDDING, WEIGHT_THRESHOLD, Code, Recipe, Step, Weight, register_recipe
+from coreml.recipes.base import EMBEDDING, WEIGHT_THRESHOLD, Code, Step, StepRecipe, Weight, register_recipe
 
 MODE = "linear_symmetric"
 
@@ -52,7 +52,7 @@ class Fp16(Code):
 
 
 @dataclass(frozen=True)
-class LinearRecipe(Recipe):
+class LinearRecipe(StepRecipe):
     """coremltools' quantizer on every selected weight; the tied embedding/head in fp16 if asked."""
 
     quantize: Quantize

@@ -12,6 +12,7 @@ order registered, and the page renders each one's records; adding an invariant i
 one class here.
 """
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,7 +40,7 @@ class GateRun:
     fp16_cache: bool
 
 
-class Invariant:
+class Invariant(ABC):
     """One invariant: `run` gives its records ({"name", "passed", ...}; "passed" None with a
     "not_offered" reason where the candidate cannot be asked), `owns` tells its records
     apart on the page, `row` renders one."""
@@ -49,11 +50,13 @@ class Invariant:
     def offered(self, gate: GateRun) -> bool:
         return True
 
+    @abstractmethod
     def run(self, gate: GateRun) -> list[dict]:
-        raise NotImplementedError
+        """This invariant's records for the gate's candidate."""
 
+    @abstractmethod
     def owns(self, record: dict) -> bool:
-        raise NotImplementedError
+        """Whether `record` is one of this invariant's."""
 
     def row(self, record: dict) -> list:
         return [record["name"], record.get("max_abs"), record["passed"] if record["passed"] is not None
