@@ -26,6 +26,7 @@ COMMANDS = {
     **dict.fromkeys(["logits", "ppl", "generate"], "pipeline.cli.eval_commands"),
     **dict.fromkeys(["align", "reference-fixtures"], "pipeline.cli.align_commands"),
     "score": "pipeline.cli.scoring_commands",
+    "preflight": "pipeline.cli.preflight_commands",
     **dict.fromkeys(["coreml", "compress"], "pipeline.cli.coreml_commands"),
     **dict.fromkeys(["survey", "release"], "pipeline.cli.survey_commands"),
     "mlx": "pipeline.cli.mlx_commands",

@@ -27,6 +27,7 @@ VERIFIERS = {
     "cmfdeploy.release/1": "pipeline.stages.release:verify_release",
     "cmfdeploy.scores/1": "pipeline.stages.scoring:verify_scores",
     "cmfdeploy.survey_folder/1": "pipeline.stages.survey:verify_survey",
+    "cmfdeploy.preflight/1": "pipeline.stages.preflight:verify_preflight",
 }
 # What each verifier checks beyond the file inventory, as `verify-artifact` reports it.
 CHECKS = {
@@ -39,6 +40,7 @@ CHECKS = {
                             "tokenizer/ against every package's tokenizer, metadata.json against the manifest"),
     "cmfdeploy.scores/1": "scores and items as recorded",
     "cmfdeploy.survey_folder/1": "survey.json against its schema and inventory, every measured package and gate",
+    "cmfdeploy.preflight/1": "the report's verdict, mitigations and source against the manifest",
 }
 
 

@@ -60,3 +60,25 @@ def scatter_plot(path: Path, points: list[tuple[str, float, float, bool]], *, ti
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def line_plot(path: Path, series: dict[str, tuple[list, list, bool]], *, title: str, xlabel: str, ylabel: str,
+              hlines: dict[str, float]) -> Path:
+    """Named series (x, y, dashed) on a log y axis (None values left out), with labelled
+    horizontal limits in red."""
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for i, (label, (xs, ys, dashed)) in enumerate(series.items()):
+        points = [(x, y) for x, y in zip(xs, ys) if y is not None and y > 0]
+        if points:
+            ax.plot(*zip(*points), marker="o", markersize=3, linestyle="--" if dashed else "-",
+                    color=plt.cm.tab10(i % 10), label=label)
+    for j, (label, value) in enumerate(hlines.items()):
+        ax.axhline(value, color="red", linestyle="-" if j == 0 else ":", label=label)
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    ax.set_yscale("log")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -102,6 +102,10 @@ class Attention(nn.Module):
         self.q_norm = None if q_norm is None else RMSNorm(q_norm, args.rms_norm_eps, args.norm_style)
         self.k_norm = None if k_norm is None else RMSNorm(k_norm, args.rms_norm_eps, args.norm_style)
         self.head_mask = _mask_buffer(head_bits)
+        # What masked scores become; a finite value is an fp16 mitigation (pipeline.ground.models.fp16).
+        self.mask_value = float("-inf")
+        # A no-op the preflight hooks to see q . k as the matmul gives it (before the scale).
+        self.score_probe = nn.Identity()
 
     def _heads(self, x, count: int, norm: RMSNorm | None):
         x = x.view(1, -1, count, self.head_dim)
@@ -121,8 +125,8 @@ class Attention(nn.Module):
         k = self._rope(self._heads(self.k_proj(x), self.kv_heads, self.k_norm), cos, sin)
         v = self._heads(self.v_proj(x), self.kv_heads, None)
         keys, values = step.write(key_cache, k), step.write(value_cache, v)
-        scores = torch.matmul(q, self._repeat_kv(keys).transpose(2, 3)) * self.scale
-        scores = scores.masked_fill(~(step.attend_sliding if self.sliding else step.attend), float("-inf"))
+        scores = self.score_probe(torch.matmul(q, self._repeat_kv(keys).transpose(2, 3))) * self.scale
+        scores = scores.masked_fill(~(step.attend_sliding if self.sliding else step.attend), self.mask_value)
         out = torch.matmul(torch.softmax(scores, dim=-1), self._repeat_kv(values))
         if self.head_mask is not None:
             out = out * self.head_mask.view(1, self.heads, 1, 1)
@@ -219,7 +223,8 @@ class CacheStep:
     def __init__(self, ids, position, slots_axis, sliding_window: int | None = None):
         self.positions = position.to(torch.float32).reshape(1) + _axis_index(ids[0])  # [T]
         slots = _axis_index(slots_axis)  # [S]
-        self.place = (slots[None, :] == self.positions[:, None]).to(torch.float32)  # [T, S]
+        # In the cache's dtype: 0 and 1 are exact in fp16 too (the fp16 reference's cache).
+        self.place = (slots[None, :] == self.positions[:, None]).to(slots_axis.dtype)  # [T, S]
         self.keep = (1.0 - self.place.sum(0))[:, None]  # [S, 1]
         # A slot at or after position + T is later than every query, so causality alone
         # keeps stale or empty slots out of the output.
@@ -309,6 +314,11 @@ class Decoder(nn.Module):
         rope = {"FullAttention": full,
                 "SlidingAttention": full if self.sliding_inv_freq is None else _cos_sin(step, self.sliding_inv_freq)}
         h = F.embedding(ids, self.model.embed_tokens.weight)
+        if h.dtype != torch.float32:
+            # fp16 weights (pipeline.ground.models.fp16): positions and RoPE angles stay float32,
+            # as integers past 2048 and angles of hundreds of radians are not exact in fp16;
+            # cos and sin enter the fp16 path rounded once.
+            rope = {kind: (cos.to(h.dtype), sin.to(h.dtype)) for kind, (cos, sin) in rope.items()}
         scale = self.embed_scale()
         if scale is not None:
             h = h * scale

@@ -116,9 +116,14 @@ def model_logits_bound(model, tokens: int, fp16_cache: bool = False, weight_rtol
 def model_cache_bound(model, tokens: int, probable: bool = False) -> float:
     """Max |Δ| of one K or V cache entry between two float32 evaluations. An entry of layer l
     is a projection of that layer's normed input, whose relative error is at most the chain
-    up to it (bounded by the whole chain); the projection's magnitude is at most
-    |row of W|_2 * |x|_2 with |x|_2 <= sqrt(D) max|gamma| (Cauchy-Schwarz), or
-    sqrt(head_dim) max|k_norm| where a k norm follows. RoPE rotates pairs: norms kept."""
+    up to it (bounded by the whole chain), times `_cache_scale`."""
+    return 2 * (gamma_probable(_chain(model, tokens)) if probable else gamma(_chain(model, tokens))) * _cache_scale(model)
+
+
+def _cache_scale(model) -> float:
+    """The largest K or V entry: a projection's magnitude is at most |row of W|_2 * |x|_2
+    with |x|_2 <= sqrt(D) max|gamma| (Cauchy-Schwarz), or sqrt(head_dim) max|k_norm| where a
+    k norm follows. RoPE rotates pairs: norms kept."""
     a, scale = model.args, 0.0
     for layer in model.model.layers:
         attn = layer.self_attn
@@ -128,10 +133,107 @@ def model_cache_bound(model, tokens: int, probable: bool = False) -> float:
         if attn.k_norm is not None:
             rows["k_proj"] = math.sqrt(a.head_dim) * float(np.abs(_gain(attn.k_norm)).max())
         scale = max(scale, *rows.values())
-    return 2 * (gamma_probable(_chain(model, tokens)) if probable else gamma(_chain(model, tokens))) * scale
+    return scale
 
 
 def assert_within_sums(got, want, magnitude, n: int) -> None:
     """got and want: two float32 evaluations of sums of n terms (any order, products rounded
     too) whose absolute terms add up to `magnitude`: each within gamma_n * magnitude of exact."""
     assert np.all(np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64)) <= 2 * gamma(n) * magnitude)
+
+
+# -- fp16: two evaluations under the op-boundary model (pipeline.ground.models.fp16)
+#
+# An fp16 program rounds every op's output to float16 (relative error at most u16 = 2^-11)
+# while an op's own sums run in float32 (the gamma_K above). Two fp16 evaluations of one
+# model with the same fp16 weights (torch's half reference and the MIL executor or Core ML
+# running a package) may round at different places (a fused op rounds once where the
+# reference rounds twice) and sum in different orders, so each is bounded against the
+# exact value on those weights and the bound doubles, as for float32. A logit's relative
+# error then adds up along its longest chain of op boundaries (with the same premise of a
+# gain of one per layer as the float32 analysis: norms rescale, softmax and the activations
+# move a relative error by at most its size): n roundings of at most u16 each give
+# gamma16(n) = n u16 / (1 - n u16), and Higham & Mary's probable form with u16 in place of
+# u32 for the gates. The float32 sums inside the ops add the float32 bound of the same model.
+# Against the FP32 model (`against_fp32`) one side has also rounded every weight on the
+# path once (the embedding, the head, every matrix and norm gain): one more u16 each.
+U16 = 2.0**-11  # float16 unit roundoff
+# Op boundaries on the longest path through one block, counted from the reference's forward
+# (base.py; a converted program mirrors its ops one for one). Exact ops round nothing: a
+# gather, transpose, reshape, concat, negation, a mask select, a 0/1 head or neuron mask,
+# and the cache write (each slot's sum has one nonzero term).
+NORM_BOUNDARIES = 6  # x * x, mean, + eps, rsqrt, x * r, * gain
+MAX_SCALED_NORM_BOUNDARIES = 10  # |x|, max, clamp, x / m, then the six above
+# q_proj, RoPE (x cos + rotate(x) sin: two on a path), q . k, * scale, softmax, p @ V, o_proj,
+# the residual add; plus the input norm, and q norm / post-attention norm where present.
+ATTENTION_BOUNDARIES = 9
+# gate, activation, * up, down, the residual add; plus the norms.
+FFN_BOUNDARIES = 5
+
+
+def gamma16(n: int) -> float:
+    return n * U16 / (1 - n * U16)
+
+
+def gamma16_probable(n: int, lam: float = PROBABLE_LAMBDA) -> float:
+    return math.expm1(lam * math.sqrt(n) * U16 + n * U16**2 / (1 - U16))
+
+
+def _norm_boundaries(norm) -> int:
+    # A max-scaled norm (fp16.MaxScaledRMSNorm) has its `scaled` step; duck-typed, so this
+    # module stays free of torch.
+    return MAX_SCALED_NORM_BOUNDARIES if hasattr(norm, "scaled") else NORM_BOUNDARIES
+
+
+def fp16_boundaries(model) -> int:
+    """Op boundaries on a logit's longest path through a pipeline.ground.models Decoder: the
+    embedding scale where there is one, each layer's attention and FFN blocks (an MoE block:
+    the route weight and the sum over its experts), the final norm and the head."""
+    count = 1 if model.embed_scale() is not None else 0
+    for layer in model.model.layers:
+        attn, norms = layer.self_attn, _norm_boundaries(layer.input_layernorm)
+        count += ATTENTION_BOUNDARIES + norms + (0 if attn.q_norm is None else _norm_boundaries(attn.q_norm))
+        count += FFN_BOUNDARIES + _norm_boundaries(layer.pre_feedforward_layernorm or layer.post_attention_layernorm)
+        if layer.pre_feedforward_layernorm is not None:  # sandwich: the attention output's norm
+            count += _norm_boundaries(layer.post_attention_layernorm)
+        if layer.post_feedforward_layernorm is not None:
+            count += _norm_boundaries(layer.post_feedforward_layernorm)
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is not None:
+            count += len(experts) + 1
+    return count + _norm_boundaries(model.model.norm) + 1
+
+
+def _fp16_weights_on_path(model) -> int:
+    """Weights rounded once to fp16 on a logit's path: the embedding, the head, every
+    matrix (MATRICES_PER_LAYER) and every norm gain."""
+    norms = sum(1 for layer in model.model.layers for n in (
+        layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
+        layer.post_feedforward_layernorm, layer.self_attn.q_norm, layer.self_attn.k_norm) if n is not None)
+    return 2 + MATRICES_PER_LAYER * model.args.num_layers + norms + 1
+
+
+def _fp16_rel(model, tokens: int, probable: bool, against_fp32: bool) -> float:
+    n = fp16_boundaries(model)
+    chain = _chain(model, tokens)
+    fp32 = 2 * (gamma_probable(chain) if probable else gamma(chain))
+    if against_fp32:
+        n += _fp16_weights_on_path(model)
+        return (gamma16_probable(n) if probable else gamma16(n)) + fp32
+    return 2 * (gamma16_probable(n) if probable else gamma16(n)) + fp32
+
+
+def fp16_logits_bound(model, tokens: int, probable: bool = False, against_fp32: bool = False) -> float:
+    """Max |Δ logit| between two fp16 evaluations of `model` (its FP32 module, mitigations
+    applied: its weights rounded to fp16 are what both evaluate), attending over at most
+    `tokens` positions; with `against_fp32`, between one fp16 evaluation and the FP32 model.
+    The scale is `logits_bound`'s (sqrt(D) max|final gain| max|head row|_2)."""
+    head = model.model.embed_tokens if model.lm_head is None else model.lm_head
+    return logits_bound(0, model.args.hidden_size, _gain(model.model.norm), head.weight.detach().numpy(),
+                        _fp16_rel(model, tokens, probable, against_fp32))
+
+
+def fp16_cache_bound(model, tokens: int, probable: bool = False) -> float:
+    """Max |Δ| of one K or V cache entry between two fp16 evaluations (the whole chain bounds
+    the path up to any layer's K and V, as `model_cache_bound` takes it)."""
+    return _fp16_rel(model, tokens, probable, against_fp32=False) * _cache_scale(model)

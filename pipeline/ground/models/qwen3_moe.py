@@ -59,6 +59,10 @@ class SparseMoeBlock(nn.Module):
         route = torch.where(chosen, probs, torch.zeros_like(probs))  # [1, T, experts], zero off the top-k
         if self.norm_topk_prob:
             route = route / route.sum(dim=-1, keepdim=True)
+        if route.dtype != x.dtype:
+            # The fp16 reference (pipeline.ground.models.fp16): the router's float32 softmax ends
+            # at an op boundary, so its weights enter the fp16 path rounded once.
+            route = route.to(x.dtype)
         # Every expert runs on every token and unchosen ones are weighted by exactly 0: no
         # data-dependent control flow, which a traced graph could not follow.
         out = route[..., 0:1] * self.experts[0](x)
