@@ -52,14 +52,8 @@ def scatter_plot(path: Path, points: list[tuple[str, float, float, bool]], *, ti
     for i, (label, x, y, highlighted) in enumerate(points):
         ax.scatter([x], [y], color=plt.cm.tab10(i % 10), s=60, label=label,
                    edgecolors="red" if highlighted else "none", linewidths=2.5 if highlighted else 0)
-    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
     ax.set_yscale("symlog", linthresh=1e-4)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save_with_side_legend(fig, ax, path, title=title, xlabel=xlabel, ylabel=ylabel, fontsize=8)
 
 
 def line_plot(path: Path, series: dict[str, tuple[list, list, bool]], *, title: str, xlabel: str, ylabel: str,
@@ -74,10 +68,15 @@ def line_plot(path: Path, series: dict[str, tuple[list, list, bool]], *, title: 
                     color=plt.cm.tab10(i % 10), label=label)
     for j, (label, value) in enumerate(hlines.items()):
         ax.axhline(value, color="red", linestyle="-" if j == 0 else ":", label=label)
-    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
     ax.set_yscale("log")
+    return _save_with_side_legend(fig, ax, path, title=title, xlabel=xlabel, ylabel=ylabel, fontsize=7)
+
+
+def _save_with_side_legend(fig, ax, path: Path, *, title: str, xlabel: str, ylabel: str, fontsize: int) -> Path:
+    """Titles, a light grid and the legend beside the axes (many series would cover the data)."""
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    ax.legend(fontsize=fontsize, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -38,12 +38,12 @@ PROBABLE_LAMBDA = 10.0
 MATRICES_PER_LAYER = 7
 
 
-def gamma(n: int) -> float:
-    return n * U32 / (1 - n * U32)
+def gamma(n: int, u: float = U32) -> float:
+    return n * u / (1 - n * u)
 
 
-def gamma_probable(n: int, lam: float = PROBABLE_LAMBDA) -> float:
-    return math.expm1(lam * math.sqrt(n) * U32 + n * U32**2 / (1 - U32))
+def gamma_probable(n: int, lam: float = PROBABLE_LAMBDA, u: float = U32) -> float:
+    return math.expm1(lam * math.sqrt(n) * u + n * u**2 / (1 - u))
 
 
 def decoder_chain(layers: int, hidden: int, q_width: int, head_dim: int, intermediate: int, tokens: int,
@@ -153,7 +153,7 @@ def assert_within_sums(got, want, magnitude, n: int) -> None:
 # error then adds up along its longest chain of op boundaries (with the same premise of a
 # gain of one per layer as the float32 analysis: norms rescale, softmax and the activations
 # move a relative error by at most its size): n roundings of at most u16 each give
-# gamma16(n) = n u16 / (1 - n u16), and Higham & Mary's probable form with u16 in place of
+# gamma(n, U16) = n u16 / (1 - n u16), and Higham & Mary's probable form with u16 in place of
 # u32 for the gates. The float32 sums inside the ops add the float32 bound of the same model.
 # Against the FP32 model (`against_fp32`) one side has also rounded every weight on the
 # path once (the embedding, the head, every matrix and norm gain): one more u16 each.
@@ -169,14 +169,6 @@ MAX_SCALED_NORM_BOUNDARIES = 10  # |x|, max, clamp, x / m, then the six above
 ATTENTION_BOUNDARIES = 9
 # gate, activation, * up, down, the residual add; plus the norms.
 FFN_BOUNDARIES = 5
-
-
-def gamma16(n: int) -> float:
-    return n * U16 / (1 - n * U16)
-
-
-def gamma16_probable(n: int, lam: float = PROBABLE_LAMBDA) -> float:
-    return math.expm1(lam * math.sqrt(n) * U16 + n * U16**2 / (1 - U16))
 
 
 def _norm_boundaries(norm) -> int:
@@ -219,8 +211,8 @@ def _fp16_rel(model, tokens: int, probable: bool, against_fp32: bool) -> float:
     fp32 = 2 * (gamma_probable(chain) if probable else gamma(chain))
     if against_fp32:
         n += _fp16_weights_on_path(model)
-        return (gamma16_probable(n) if probable else gamma16(n)) + fp32
-    return 2 * (gamma16_probable(n) if probable else gamma16(n)) + fp32
+        return (gamma_probable(n, u=U16) if probable else gamma(n, U16)) + fp32
+    return 2 * (gamma_probable(n, u=U16) if probable else gamma(n, U16)) + fp32
 
 
 def fp16_logits_bound(model, tokens: int, probable: bool = False, against_fp32: bool = False) -> float:
