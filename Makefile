@@ -45,7 +45,7 @@ PACKAGES := $(OUT)/coreml/$(firstword $(KINDS))/manifest.json
 # once from its own CMF by the PyTorch reference.
 REFERENCE := $(if $(filter $(DEFAULT_MODEL),$(MODEL)),fixtures/reference,$(OUT)/reference)
 
-.PHONY: all test test-portability venv bundle coreml compress align score release clean
+.PHONY: all test test-portability venv bundle preflight coreml compress align score release clean
 
 all: bundle coreml compress align score
 
@@ -88,6 +88,7 @@ test-portability: $(INSTALLED)
 	if [ -n "$$failed" ]; then echo "test-portability failed under:$$failed"; exit 1; fi
 
 bundle: $(OUT)/bundle/manifest.json
+preflight: $(OUT)/preflight/manifest.json
 coreml: $(PACKAGES)
 align: $(KINDS:%=$(OUT)/align/%.passed)
 compress: $(OUT)/survey/survey.json
@@ -96,6 +97,10 @@ release: $(OUT)/release.done
 
 $(OUT)/bundle/manifest.json: $(MODEL) | $(INSTALLED)
 	$(CLI) bundle $(MODEL) -o $(OUT)/bundle --force
+
+# Where fp16 would overflow, and the mitigations an fp16 package takes (exits 1 when none is safe).
+$(OUT)/preflight/manifest.json: $(OUT)/bundle/manifest.json $(QUALITY_TEXT)
+	$(CLI) preflight $(OUT)/bundle -o $(OUT)/preflight --text $(QUALITY_TEXT) --context $(CONTEXT) --force
 
 $(PACKAGES): $(OUT)/bundle/manifest.json
 	$(CLI) coreml $(OUT)/bundle -o $(OUT)/coreml --kinds $(KINDS) --context $(CONTEXT) --jobs $(COREML_JOBS) --force

@@ -244,6 +244,8 @@ def test_fp16_reference_against_fp32_and_against_itself_chunked(fixture_model):
     prefix, snapshot = backend.prefill(ids[:60].numpy())
     after = backend.extend(snapshot, ids[60:].numpy())
     assert np.abs(np.concatenate([prefix, after]) - one_shot).max() <= bound
+    (batched,) = backend.extend_batch([(snapshot, ids[60:].numpy())])  # forward_branches, vmapped in fp16
+    assert np.abs(batched - one_shot[60:]).max() <= bound
     keys = snapshot.keys.numpy()
     assert np.array_equal(keys, keys.astype(np.float16).astype(np.float32))
     assert fp16_cache_bound(model, len(ids)) > 0

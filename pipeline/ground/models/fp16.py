@@ -269,7 +269,9 @@ class Fp16Reference(nn.Module):
     def __init__(self, decoder: Decoder):
         super().__init__()
         self.args = decoder.args
-        self.decoder = copy.deepcopy(decoder)
+        # Parameters copied straight to fp16 (a float32 copy first would hold the model twice).
+        halves = {id(p): nn.Parameter(p.detach().half(), requires_grad=False) for p in decoder.parameters()}
+        self.decoder = copy.deepcopy(decoder, memo=halves)
         keep = {name: buffer for name, buffer in self.decoder.named_buffers() if name.endswith("inv_freq")}
         self.decoder.half()
         for name, buffer in keep.items():
@@ -304,9 +306,10 @@ def fp16_reference(model: Decoder) -> Fp16Reference:
 
 
 def _per_token(x: torch.Tensor, axis: int) -> torch.Tensor:
-    """max |x| per token position (float32; inf and NaN kept: NaN reads as NaN)."""
-    x = x.detach().abs().float().movedim(axis, 0)
-    return x.reshape(x.shape[0], -1).amax(-1) if x.numel() else x.reshape(x.shape[0])
+    """max |x| per token position (float32; inf and NaN kept), without a copy of x."""
+    x = x.detach().movedim(axis, 0)
+    x = x.reshape(x.shape[0], -1)
+    return torch.maximum(x.amax(-1), -x.amin(-1)).float()
 
 
 class _Recorder:
