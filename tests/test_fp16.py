@@ -208,9 +208,8 @@ def fixture_model():
     return model, args, ids
 
 
-def test_fp16_reference_rounds_every_op_output_to_fp16(fixture_model):
-    model, args, ids = fixture_model
-    half = fp16_reference(model)
+def _output_dtypes(half, ids) -> tuple[set, torch.Tensor]:
+    """The floating dtypes every module of the fp16 reference outputs, and its logits."""
     dtypes = set()
 
     def seen(module, inputs, output):
@@ -223,9 +222,28 @@ def test_fp16_reference_rounds_every_op_output_to_fp16(fixture_model):
         logits = half(ids)
     for handle in handles:
         handle.remove()
+    return dtypes, logits
+
+
+def test_fp16_reference_rounds_every_op_output_to_fp16(fixture_model):
+    model, args, ids = fixture_model
+    half = fp16_reference(model)
+    dtypes, logits = _output_dtypes(half, ids)
     assert dtypes == {torch.float16}
     assert logits.dtype == torch.float32
     assert all(b.dtype == torch.float32 for name, b in half.decoder.named_buffers() if name.endswith("inv_freq"))
+
+
+def test_fp16_reference_of_every_family_is_fp16_throughout_and_near_fp32(family_model):
+    """Gemma's float32 embedding scale, RoPE tables and the MoE router's float32 softmax
+    each end at an op boundary: nothing downstream is float32."""
+    family, model, args, ids = family_model
+    safe = mitigated_model(model, args, MITIGATIONS["all"])
+    dtypes, logits = _output_dtypes(fp16_reference(safe), ids)
+    assert dtypes == {torch.float16}
+    with torch.no_grad():
+        want = model(ids)
+    assert float((logits - want).abs().max()) <= fp16_logits_bound(safe, len(ids), against_fp32=True)
 
 
 def test_fp16_reference_against_fp32_and_against_itself_chunked(fixture_model):
