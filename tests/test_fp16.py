@@ -172,6 +172,20 @@ def test_residual_scale_scales_the_stream_and_leaves_the_embedding_scale(family_
     assert (mitigated.embed_scale() is None) == (model.embed_scale() is None)
 
 
+def test_weights_already_scaled_take_only_the_eps_the_norm_form_and_the_mask(family_model):
+    """A mitigated package's decoded weights carry alpha: rebuilt from them with
+    `weights_scaled`, the model is the mitigated one (same weights, same constants)."""
+    family, model, args, ids = family_model
+    if args.norm_style == "gemma":
+        pytest.skip("Gemma's moved gains are plain ones, which its (1 + w) norm style cannot be rebuilt from")
+    mitigations = MITIGATIONS["all"]
+    mitigated = mitigated_model(model, args, mitigations)
+    scaled = mitigated_model(model, args, Fp16Mitigations(residual_scale=mitigations.residual_scale)).state_dict()
+    again = mitigated_model(build_model(args, scaled), args, mitigations, weights_scaled=True)
+    with torch.no_grad():
+        assert torch.equal(again(ids), mitigated(ids))
+
+
 def _op_kinds(model, args) -> set[str]:
     from pipeline.ground.models import CachedStep
 

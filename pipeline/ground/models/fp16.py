@@ -208,12 +208,14 @@ def _residual_norms(layer) -> list[RMSNorm]:
     return [layer.input_layernorm, layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm]
 
 
-def _scale_residual(model: Decoder, alpha: float) -> None:
+def _scale_residual(model: Decoder, alpha: float, weights_scaled: bool) -> None:
+    for norm in [model.model.norm, *(n for layer in model.model.layers for n in _residual_norms(layer))]:
+        norm.eps = norm.eps * alpha**2
+    if weights_scaled:
+        return
     model.model.embed_tokens.weight.data = model.model.embed_tokens.weight.data * alpha
     if model.lm_head is None:  # the head reads the scaled table: the final gain undoes alpha
         _set_gain(model.model.norm, _gain(model.model.norm).detach() / alpha)
-    for norm in [model.model.norm, *(n for layer in model.model.layers for n in _residual_norms(layer))]:
-        norm.eps = norm.eps * alpha**2
     for layer in model.model.layers:
         if layer.pre_feedforward_layernorm is None:
             _scale_rows(layer.self_attn.o_proj, alpha)
@@ -233,9 +235,13 @@ def _norm_slots(model: Decoder):
                 yield parent, name
 
 
-def mitigated_model(model: Decoder, args: ModelArgs, mitigations: Fp16Mitigations) -> Decoder:
+def mitigated_model(model: Decoder, args: ModelArgs, mitigations: Fp16Mitigations,
+                    weights_scaled: bool = False) -> Decoder:
     """A copy of `model` with `mitigations` applied: the same interface (forward,
     forward_cached, CachedStep traces it), the FP32 function kept (module docstring).
+    `weights_scaled`: the weights already carry alpha (a mitigated package's own decoded
+    weights, with plain gains where alpha moved a Gemma gain): only the eps, the norm form
+    and the mask are applied.
     The residual scale and a finite mask change weights and constants only: the traced
     graph has the same op kinds. The max-scaled norm adds abs, a max reduction, the floor
     (clamp_min), the division and a reciprocal (sqrt(eps) / m) per norm."""
@@ -243,7 +249,7 @@ def mitigated_model(model: Decoder, args: ModelArgs, mitigations: Fp16Mitigation
         raise Fp16MitigationError(f"mitigated_model: the args given are not the model's ({args.arch_name})")
     safe = copy.deepcopy(model)
     if mitigations.residual_scale != 1.0:
-        _scale_residual(safe, mitigations.residual_scale)
+        _scale_residual(safe, mitigations.residual_scale, weights_scaled)
     if mitigations.rmsnorm == "max_scaled":
         for parent, name in list(_norm_slots(safe)):
             setattr(parent, name, MaxScaledRMSNorm(getattr(parent, name)))
