@@ -168,8 +168,7 @@ class MaxScaledRMSNorm(RMSNorm):
 
     def forward(self, x):
         y, t = self.scaled(x)
-        scale = self.weight + 1.0 if self.offset else self.weight
-        return y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + t * t) * scale
+        return y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + t * t) * _gain(self)
 
 
 def squares(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
