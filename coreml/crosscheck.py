@@ -54,7 +54,9 @@ class ProgramFunction:
     results: dict[str, TensorSpec | None]  # output name -> type of the variable the block returns
     producers: dict[str, tuple[str, TensorSpec | None]] = field(default_factory=dict)  # var -> (op type, type)
     ops: Counter = field(default_factory=Counter)
-    graph: list[tuple[str, list[str], list[str]]] = field(default_factory=list)  # (op type, reads, writes)
+    # (op type, reads, writes, reads by input key, the type of each input key's first argument), in program order
+    graph: list[tuple[str, list[str], list[str], dict[str, list[str]], dict[str, TensorSpec | None]]] = field(
+        default_factory=list)
 
 
 @dataclass
@@ -70,8 +72,13 @@ def _walk(block, where: str, function: ProgramFunction, blobs: list) -> None:
     for op in block.operations:
         function.ops[op.type] += 1
         at = f"{where}, op {op.type}"
-        reads = [b.name for arg in op.inputs.values() for b in arg.arguments if b.WhichOneof("binding") == "name"]
-        function.graph.append((op.type, reads, [o.name for o in op.outputs]))
+        keyed = {key: [b.name for b in arg.arguments if b.WhichOneof("binding") == "name"]
+                 for key, arg in op.inputs.items()}
+        types = {key: (function.producers.get(arg.arguments[0].name, (None, None))[1]
+                       if arg.arguments[0].WhichOneof("binding") == "name" else tensor_spec(arg.arguments[0].value.type, at))
+                 for key, arg in op.inputs.items() if arg.arguments}
+        function.graph.append((op.type, [n for names in keyed.values() for n in names], [o.name for o in op.outputs],
+                               keyed, types))
         for output in op.outputs:
             function.producers[output.name] = (op.type, tensor_spec(output.type, at))
         for value in op.attributes.values():

@@ -142,18 +142,18 @@ def package_precision(block: dict, where: object = "package") -> Precision:
     return precision(block.get("precision", "fp32"), f"{where}: field 'package.precision'")
 
 
-def positional_values(ops: Iterable[tuple[str, Iterable[str], Iterable[str]]], constants: Iterable[str],
+def positional_values(ops: Iterable[tuple], constants: Iterable[str],
                       inputs: Iterable[str] = (POSITION_INPUT,)) -> set[str]:
     """The values of one function computed from `inputs`, tensor shapes and constants alone.
 
-    `ops` are (op type, the names of the values it reads, the names it writes) in program order;
+    `ops` are (op type, the names of the values it reads, the names it writes, ...) in program order;
     `constants` the names of constant values. A value is positional when its op reads at least
     one positional value and otherwise only constants, or when the op reads shapes alone
     (`SHAPE_ONLY_OPS`). Token ids are not among the inputs, so the embedding lookup and all
     that follows it are not positional.
     """
     positional, constants = set(inputs), set(constants)
-    for op_type, reads, writes in ops:
+    for op_type, reads, writes, *_ in ops:
         reads = [r for r in reads if r not in constants]
         if op_type in SHAPE_ONLY_OPS or (reads and all(r in positional for r in reads)):
             positional.update(writes)
