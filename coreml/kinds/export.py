@@ -287,10 +287,12 @@ def describe_model(mlmodel, block: dict, ref: Reference, description: str, featu
 
 def _source_files() -> list[Path]:
     """The code a package's bytes depend on, for the manifest's digest: the conversion, the
-    kinds (this module's folder) and the reference model."""
+    precisions, the kinds (this module's folder) and the reference model (the preflight's
+    mitigations among its modules)."""
     models_dir = Path(build_model.__code__.co_filename).parent
     kinds_dir = Path(__file__).parent
-    return [kinds_dir.parent / "convert.py", Path(package_manifest.__file__), *sorted(kinds_dir.glob("*.py")),
+    return [kinds_dir.parent / "convert.py", kinds_dir.parent / "precisions.py", Path(package_manifest.__file__),
+            *sorted(kinds_dir.glob("*.py")),
             *sorted(models_dir.glob("*.py"))]
 
 
