@@ -56,18 +56,20 @@ COMPRESSED = ("int4-b32", "palette4-gc32")  # open time only: a linear and a pal
 # --- conversion, one kind per interpreter -----------------------------------------------------
 
 
-def convert_child(bundle: str, out: str, kind: str) -> None:
+def convert_child(bundle: str, out: str, kind: str, precision: str = "fp32") -> None:
     from coreml.convert import export_coreml
+    from coreml.kinds.export import Conversion
 
-    start = time.perf_counter()
-    manifests = export_coreml(bundle, out, kinds=(kind,), context=CONTEXT)
-    seconds = time.perf_counter() - start
-    result = {"seconds": seconds, "peak_mib": peak_rss_mib(), "package_bytes": manifests[kind]["package_bytes"]}
+    start, cpu = time.perf_counter(), time.process_time()
+    manifests = export_coreml(bundle, out, kinds=(kind,), context=CONTEXT, conversion=Conversion(precision))
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
+    result = {"seconds": seconds, "cpu_seconds": cpu_seconds, "peak_mib": peak_rss_mib(),
+              "package_bytes": manifests[kind]["package_bytes"]}
     print(RESULT_MARK + json.dumps(result))
 
 
-def convert(bundle: Path, out: Path, kind: str, log) -> dict:
-    command = [sys.executable, __file__, "--convert", str(bundle), str(out), kind]
+def convert(bundle: Path, out: Path, kind: str, log, precision: str = "fp32") -> dict:
+    command = [sys.executable, __file__, "--convert", str(bundle), str(out), kind, precision]
     done = subprocess.run(command, stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_MARK)]
@@ -234,7 +236,7 @@ def print_report(models: dict[str, dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--convert", nargs=3, metavar=("BUNDLE", "OUT", "KIND"), help=argparse.SUPPRESS)
+    parser.add_argument("--convert", nargs=4, metavar=("BUNDLE", "OUT", "KIND", "PRECISION"), help=argparse.SUPPRESS)
     parser.add_argument("--models", nargs="+", choices=("fixture", "smollm2"), default=["fixture", "smollm2"])
     parser.add_argument("--kinds", nargs="+", choices=list(KINDS), default=list(KINDS))
     parser.add_argument("--repeats", type=int, default=3)

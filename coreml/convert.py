@@ -3,11 +3,11 @@ exporters of the requested kinds (`coreml.kinds`, one module each) into one atom
 """
 
 from collections.abc import Callable, Iterable
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from coreml.kinds import KINDS, UnknownKind
-from coreml.kinds.export import Reference, reference_for_export
+from coreml.kinds.export import Conversion, Reference, reference_for_export
 from manifests.identity import Manifest, artifact_source, load_manifest
 from manifests.output import refuse_existing, staged_output
 from pipeline.ground.workers import run_in_workers
@@ -29,13 +29,15 @@ def export_coreml(
     context: int | None = None,
     progress: Callable[[str], None] | None = None,
     jobs: int = 1,
+    conversion: Conversion = Conversion(),
 ) -> dict[str, Manifest]:
     """Convert the bundle at `bundle_dir` into `out_dir/<kind>/` packages; manifests by kind.
 
     The bundle is verified (hashes included) before anything is built from it; the whole
     output appears at once (temp sibling + rename) or not at all. `context` caps the
     package context below the model's max_position_embeddings. `jobs` > 1 converts that
-    many kinds at a time, each in a worker process (`_kinds_in_workers`).
+    many kinds at a time, each in a worker process (`_kinds_in_workers`). `conversion` names the
+    precision and the model transform every kind traces (`coreml.kinds.export.Conversion`).
     """
     kinds, out_dir = tuple(kinds), Path(out_dir)
     unknown = [k for k in kinds if k not in KINDS]
@@ -44,31 +46,34 @@ def export_coreml(
     step = progress or (lambda stage: None)
     refuse_existing(out_dir, force)
     step("verify the bundle and build the reference model")
-    ref = reference_for_export(Path(bundle_dir), context)
+    ref = reference_for_export(Path(bundle_dir), context, conversion)
     with staged_output(out_dir, force) as staging:
         if jobs > 1 and len(kinds) > 1:
             del ref  # each worker builds its own; this one's weights need not sit here meanwhile
-            _kinds_in_workers(kinds, Path(bundle_dir), staging, out_dir, context, jobs, step)
+            _kinds_in_workers(kinds, Path(bundle_dir), staging, out_dir, context, jobs, step, conversion)
         else:
             for kind in kinds:
-                _export(ref, kind, staging, out_dir, step)
+                _export(ref, kind, staging, out_dir, step, conversion)
     return {kind: Manifest(out_dir / kind, load_manifest(out_dir / kind)) for kind in kinds}
 
 
-def _export(ref: Reference, kind: str, staging: Path, out_dir: Path, step: Callable[[str], None]) -> None:
-    # A package's source record takes its relative path from its final folder, not the staging one.
-    KINDS[kind].export(replace(ref, source=artifact_source(ref.bundle_dir, relative_to=out_dir / kind)),
-                       staging / kind, step)
+def _export(ref: Reference, kind: str, staging: Path, out_dir: Path, step: Callable[[str], None],
+            conversion: Conversion) -> None:
+    # A package's records take their relative paths from its final folder, not the staging one.
+    final = out_dir / kind
+    KINDS[kind].export(replace(ref, source=artifact_source(ref.bundle_dir, relative_to=final),
+                               numerics=conversion.record(final)), staging / kind, step)
 
 
 def _kinds_in_workers(kinds: tuple[str, ...], bundle_dir: Path, staging: Path, out_dir: Path, context: int | None,
-                      jobs: int, step: Callable[[str], None]) -> None:
+                      jobs: int, step: Callable[[str], None], conversion: Conversion = Conversion()) -> None:
     """The kinds converted by `jobs` worker processes (`pipeline.ground.workers`), each with a
     1/jobs share of the cores, the longest first (the kind of most export steps: stateful,
     half the total on SmolLM2). Tracing, coremltools' MIL passes and saving run mostly on one
     core, so two workers take about the longest kind's time instead of the sum. Each worker
     verifies the bundle and builds its reference model once: kind names in, package folders out."""
-    setup = {"bundle": str(bundle_dir), "context": context, "staging": str(staging), "out_dir": str(out_dir)}
+    setup = {"bundle": str(bundle_dir), "context": context, "staging": str(staging), "out_dir": str(out_dir),
+             "conversion": asdict(conversion)}
     longest_first = sorted(kinds, key=lambda kind: -KINDS[kind].steps)
     run_in_workers("coreml.convert:conversion_worker", setup, longest_first, jobs, where=out_dir,
                    done=lambda kind, _: step(f"{kind}: converted"))
@@ -76,9 +81,10 @@ def _kinds_in_workers(kinds: tuple[str, ...], bundle_dir: Path, staging: Path, o
 
 def conversion_worker(setup: dict) -> Callable[[str], str]:
     """A worker of `_kinds_in_workers`: each kind it is given, exported into the staging folder."""
-    ref = reference_for_export(Path(setup["bundle"]), setup["context"])
+    conversion = Conversion(**setup["conversion"])
+    ref = reference_for_export(Path(setup["bundle"]), setup["context"], conversion)
 
     def convert(kind: str) -> str:
-        _export(ref, kind, Path(setup["staging"]), Path(setup["out_dir"]), lambda stage: None)
+        _export(ref, kind, Path(setup["staging"]), Path(setup["out_dir"]), lambda stage: None, conversion)
         return kind
     return convert

@@ -4,7 +4,9 @@ A manifest is a claim; `Model.mlmodel` (and the `weight.bin` blob headers it poi
 the artifact's own statement. `check_package` compares every claim the program states too:
 the functions and default function, each function's inputs, outputs and states (names,
 dtypes, shapes, the flexible token range), the context and cache shape, the vocabulary, the
-compute precision, each recorded weight's producer and dtype, every blob header against the
+compute precision and precision (the dtype of every arithmetic op, the ops kept in float32 and
+why they may be, the float I/O dtype, compute units the precision allows), each recorded
+weight's producer and dtype, every blob header against the
 type the program declares for it, the op histogram, and the kind and bundle the program's
 metadata name. A difference is an IdentityError naming the manifest field and both values.
 
@@ -20,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from coreml.mil.errors import MilError
+from coreml.precisions import package_precision, positional_values
 from coreml.mil.loader import (
     BlobStorage,
     FeatureSpec,
@@ -51,6 +54,9 @@ class ProgramFunction:
     results: dict[str, TensorSpec | None]  # output name -> type of the variable the block returns
     producers: dict[str, tuple[str, TensorSpec | None]] = field(default_factory=dict)  # var -> (op type, type)
     ops: Counter = field(default_factory=Counter)
+    # (op type, reads, writes, reads by input key, the type of each input key's first argument), in program order
+    graph: list[tuple[str, list[str], list[str], dict[str, list[str]], dict[str, TensorSpec | None]]] = field(
+        default_factory=list)
 
 
 @dataclass
@@ -66,6 +72,13 @@ def _walk(block, where: str, function: ProgramFunction, blobs: list) -> None:
     for op in block.operations:
         function.ops[op.type] += 1
         at = f"{where}, op {op.type}"
+        keyed = {key: [b.name for b in arg.arguments if b.WhichOneof("binding") == "name"]
+                 for key, arg in op.inputs.items()}
+        types = {key: (function.producers.get(arg.arguments[0].name, (None, None))[1]
+                       if arg.arguments[0].WhichOneof("binding") == "name" else tensor_spec(arg.arguments[0].value.type, at))
+                 for key, arg in op.inputs.items() if arg.arguments}
+        function.graph.append((op.type, [n for names in keyed.values() for n in names], [o.name for o in op.outputs],
+                               keyed, types))
         for output in op.outputs:
             function.producers[output.name] = (op.type, tensor_spec(output.type, at))
         for value in op.attributes.values():
@@ -206,13 +219,57 @@ def _context(claims: _Claims, block: dict, architecture: dict) -> None:
                         "the program's logits")
 
 
+def _arithmetic(function: ProgramFunction, dtype: str) -> dict[str, str]:
+    """Result name -> op type of the function's arithmetic ops whose result is `dtype`."""
+    return {var: op for var, (op, spec) in function.producers.items()
+            if spec is not None and spec.dtype.name == dtype and op not in STORAGE_OPS
+            and not op.startswith("constexpr_")}
+
+
+def _positional(function: ProgramFunction) -> set[str]:
+    constants = {var for var, (op, _) in function.producers.items() if op == "const"}
+    return positional_values(function.graph, constants)
+
+
+def kept_fp32_ops(program: Program) -> dict[str, dict[str, int]]:
+    """Per function, op type -> count of the float32 arithmetic ops of a program that computes in
+    fp16 (none for a program without fp16 arithmetic, where float32 is simply its precision)."""
+    if not any(_arithmetic(f, "fp16") for f in program.functions.values()):
+        return {}
+    return {name: dict(sorted(Counter(_arithmetic(f, "fp32").values()).items()))
+            for name, f in program.functions.items()}
+
+
 def _precision(claims: _Claims, block: dict) -> None:
-    arithmetic = sorted({op for f in claims.program.functions.values() for op, spec in f.producers.values()
-                         if spec is not None and spec.dtype.name == "fp16"
-                         and op not in STORAGE_OPS and not op.startswith("constexpr_")})
+    functions = claims.program.functions
+    arithmetic = sorted({op for f in functions.values() for op in _arithmetic(f, "fp16").values()})
     stated = "float16" if arithmetic else "float32"
     claims.same("package.compute_precision", block["compute_precision"], stated,
                 f"the program (fp16 results of {arithmetic})" if arithmetic else "the program (no fp16 arithmetic)")
+    unit = package_precision(block, claims.where)
+    claims.same("package.precision", unit.compute_precision, block["compute_precision"],
+                f"package.compute_precision, which the program states")
+    units = block.get("compute_units", unit.compute_units)
+    if units not in unit.allowed_compute_units:
+        raise IdentityError(f"{claims.where}: field 'package.compute_units' is {units!r}, which a {unit.name} "
+                            f"package cannot run on; it may claim {list(unit.allowed_compute_units)}")
+    for kind in ("inputs", "outputs"):
+        for feature in block[kind]:
+            if feature["dtype"].startswith("float"):
+                claims.same(f"package.{kind}[{feature['name']}].dtype", feature["dtype"], unit.float_dtype,
+                            f"the float dtype of precision {unit.name!r}")
+    if stated == "float16":
+        for name, function in functions.items():
+            positional = _positional(function)
+            stray = {var: op for var, op in _arithmetic(function, "fp32").items() if var not in positional}
+            if stray:
+                raise IdentityError(
+                    f"{claims.where}: the program ({claims.program.spec_path}) computes in fp16 but function {name} "
+                    f"keeps {len(stray)} ops in float32 that read activations, e.g. {sorted(stray.items())[:3]}; "
+                    "only the positional subgraph may stay float32 (coreml.precisions.positional_values)")
+    kept = kept_fp32_ops(claims.program)
+    claims.same("package.fp32_ops.ops", block.get("fp32_ops", {}).get("ops", {}),
+                kept if any(kept.values()) else {}, "the program's float32 arithmetic ops")
 
 
 def _producer(claims: _Claims, var: str) -> tuple[str | None, TensorSpec | None]:
@@ -223,9 +280,10 @@ def _producer(claims: _Claims, var: str) -> tuple[str | None, TensorSpec | None]
 
 
 def _weights(claims: _Claims, manifest: dict) -> None:
-    """Each recorded weight is produced as recorded: a plain fp32 const, or the compression op
-    the selection names, with the recorded shape, feeding fp32 to its consumers."""
+    """Each recorded weight is produced as recorded: a plain const, or the compression op the
+    selection names, with the recorded shape, feeding the precision's float dtype to its consumers."""
     selection = manifest.get("selection", {}).get("weights", {})
+    unit = package_precision(manifest["package"], claims.where)
     for name in manifest["package"].get("weights", {}):
         entry = selection.get(name)
         if entry is not None and entry["compressed"]:
@@ -237,7 +295,7 @@ def _weights(claims: _Claims, manifest: dict) -> None:
             raise IdentityError(f"{claims.where}: field '{at}.compressed_as' is {var!r}, not a variable name")
         stated_op, spec = _producer(claims, var)
         claims.same(f"{at} (producer of {var})", op, stated_op)
-        claims.same(f"{at} (dtype of {var})", "float32", _dtype_name(spec.dtype) if spec else None)
+        claims.same(f"{at} (dtype of {var})", unit.float_dtype, _dtype_name(spec.dtype) if spec else None)
         if entry is not None:
             claims.same(f"{at}.shape", entry.get("shape"), list(spec.shape) if spec else None)
 

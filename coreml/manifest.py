@@ -109,6 +109,18 @@ def check_tokenizer(path: Path, manifest: dict) -> None:
                                 f"{upstream} records tokenizer sha256 {recorded}")
 
 
+def check_preflight(path: Path, manifest: dict) -> None:
+    """The preflight report an fp16 package's manifest binds (`numerics.preflight`) is, where it
+    is at hand, the report by sha256; a package copied without it (a release) still verifies."""
+    record = manifest.get("numerics", {}).get("preflight")
+    if record is None:
+        return
+    report = path / record["path"]
+    if report.is_file() and sha256_file(report) != record["sha256"]:
+        raise IdentityError(f"{path / MANIFEST_NAME}: field 'numerics.preflight.sha256' is {record['sha256']}, but "
+                            f"{report} has sha256 {sha256_file(report)}")
+
+
 def write_package_manifest(package_dir: Path, fields: dict) -> Manifest:
     """Complete `fields` with what the saved program says about itself; status goes last.
 
@@ -142,5 +154,6 @@ def verify_package(path: str | Path, hashes: bool = True) -> Manifest:
         )
     check_files(path, manifest["files"], hashes=hashes)
     check_tokenizer(path, manifest)
+    check_preflight(path, manifest)
     crosscheck.check_package(path, manifest, from_bundle=manifest["format"] == COREML_FORMAT)
     return Manifest(path, manifest)

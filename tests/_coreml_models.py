@@ -60,3 +60,17 @@ def make_bundle(root: Path, seed: int = 0) -> Path:
     write_cmf(cmf, arch=ARCH, tensors=[(n, w, "f32") for n, w in random_weights(seed).items()])
     export_bundle(cmf, root / "bundle")
     return root / "bundle"
+
+
+def doubled_final_norm(model, args, mitigations):
+    """A conversion transform for the tests (`Conversion.transform`): the model with its final
+    norm's weight doubled, so every logit doubles: a package traced from it is told apart from
+    one traced from the reference. `mitigations` is the record the conversion hands over."""
+    import copy
+
+    import torch
+
+    changed = copy.deepcopy(model)
+    with torch.no_grad():
+        changed.model.norm.weight.mul_(2.0)
+    return changed

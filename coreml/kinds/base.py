@@ -26,6 +26,7 @@ from pipeline.ground.errors import CmfdeployError
 if TYPE_CHECKING:
     from torch import nn
 
+    from coreml.precisions import Precision
     from coreml.kinds.cache_runner import CacheRunner
     from coreml.kinds.export import Reference
     from manifests.identity import Manifest
@@ -56,9 +57,6 @@ class PackageKind(ABC):
     name: str
     # One line for the package's Core ML description and the release page.
     description: str
-    # The dtype of the K/V cache the package carries (inputs/outputs or state); None for a
-    # kind without a cache. The gates' intended-numerics reference rounds its cache to it.
-    cache_dtype: type[np.floating] | None = None
     # How many times `export` calls its `step` (the conversion's progress bar).
     steps: int
     # Drives a saved package chunk by chunk through cache snapshots (coreml.runner); None for
@@ -67,11 +65,19 @@ class PackageKind(ABC):
     # Arguments RELEASE.md's Python example adds to `ct.models.MLModel(path...)`.
     snippet_model_arguments: str = ""
 
+    def cache_dtype(self, precision: Precision) -> type[np.floating] | None:
+        """The dtype of the K/V cache a package of this kind and `precision` carries (inputs/outputs
+        or state); None for a kind without a cache. The gates' intended-numerics reference rounds
+        its cache to it, and the kind's runner feeds it."""
+        return None
+
     def interface(self, ref: Reference) -> dict:
         """The manifest's `package` block: features by name, dtype, shape and meaning.
 
         `"T"` in a shape is the flexible token count, with its range under `dims` (and per
         function for a kind whose functions fix it). Kinds with more features extend this block.
+        Float features are in the precision's float dtype; `compute_units` is the package's
+        intended target (what the ANE check, `coreml.ane`, grants is a separate verdict).
         """
         from coreml.manifest import MODEL_NAME
 
@@ -80,13 +86,19 @@ class PackageKind(ABC):
             "kind": self.name,
             "context": ref.context,
             "chunk": None,
-            "compute_precision": "float32",
+            "compute_precision": ref.precision.compute_precision,
+            "precision": ref.precision.name,
+            "compute_units": ref.precision.compute_units,
             "minimum_deployment_target": "iOS18",
             "dims": {"T": [1, ref.context]},
             "inputs": [feature("input_ids", "int32", [1, "T"], "token ids")],
-            "outputs": [feature("logits", "float32", [1, "T", ref.args.vocab_size],
+            "outputs": [feature("logits", ref.precision.float_dtype, [1, "T", ref.args.vocab_size],
                                 "next-token logits at each input position")],
         }
+
+    def description_for(self, precision: Precision) -> str:
+        """The package's Core ML description at `precision` (FP32's is `description` unchanged)."""
+        return self.description
 
     @abstractmethod
     def graph(self, ref: Reference) -> nn.Module:

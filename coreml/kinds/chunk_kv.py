@@ -21,17 +21,19 @@ if TYPE_CHECKING:
     from torch import nn
 
     from coreml.kinds.export import Reference
+    from coreml.precisions import Precision
     from manifests.identity import Manifest
 
 
 class ChunkKVRunner(CacheRunner):
-    """Feeds a chunk-KV package: `run(snapshot, ids)` returns logits and the next snapshot."""
-
-    cache_dtype = np.float32
+    """Feeds a chunk-KV package: `run(snapshot, ids)` returns logits and the next snapshot, with
+    caches in the dtype the package's interface declares (float32, or float16 at fp16)."""
 
     def __init__(self, package):
+        cache = package_features(package, "inputs", "chunk_kv")["key_cache"]
         self.package = package
-        self.cache_shape = tuple(package_features(package, "inputs", "chunk_kv")["key_cache"]["shape"])
+        self.cache_shape = tuple(cache["shape"])
+        self.cache_dtype = np.dtype(cache["dtype"]).type
 
     def run(self, snapshot: KVSnapshot, ids) -> tuple[np.ndarray, KVSnapshot]:
         feed, end = self._feed(snapshot, ids)
@@ -56,17 +58,22 @@ class ChunkKVRunner(CacheRunner):
 class ChunkKV(PackageKind):
     name = "chunk_kv"
     description = "Chunk-KV decoder: tokens at an absolute position, KV cache passed in and out as float32"
-    cache_dtype = np.float32
     steps = 3
     runner = ChunkKVRunner
 
+    def cache_dtype(self, precision: Precision) -> type[np.floating]:
+        return precision.numpy_dtype.type
+
+    def description_for(self, precision: Precision) -> str:
+        return self.description.replace("float32", precision.float_dtype)
+
     def interface(self, ref: Reference) -> dict:
-        block, cache = super().interface(ref), list(ref.cache_shape)
-        block["inputs"] += [position_feature(), feature("key_cache", "float32", cache, f"keys {CACHE_MEANING}"),
-                            feature("value_cache", "float32", cache, f"values {CACHE_MEANING}")]
+        block, cache, dtype = super().interface(ref), list(ref.cache_shape), ref.precision.float_dtype
+        block["inputs"] += [position_feature(), feature("key_cache", dtype, cache, f"keys {CACHE_MEANING}"),
+                            feature("value_cache", dtype, cache, f"values {CACHE_MEANING}")]
         block["outputs"] += [
-            feature("new_key_cache", "float32", cache, "key_cache with slots position..position+T-1 written"),
-            feature("new_value_cache", "float32", cache, "value_cache with slots position..position+T-1 written"),
+            feature("new_key_cache", dtype, cache, "key_cache with slots position..position+T-1 written"),
+            feature("new_value_cache", dtype, cache, "value_cache with slots position..position+T-1 written"),
         ]
         return block
 
@@ -80,20 +87,22 @@ class ChunkKV(PackageKind):
         import torch
 
         from coreml.kinds.export import (TRACE_LENGTH, example_ids, position_tensor, save_single, trace_module,
-                                         check_chunk_schedules)
+                                         check_chunk_schedules, traced_check_record)
 
         start = time.perf_counter()
         step("chunk_kv: trace and check schedules")
         zeros = torch.zeros(ref.cache_shape)
         example = (example_ids(ref.args.vocab_size, TRACE_LENGTH, 0), position_tensor(3), zeros, zeros)
         traced = trace_module(self.graph(ref), example)
-        checks = {"schedules_vs_reference_max_abs": check_chunk_schedules(traced, ref), "tolerance": ref.tolerance}
-        return save_single(ref, package_dir, step, traced, self.interface(ref), self.description, checks, start)
+        checks = {"schedules_vs_reference_max_abs": check_chunk_schedules(traced, ref), "tolerance": ref.tolerance,
+                  **traced_check_record(ref.precision)}
+        return save_single(ref, package_dir, step, traced, self.interface(ref), self.description_for(ref.precision),
+                           checks, start)
 
     def snippet(self, interface: dict) -> list[str]:
-        shape = next(f["shape"] for f in interface["inputs"] if f["name"] == "key_cache")
+        cache = next(f for f in interface["inputs"] if f["name"] == "key_cache")
         return [
-            f"cache = np.zeros({tuple(shape)}, dtype=np.float32)  # (layer, batch, kv_head, slot, head_dim)",
+            f"cache = np.zeros({tuple(cache['shape'])}, dtype=np.{cache['dtype']})  # (layer, batch, kv_head, slot, head_dim)",
             "inputs.update(position=np.array([0], dtype=np.int32), key_cache=cache, value_cache=cache)",
             "out = model.predict(inputs)  # out['new_key_cache'], out['new_value_cache'] feed the next call",
         ]

@@ -6,9 +6,10 @@ Every kind is traced from the same reference model (`pipeline.ground.models`), n
 second implementation, and a graph that fails its check is refused, never shipped.
 """
 
+import importlib
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
@@ -20,7 +21,8 @@ from torch import nn
 from coreml import crosscheck
 from coreml import manifest as package_manifest
 from coreml.mil import load_program
-from manifests.identity import Manifest, artifact_source, load_manifest, sha256_bytes
+from coreml.precisions import FP32, POSITIONAL_REASON, Precision, precision
+from manifests.identity import Manifest, artifact_source, load_manifest, relative_path, sha256_bytes, sha256_file
 from pipeline.ground.errors import CmfdeployError, UnsupportedModel
 from pipeline.ground.models import KVCache, ModelArgs, build_model
 from pipeline.ground.models.numerics import model_cache_bound, model_logits_bound
@@ -49,8 +51,40 @@ class ScheduleMismatch(CmfdeployError):
 
 
 @dataclass(frozen=True)
+class Conversion:
+    """What a conversion builds beyond the bundle, as JSON (it travels to conversion workers).
+
+    `precision` names a unit of coreml.precisions. `transform` is a "module:function" called as
+    `function(model, args, mitigations) -> nn.Module`: the model every kind traces instead of the
+    reference itself (the fp16 preflight's mitigations, keeping the FP32 function); None traces
+    the reference. `mitigations` is the record handed to it and written to each manifest;
+    `preflight` the report that chose them, bound by sha256.
+    """
+
+    precision: str = "fp32"
+    transform: str | None = None
+    mitigations: dict | None = None
+    preflight: str | None = None
+
+    def record(self, package_dir: Path) -> dict:
+        """The manifest's `numerics` record for a package whose final folder is `package_dir`
+        (empty for a plain FP32 conversion)."""
+        record = {}
+        if self.transform is not None:
+            record["mitigations"] = {"transform": self.transform, "record": self.mitigations}
+        if self.preflight is not None:
+            report = Path(self.preflight)
+            record["preflight"] = {"path": relative_path(report, package_dir), "sha256": sha256_file(report)}
+        return record
+
+
+@dataclass(frozen=True)
 class Reference:
-    """The bundle's reference model and what a package must record about it."""
+    """The bundle's reference model and what a package must record about it.
+
+    `model` is what every kind traces: the bundle's reference decoder, or the conversion's
+    transform of it (`Conversion.transform`); the checks before conversion compare a trace with it.
+    """
 
     bundle_dir: Path
     args: ModelArgs
@@ -58,6 +92,8 @@ class Reference:
     context: int
     bundle_manifest: dict
     source: dict  # the manifest's `source` record: the bundle, by manifest sha256
+    precision: Precision = FP32
+    numerics: dict = field(default_factory=dict)  # the manifest's `numerics` record (Conversion.record)
 
     @property
     def cache_shape(self) -> tuple[int, ...]:
@@ -77,8 +113,10 @@ class Reference:
         return model_cache_bound(self.model, self.context, probable=True)
 
 
-def reference_for_export(bundle_dir: Path, context: int | None = None) -> Reference:
-    """Verify the bundle (hashes included) and build its reference model.
+def reference_for_export(bundle_dir: Path, context: int | None = None,
+                         conversion: Conversion = Conversion()) -> Reference:
+    """Verify the bundle (hashes included) and build its reference model (transformed as
+    `conversion` says).
 
     Core ML packages here are dense decoders of full- and sliding-attention layers: anything
     else is refused by name before tracing.
@@ -96,9 +134,12 @@ def reference_for_export(bundle_dir: Path, context: int | None = None) -> Refere
         raise UnsupportedModel(
             f"{where}: context {context} is outside 1..arch.max_position_embeddings {args.max_position_embeddings}"
         )
-    return Reference(
-        bundle_dir, args, model.eval(), context, load_manifest(bundle_dir), artifact_source(bundle_dir)
-    )
+    unit = precision(conversion.precision)
+    if conversion.transform is not None:
+        module, _, name = conversion.transform.partition(":")
+        model = getattr(importlib.import_module(module), name)(model, args, conversion.mitigations)
+    return Reference(bundle_dir, args, model.eval(), context, load_manifest(bundle_dir), artifact_source(bundle_dir),
+                     unit)
 
 
 # --- tracing ---------------------------------------------------------------------------
@@ -205,17 +246,25 @@ def _ct_inputs(block: dict, dims: dict) -> list:
             for f in block["inputs"]]
 
 
-def convert_traced(traced, block: dict, dims: dict):
+def _ct_output(feature: dict):
+    # An fp16 output is declared (iOS16+ takes float16 multi-arrays); float32 ones are left to the
+    # converter as they always were, so an FP32 package's bytes do not change.
+    if feature["dtype"] == "float16":
+        return ct.TensorType(name=feature["name"], dtype=np.float16)
+    return ct.TensorType(name=feature["name"])
+
+
+def convert_traced(traced, block: dict, dims: dict, unit: Precision):
     states = [ct.StateType(wrapped_type=ct.TensorType(shape=tuple(f["shape"]), dtype=np.float16), name=f["name"])
               for f in block.get("states", [])]
     return ct.convert(
         traced,
         inputs=_ct_inputs(block, dims),
-        outputs=[ct.TensorType(name=f["name"]) for f in block["outputs"]],
+        outputs=[_ct_output(f) for f in block["outputs"]],
         states=states or None,
         convert_to="mlprogram",
         minimum_deployment_target=ct.target.iOS18,
-        compute_precision=ct.precision.FLOAT32,
+        compute_precision=unit.ct_compute_precision(),
     )
 
 
@@ -238,27 +287,30 @@ def describe_model(mlmodel, block: dict, ref: Reference, description: str, featu
 
 def _source_files() -> list[Path]:
     """The code a package's bytes depend on, for the manifest's digest: the conversion, the
-    kinds (this module's folder) and the reference model."""
+    precisions, the kinds (this module's folder) and the reference model (the preflight's
+    mitigations among its modules)."""
     models_dir = Path(build_model.__code__.co_filename).parent
     kinds_dir = Path(__file__).parent
-    return [kinds_dir.parent / "convert.py", Path(package_manifest.__file__), *sorted(kinds_dir.glob("*.py")),
+    return [kinds_dir.parent / "convert.py", kinds_dir.parent / "precisions.py", Path(package_manifest.__file__),
+            *sorted(kinds_dir.glob("*.py")),
             *sorted(models_dir.glob("*.py"))]
 
 
-def weight_names(mlpackage: Path, model: nn.Module) -> dict[str, list[str]]:
-    """Program constant name -> the HF tensor names whose float32 bytes it holds exactly.
+def weight_names(mlpackage: Path, model: nn.Module, dtype: np.dtype = np.dtype(np.float32)) -> dict[str, list[str]]:
+    """Program constant name -> the HF tensor names whose bytes, in the package's float `dtype`
+    (float32, or float16 rounded to nearest as the converter rounds them), it holds exactly.
 
     Compression recipes select by these names, and reports and tests map decompressed
     constants back onto the reference model through them.
     """
     by_bytes: dict[str, list[str]] = {}
     for name, tensor in model.state_dict().items():
-        by_bytes.setdefault(sha256_bytes(tensor.numpy().astype(np.float32).tobytes()), []).append(name)
+        by_bytes.setdefault(sha256_bytes(tensor.float().numpy().astype(dtype).tobytes()), []).append(name)
     names = {}
     for function in load_program(mlpackage).functions.values():
         for op in function.block.operations:
             value = op.attributes.get("val") if op.type == "const" else None
-            if isinstance(value, np.ndarray) and value.dtype == np.float32 and value.ndim:
+            if isinstance(value, np.ndarray) and value.dtype == dtype and value.ndim:
                 if found := by_bytes.get(sha256_bytes(np.ascontiguousarray(value).tobytes())):
                     names[op.outputs[0][0]] = sorted(found)
     return dict(sorted(names.items()))
@@ -273,12 +325,15 @@ def sliding_window_record(args: ModelArgs) -> dict:
 
 def finish_package(package_dir: Path, ref: Reference, block: dict, checks: dict, seconds: float) -> Manifest:
     mlpackage = package_dir / package_manifest.MODEL_NAME
-    block = {**block, "weights": weight_names(mlpackage, ref.model)}
+    block = {**block, "weights": weight_names(mlpackage, ref.model, ref.precision.numpy_dtype),
+             "fp32_ops": kept_fp32_record(mlpackage)}
     if "SlidingAttention" in ref.args.layer_types:
         checks = {**checks, "sliding_window": sliding_window_record(ref.args)}
+    numerics = ref.numerics
     return package_manifest.write_package_manifest(
         package_dir,
         {
+            **({"numerics": numerics} if numerics else {}),
             "format": package_manifest.COREML_FORMAT,
             "source": ref.source,
             "architecture": ref.bundle_manifest["architecture"],
@@ -292,12 +347,34 @@ def finish_package(package_dir: Path, ref: Reference, block: dict, checks: dict,
     )
 
 
+def traced_check_record(unit: Precision) -> dict:
+    """What the checks before conversion compared, for the manifest's `checks` of a package that
+    does not compute in float32 (nothing is added at FP32, whose checks say it by their name)."""
+    if unit.compute_precision == "float32":
+        return {}
+    return {"checked_against": (
+        "the traced graph, run in torch float32, against the model it traces (the reference, or its "
+        "transform: Conversion.transform) within FP32's bound: a tracing fault (a baked-in length, "
+        "a wrong slot) shows there; the converted program's " + unit.name + " numerics are not checked "
+        "here but by the gates, on the executor against the " + unit.name + " reference")}
+
+
+def kept_fp32_record(mlpackage: Path) -> dict:
+    """The manifest's `package.fp32_ops`: the float32 arithmetic ops of a program that computes
+    in fp16, per function and op type, all of them positional (`coreml.crosscheck.kept_fp32_ops`),
+    with the reason; empty for a float32 program."""
+    kept = crosscheck.kept_fp32_ops(crosscheck.read_program(mlpackage))
+    if not any(kept.values()):
+        return {}
+    return {"ops": kept, "reason": POSITIONAL_REASON}
+
+
 def save_single(ref: Reference, package_dir: Path, step: Callable[[str], None], traced, block: dict,
                  description: str, checks: dict, start: float) -> Manifest:
     """A single-function package: `traced` converted with interface `block`, described and
     saved with its manifest (`start`: when its export began, by time.perf_counter)."""
     step(f"{block['kind']}: convert")
-    mlmodel = convert_traced(traced, block, block["dims"])
+    mlmodel = convert_traced(traced, block, block["dims"], ref.precision)
     describe_model(mlmodel, block, ref, description)
     step(f"{block['kind']}: save")
     package_dir.mkdir(parents=True)

@@ -1,5 +1,9 @@
 """The stateful package: the K/V cache kept as Core ML state (fp16, as Core ML requires), with
-a `prefill` (flexible T) and a `decode` (T=1) function in one multifunction package."""
+a `prefill` (flexible T) and a `decode` (T=1) function in one multifunction package.
+
+At FP32 the saved package is run on the executor against the fp16-cache torch graph (`measure`).
+At a precision below float32 each traced function is checked instead, in torch, against that
+graph (`check_traced`): the package's own numerics are then the gates' to judge."""
 
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from coreml.kinds.export import Reference
+    from coreml.precisions import Precision
     from manifests.identity import Manifest
 
 
@@ -59,9 +64,14 @@ class Stateful(PackageKind):
     name = "stateful"
     description = ("Stateful decoder: fp16 KV cache as Core ML state; prefill (1..context tokens) "
                    "and decode (1 token)")
-    cache_dtype = np.float16
     steps = 4
     runner = StatefulRunner
+    # Schedules the traced decode function (T=1) is checked on, as (first position, chunks): from
+    # the start and up to the last slot.
+    DECODE_CHECKS = ((0, (1, 1, 1, 1)), (-3, (1, 1, 1)))
+
+    def cache_dtype(self, precision: Precision) -> type[np.floating]:
+        return np.float16  # Core ML states are fp16 at every precision
     snippet_model_arguments = ', function_name="prefill"'
 
     def interface(self, ref: Reference) -> dict:
@@ -104,22 +114,32 @@ class Stateful(PackageKind):
         from coreml.manifest import MODEL_NAME
         from coreml.multifunction import merge_functions
 
+        from coreml.kinds.export import traced_check_record
+
         start = time.perf_counter()
         block = self.interface(ref)
         package_dir.mkdir(parents=True)
+        traced_errors: dict[str, dict[str, float]] = {}
         with tempfile.TemporaryDirectory(dir=package_dir.parent) as scratch:
-            functions = self.convert_functions(ref, Path(scratch), step)
+            functions = self.convert_functions(ref, Path(scratch), step, traced_errors)
             step("stateful: save multifunction")
             mlmodel = merge_functions(functions, block["default_function"])
             describe_model(mlmodel, block, ref, self.description, features=False)
             mlmodel.save(str(package_dir / MODEL_NAME))
-        step("stateful: measure the fp16-cache error")
-        checks = self.measure(package_dir / MODEL_NAME, ref)
+        if ref.precision.compute_precision == "float32":
+            step("stateful: measure the fp16-cache error")
+            checks = self.measure(package_dir / MODEL_NAME, ref)
+        else:
+            step("stateful: record the checks of the traced functions")
+            checks = {"traced_vs_fp16_cache_graph_max_abs": traced_errors, "tolerance": ref.tolerance,
+                      "cache_tolerance": ref.cache_tolerance, **traced_check_record(ref.precision)}
         return finish_package(package_dir, ref, block, checks, time.perf_counter() - start)
 
-    def convert_functions(self, ref: Reference, folder: Path, step: Callable[[str], None]) -> dict[str, Path]:
+    def convert_functions(self, ref: Reference, folder: Path, step: Callable[[str], None],
+                          traced_errors: dict | None = None) -> dict[str, Path]:
         """The package's functions, each converted and saved as a single-function package
-        `folder/<name>.mlpackage`; paths by function name, in the block's order."""
+        `folder/<name>.mlpackage`; paths by function name, in the block's order. Below float32,
+        each traced function is checked first (`check_traced`), its errors put in `traced_errors`."""
         block = self.interface(ref)
         paths = {}
         for name, function in block["functions"].items():
@@ -127,17 +147,64 @@ class Stateful(PackageKind):
             paths[name] = folder / f"{name}.mlpackage"
             # In a function of its own, so the traced graph and converted program are freed
             # before the next function is traced.
-            self._save_function(ref, block, function["dims"], paths[name])
+            errors = self._save_function(ref, block, name, function["dims"], paths[name])
+            if traced_errors is not None and errors is not None:
+                traced_errors[name] = errors
         return paths
 
-    def _save_function(self, ref: Reference, block: dict, dims: dict, path: Path) -> None:
-        from coreml.kinds.export import TRACE_LENGTH, convert_traced, describe_model, example_ids, position_tensor, trace_module
+    def _save_function(self, ref: Reference, block: dict, name: str, dims: dict, path: Path) -> dict | None:
+        from coreml.kinds.export import (CHECK_SCHEDULES, TRACE_LENGTH, convert_traced, describe_model, example_ids,
+                                         position_tensor, trace_module)
 
         length = min(TRACE_LENGTH, dims["T"][1])
         traced = trace_module(self.graph(ref), (example_ids(ref.args.vocab_size, length, 0), position_tensor(3)))
-        mlmodel = convert_traced(traced, block, dims)
+        errors = None
+        if ref.precision.compute_precision != "float32":
+            checks = self.DECODE_CHECKS if dims["T"][1] == 1 else tuple((0, s) for s in CHECK_SCHEDULES)
+            errors = self.check_traced(traced, ref, name, checks)
+        mlmodel = convert_traced(traced, block, dims, ref.precision)
         describe_model(mlmodel, block, ref, self.description)
         mlmodel.save(str(path))
+        return errors
+
+    def check_traced(self, traced, ref: Reference, name: str, checks) -> dict[str, float]:
+        """Run traced function `name` chunk by chunk beside the eager fp16-cache graph, both in
+        torch float32 arithmetic and each chunk starting from the eager graph's caches; `checks`
+        are (first position, chunk sizes), a negative first position counted from the context's end.
+
+        Logits must agree within FP32's tolerance and the caches each wrote within FP32's cache
+        tolerance once one fp16 step is forgiven (an entry the two summation orders rounded to
+        neighbouring fp16 values), else `ScheduleMismatch`. Returns max |Δ logit| per check."""
+        import torch
+
+        from coreml.kinds.export import ScheduleMismatch, clip_schedule, example_ids, position_tensor
+
+        errors = {}
+        for index, (first, schedule) in enumerate(checks):
+            first = first % ref.context
+            schedule = clip_schedule(schedule, ref.context - first)
+            ids = example_ids(ref.args.vocab_size, sum(schedule), seed=300 + index)
+            eager = self.graph(ref)
+            logit_delta, cache_delta, offset = 0.0, 0.0, 0
+            with torch.no_grad():
+                for size in schedule:
+                    chunk, at = ids[:, offset:offset + size], position_tensor(first + offset)
+                    for buffer in ("key_cache", "value_cache"):
+                        getattr(traced, buffer).copy_(getattr(eager, buffer))
+                    got, want = traced(chunk, at), eager(chunk, at)
+                    logit_delta = max(logit_delta, float((got - want).abs().max()))
+                    for buffer in ("key_cache", "value_cache"):
+                        cache_delta = max(cache_delta, _beyond_one_fp16_step(getattr(traced, buffer).numpy(),
+                                                                             getattr(eager, buffer).numpy()))
+                    offset += size
+            label = f"{name}@{first}[" + ",".join(map(str, schedule)) + "]"
+            errors[label] = logit_delta
+            if not (logit_delta <= ref.tolerance and cache_delta <= ref.cache_tolerance):
+                raise ScheduleMismatch(
+                    f"{ref.bundle_dir}: traced stateful {name} on {label} differs from the fp16-cache torch graph "
+                    f"by max |Δ logit| {logit_delta:.3g} and max |Δ cache| beyond one fp16 step {cache_delta:.3g} "
+                    f"(tolerances {ref.tolerance:.3g}, {ref.cache_tolerance:.3g}); refusing to export")
+        return errors
 
     def measure(self, mlpackage: Path, ref: Reference) -> dict:
         """Run the saved package through the MIL executor on the check schedules.

@@ -20,7 +20,6 @@ if TYPE_CHECKING:
 class Stateless(PackageKind):
     name = "stateless"
     description = "Stateless decoder: input_ids -> logits over the whole sequence"
-    cache_dtype = None
     steps = 3
     runner = None
 
@@ -39,12 +38,14 @@ class Stateless(PackageKind):
         return StatelessGraph(ref.model, ref.args.vocab_size)
 
     def export(self, ref: Reference, package_dir: Path, step: Callable[[str], None]) -> Manifest:
-        from coreml.kinds.export import TRACE_LENGTH, example_ids, save_single, trace_module, check_stateless
+        from coreml.kinds.export import (TRACE_LENGTH, example_ids, save_single, trace_module, check_stateless,
+                                         traced_check_record)
 
         start = time.perf_counter()
         step("stateless: trace and check")
         traced = trace_module(self.graph(ref), (example_ids(ref.args.vocab_size, TRACE_LENGTH, 0),))
         checks = {"traced_vs_reference_max_abs": check_stateless(traced, ref), "tolerance": ref.tolerance}
+        checks.update(traced_check_record(ref.precision))
         return save_single(ref, package_dir, step, traced, self.interface(ref), self.description, checks, start)
 
     def snippet(self, interface: dict) -> list[str]:

@@ -5,6 +5,24 @@ executor is built; `run` then walks the remaining operations in program order, b
 by name. Every op result is cast to the dtype the program declares for it and checked against
 the declared fixed dimensions, so dtype rules (fp16 states, int32 indices, bool masks) hold
 exactly and a wrong op implementation fails at the op, not at the logits.
+
+fp16 programs (compute_precision FLOAT16) run in the accumulation model this executor emulates:
+float32 inside an op, fp16 at its boundaries. Every fp16 operand is widened to float32 before the
+op's numpy function sees it (constants once, here; activations and states at each call), the op
+computes in float32 (its sums, exp, rsqrt, matrix products: numpy's float16 loops would round
+after every element, and its float16 matmul has no BLAS path and is two orders slower), and
+`_conform` rounds the result to the fp16 the program declares, to nearest even. That is what the
+GPU does by default: Core ML keeps fp16 weights and intermediate tensors but accumulates in
+float32 unless `MLModelConfiguration.allowLowPrecisionAccumulationOnGPU` is set
+(https://developer.apple.com/documentation/coreml/mlmodelconfiguration/allowlowprecisionaccumulationongpu;
+coremltools' typed-execution guide,
+https://apple.github.io/coremltools/docs-guides/source/typed-execution.html: an FLOAT16-typed
+program's values are fp16 on every unit, an FLOAT32-typed one runs on CPU and GPU only). The
+Neural Engine's internal accumulator is not documented (public reverse engineering,
+github.com/hollance/neural-engine docs/16-bit.md, finds fp16 storage throughout); every unit
+agrees with this model at op boundaries, where the program's types are, and a gate bound
+derived from fp16's unit roundoff at each boundary plus float32 within an op is what holds for
+the GPU, the documented case.
 """
 
 from __future__ import annotations
@@ -75,6 +93,11 @@ def _op_label(op: Operation) -> str:
     return str(np.asarray(name).reshape(-1)[0]) if name is not None else "?"
 
 
+def _widened(value):
+    """An fp16 operand as float32 (exact: every fp16 value is a float32 value); others as they are."""
+    return value.astype(np.float32) if isinstance(value, np.ndarray) and value.dtype == np.float16 else value
+
+
 def _conform(value, spec: TensorSpec | None, where: str):
     """Cast an op result to its declared dtype and check the declared fixed dimensions."""
     if spec is None or spec.is_state:
@@ -102,8 +125,10 @@ class Executor:
         self.function: Function = program.functions[name]
         self.where = f"{program.path}: function {name}"
         self.constants: dict[str, object] = {}
+        self._wide_constants: dict[str, object] = {}
         self._steps: list[_Step] = []
         self._plan()
+        del self._wide_constants  # each is held by the steps that read it
         self._dead_after = self._liveness()
 
     # -- building ---------------------------------------------------------------------------
@@ -158,7 +183,8 @@ class Executor:
         dynamic = []
         for key, args in op.inputs.items():
             operands = tuple(
-                _Known(a.value) if a.name is None else _Known(self.constants[a.name]) if a.name in self.constants else a.name
+                _Known(_widened(a.value)) if a.name is None else _Known(self._wide(a.name)) if a.name in self.constants
+                else a.name
                 for a in args
             )
             if all(isinstance(o, _Known) for o in operands):
@@ -168,6 +194,12 @@ class Executor:
                 dynamic.append((key, operands, key in lists))
         rows_at_once = op.type == "linear" and [key for key, _, _ in dynamic] == ["x"]
         return _Step(op, OPS[op.type].fn, where, static, tuple(dynamic), rows_at_once)
+
+    def _wide(self, name: str):
+        """Constant `name` as the ops see it (fp16 widened to float32), made once per constant."""
+        if name not in self._wide_constants:
+            self._wide_constants[name] = _widened(self.constants[name])
+        return self._wide_constants[name]
 
     def _fold(self, step: _Step) -> None:
         if step.dynamic:
@@ -180,7 +212,7 @@ class Executor:
         kwargs = dict(step.static)
         for key, operands, is_list in step.dynamic:
             try:
-                values = tuple(o.value if isinstance(o, _Known) else env[o] for o in operands)
+                values = tuple(o.value if isinstance(o, _Known) else _widened(env[o]) for o in operands)
             except KeyError as exc:
                 raise MilError(f"{step.where}: operand {exc.args[0]!r} is not defined before its use") from None
             kwargs[key] = values if is_list else values[0]

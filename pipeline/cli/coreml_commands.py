@@ -5,6 +5,7 @@ import argparse
 from tqdm import tqdm
 
 from coreml.kinds import KINDS
+from coreml.precisions import PRECISIONS
 
 # Kinds and recipes are checked by export_coreml and compress_package (typed errors naming the
 # known ones), not by argparse choices. The recipes are not listed here: coreml.recipes would
@@ -19,6 +20,9 @@ def register(subparsers) -> None:
     convert.add_argument("--context", type=int, help="KV/flexible-length context (default: max_position_embeddings)")
     convert.add_argument("--jobs", type=int, default=1,
                          help="package kinds converted at a time, each in its own process with an equal share of the cores")
+    convert.add_argument("--precision", default="fp32",
+                         help="compute precision: " + "; ".join(f"{p.name}: {p.description}" for p in PRECISIONS.values())
+                         + " (default: fp32)")
     convert.add_argument("--force", action="store_true", help="replace an existing output")
     convert.set_defaults(func=_coreml)
 
@@ -32,6 +36,7 @@ def register(subparsers) -> None:
 
 def _coreml(args: argparse.Namespace) -> int:
     from coreml.convert import export_coreml, export_steps
+    from coreml.kinds.export import Conversion
 
     kinds = args.kinds or tuple(KINDS)
     # disable=False explicitly: the quiet CLI disables tqdm's default to silence coremltools' bars.
@@ -42,7 +47,7 @@ def _coreml(args: argparse.Namespace) -> int:
             bar.update(1)
 
         manifests = export_coreml(args.bundle, args.out, kinds, force=args.force, context=args.context,
-                                  progress=progress, jobs=args.jobs)
+                                  progress=progress, jobs=args.jobs, conversion=Conversion(args.precision))
     for kind, manifest in manifests.items():
         print(f"{kind}: {manifest.path} ({manifest['package_bytes']} bytes)")
     return 0

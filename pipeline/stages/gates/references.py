@@ -19,13 +19,15 @@ def intended_references(package_dir: Path, manifest: dict, bundle: Path) -> tupl
     from coreml.decoded import decoded_weights
     from coreml.kinds import package_kind
     from coreml.manifest import COMPRESSED_FORMAT
+    from coreml.precisions import package_precision
     from pipeline.ground.reference import load_reference
     from pipeline.ground.torch_backend import TorchBackend
 
     fp32_model, args, _ = load_reference(bundle)
     kind, context = manifest["package"]["kind"], manifest["package"]["context"]
     fp32 = TorchBackend(fp32_model, args, context)
-    cache_dtype = package_kind(kind, package_dir).cache_dtype or np.float32
+    cache_dtype = package_kind(kind, package_dir).cache_dtype(package_precision(manifest["package"], package_dir)) \
+        or np.float32
     if manifest["format"] == COMPRESSED_FORMAT:
         model, _, _ = load_reference(bundle)
         model.load_state_dict({name: torch.from_numpy(w) for name, w in decoded_weights(package_dir).items()},

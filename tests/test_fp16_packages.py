@@ -1,0 +1,170 @@
+"""fp16 packages of the default fixture (`cmfdeploy coreml --precision fp16`): what the saved
+program is typed as, what the manifest records and `verify_package` checks against it (a lie
+is refused), the runners' fp16 caches, and the transform a conversion traces instead of the
+reference. Their numerics against the fp16 reference are the gates' (not here).
+"""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from coreml.convert import export_coreml
+from coreml.crosscheck import STORAGE_OPS
+from coreml.kinds import KINDS
+from coreml.kinds.export import Conversion
+from coreml.manifest import verify_package
+from coreml.mil.loader import load_program
+from coreml.precisions import FP16, FP32, POSITIONAL_REASON, UnknownPrecision, precision
+from coreml.runner import open_package_backend
+from manifests.identity import sha256_file
+from _coreml_models import doubled_final_norm
+from pipeline.ground.errors import IdentityError
+from pipeline.ground.models.numerics import model_logits_bound
+from pipeline.ground.reference import load_reference
+
+FLOAT_INTERFACE = {"logits", "key_cache", "value_cache", "new_key_cache", "new_value_cache"}
+
+
+@pytest.fixture(scope="module")
+def fp16_packages(fixture_bundle, tmp_path_factory):
+    """chunk_kv and stateful at fp16, with a (stand-in) preflight report bound by sha256."""
+    root = tmp_path_factory.mktemp("fp16")
+    report = root / "preflight.json"
+    report.write_text(json.dumps({"stand_in": "a report the conversion binds, not read"}))
+    conversion = Conversion("fp16", preflight=str(report))
+    manifests = export_coreml(fixture_bundle, root / "packages", kinds=("chunk_kv", "stateful"), conversion=conversion)
+    return root / "packages", manifests, report
+
+
+def _copy(manifest, tmp_path):
+    copy = tmp_path / manifest.path.name
+    shutil.copytree(manifest.path, copy)
+    return copy
+
+
+def _rewrite(package, change):
+    path = package / "manifest.json"
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+
+
+def test_precisions_are_registered_units():
+    assert precision("fp32") is FP32 and precision("fp16") is FP16
+    assert (FP16.compute_precision, FP16.float_dtype, FP16.compute_units) == ("float16", "float16", "CPU_AND_NE")
+    assert FP16.default_budget == "ppl=0.5%,top1=0.99" and FP16.unit_roundoff == 2.0**-11
+    assert KINDS["chunk_kv"].cache_dtype(FP16) is np.float16 and KINDS["chunk_kv"].cache_dtype(FP32) is np.float32
+    assert KINDS["stateful"].cache_dtype(FP32) is np.float16 and KINDS["stateless"].cache_dtype(FP16) is None
+    with pytest.raises(UnknownPrecision, match=r"--precision: precision 'fp8' is not among \['fp32', 'fp16'\]"):
+        precision("fp8")
+
+
+def test_every_activation_op_is_fp16_and_only_the_positional_prologue_float32(fp16_packages):
+    root, manifests, _ = fp16_packages
+    for kind, manifest in manifests.items():
+        block = manifest["package"]
+        assert (block["precision"], block["compute_precision"], block["compute_units"]) == ("fp16", "float16", "CPU_AND_NE")
+        features = {f["name"]: f["dtype"] for f in block["inputs"] + block["outputs"] + block.get("states", [])}
+        assert {name: dtype for name, dtype in features.items() if name in FLOAT_INTERFACE} == {
+            name: "float16" for name in features if name in FLOAT_INTERFACE}
+        assert features["input_ids"] == features["position"] == "int32"
+        program = load_program(manifest.path / "model.mlpackage")
+        for name, function in program.functions.items():
+            fp32 = {op.type for op in function.block.operations for _, spec in op.outputs
+                    if spec is not None and spec.dtype.name == "fp32" and op.type not in STORAGE_OPS}
+            # RoPE and positions only: the ops named by the manifest's reason, and nothing on activations.
+            assert fp32 <= {"add", "sub", "mul", "cumsum", "reduce_sum", "expand_dims", "concat", "cos", "sin",
+                            "fill_like", "fill", "slice_by_index"}, (kind, name, fp32)
+            assert {"cos", "sin"} <= fp32
+            assert {op.type for op in function.block.operations for _, spec in op.outputs
+                    if spec is not None and spec.dtype.name == "fp16"} >= {"linear", "matmul", "softmax", "rsqrt"}
+        assert block["fp32_ops"]["reason"] == POSITIONAL_REASON
+        assert set(block["fp32_ops"]["ops"]) == set(program.functions)
+        # Weights are the reference's, rounded to fp16, and named.
+        assert "model.embed_tokens.weight" in {n for names in block["weights"].values() for n in names}
+        assert "checked_against" in manifest["checks"]
+        verify_package(manifest.path)
+
+
+def test_the_chunk_kv_runner_feeds_fp16_caches(fp16_packages):
+    root, manifests, _ = fp16_packages
+    backend = open_package_backend(manifests["chunk_kv"].path, backend="executor")
+    ids = np.arange(5, 14, dtype=np.int32)
+    logits, snapshot = backend.prefill(ids)
+    assert snapshot.key_cache.dtype == np.float16 and snapshot.value_cache.dtype == np.float16
+    assert logits.dtype == np.float32 and logits.shape == (9, manifests["chunk_kv"]["architecture"]["vocab_size"])
+    assert np.isfinite(logits).all()
+    # Chunks through the runner agree with one shot: both are the package's own fp16 arithmetic.
+    chunked = backend.chunks.run_schedule(ids, [4, 1, 4])[0]
+    assert np.array_equal(chunked.argmax(-1), logits.argmax(-1))
+
+
+def test_the_manifest_binds_the_preflight_report(fp16_packages, tmp_path):
+    root, manifests, report = fp16_packages
+    record = manifests["chunk_kv"]["numerics"]["preflight"]
+    assert record["sha256"] == sha256_file(report)
+    assert (manifests["chunk_kv"].path / record["path"]).resolve() == report.resolve()
+    package = tmp_path / "packages" / "chunk_kv"
+    shutil.copytree(manifests["chunk_kv"].path, package)
+    shutil.copyfile(report, tmp_path / "preflight.json")
+    verify_package(package)
+    (tmp_path / "preflight.json").write_text("{}")
+    with pytest.raises(IdentityError, match=r"field 'numerics.preflight.sha256' is .*, but .*preflight.json has sha256"):
+        verify_package(package)
+
+
+@pytest.mark.parametrize("lie, message", [
+    (lambda m: m["package"].update(compute_precision="float32", precision="fp32"),
+     r"field 'package.compute_precision' is 'float32', but the program .* says 'float16'"),
+    (lambda m: m["package"].update(precision="fp32"),
+     r"field 'package.precision' is 'float32', but package.compute_precision"),
+    (lambda m: m["package"]["fp32_ops"].update(ops={}),
+     r"field 'package.fp32_ops.ops' is \{\}, but the program's float32 arithmetic ops"),
+    (lambda m: m["package"]["outputs"][0].update(dtype="float32"),
+     r"field 'package.outputs\[logits\].dtype' is 'float32', but the program .* says 'float16'"),
+    (lambda m: m["package"].update(compute_units="NEURAL"),
+     r"field 'package/compute_units': 'NEURAL' is not one of"),
+], ids=["precision", "precision-name", "fp32-ops", "output-dtype", "units"])
+def test_verify_refuses_a_manifest_that_lies_about_precision(fp16_packages, tmp_path, lie, message):
+    package = _copy(fp16_packages[1]["chunk_kv"], tmp_path)
+    _rewrite(package, lie)
+    with pytest.raises(IdentityError, match=message):
+        verify_package(package, hashes=False)
+
+
+def test_an_fp32_package_cannot_claim_the_neural_engine(fixture_packages, tmp_path):
+    package = tmp_path / "chunk_kv"
+    shutil.copytree(fixture_packages / "chunk_kv", package)
+    manifest = json.loads((package / "manifest.json").read_text())
+    assert (manifest["package"]["precision"], manifest["package"]["compute_units"]) == ("fp32", "CPU_ONLY")
+    assert manifest["package"]["fp32_ops"] == {} and "numerics" not in manifest
+    _rewrite(package, lambda m: m["package"].update(compute_units="CPU_AND_NE"))
+    with pytest.raises(IdentityError, match=r"'package.compute_units' is 'CPU_AND_NE', which a fp32 package cannot "
+                                            r"run on; it may claim \['CPU_ONLY', 'CPU_AND_GPU'\]"):
+        verify_package(package, hashes=False)
+
+
+def test_the_conversion_traces_the_transform_it_is_handed(fixture_bundle, tmp_path):
+    """A transform (`Conversion.transform`, how the fp16 preflight's mitigations reach the
+    conversion) is what the package computes and what its manifest records; here one that
+    doubles every logit, converted at FP32 so the package is held to FP32's bound."""
+    record = {"final_norm": "doubled"}
+    conversion = Conversion("fp32", transform="_coreml_models:doubled_final_norm", mitigations=record)
+    manifest = export_coreml(fixture_bundle, tmp_path / "out", kinds=("chunk_kv",), conversion=conversion)["chunk_kv"]
+    assert manifest["numerics"] == {"mitigations": {"transform": "_coreml_models:doubled_final_norm", "record": record}}
+    model, args, _ = load_reference(fixture_bundle)
+    doubled = doubled_final_norm(model, args, record)
+    ids = np.arange(20, 36, dtype=np.int32)
+    with torch.no_grad():
+        reference = model(torch.from_numpy(ids).long()).numpy()
+    logits = open_package_backend(manifest.path, backend="executor").logits(ids)
+    # float32 package vs float32 transformed model: summation order only (doubling a weight scales
+    # every later value by 2 exactly, so the doubled model's logits are 2 * reference bit for bit);
+    # the reference's own logits are half of them, far outside that bound.
+    bound = model_logits_bound(doubled, len(ids))
+    assert np.abs(logits - 2 * reference).max() <= bound
+    assert np.abs(logits - reference).max() > 100 * bound
+    verify_package(manifest.path)
