@@ -20,11 +20,27 @@ DEFAULT_MODEL := fixtures/botchan-llama-1m.cmf
 MODEL ?= $(DEFAULT_MODEL)
 NAME := $(basename $(notdir $(MODEL)))
 OUT := build/$(NAME)
-RECIPES ?= int8-b32 int4-b32 int4-b32-emb8 gptq-int4-b32 gptq-int4-b64 palette6-gc32 palette4-gc32 int8-b32-embfp16 palette4-int8lut mixed
+# Where the packages run (coreml.targets): cpu ships FP32 packages; gpu and ane ship fp16 ones,
+# converted with the preflight's mitigations, into their own folders beside the FP32 ones.
+TARGET ?= cpu
+FP16 := $(filter-out cpu,$(TARGET))
+PRECISION = $(shell $(PY) -m coreml.targets $(TARGET))
+STEM := $(if $(FP16),-$(TARGET))
+PKG := $(OUT)/coreml$(STEM)
+ALIGN := $(OUT)/align$(STEM)
+SURVEY := $(OUT)/survey$(STEM)
+SCORE_RUN := $(OUT)/scores/$(if $(FP16),$(TARGET),fp32)-chunk_kv
+# Each target's recipes: the ANE reads palettes and per-channel scales only (coreml.ane; a survey
+# deploys nothing there that cannot claim it anyway), the GPU per-block scales too.
+RECIPES_cpu := int8-b32 int4-b32 int4-b32-emb8 gptq-int4-b32 gptq-int4-b64 palette6-gc32 palette4-gc32 int8-b32-embfp16 palette4-int8lut mixed
+RECIPES_gpu := int8-b32 int4-b32 int4-b32-emb8 gptq-int4-b32 palette6-gc32 palette4-gc32
+RECIPES_ane := palette6-gc32 palette4-gc32 palette4-int8lut
+RECIPES ?= $(RECIPES_$(TARGET))
 ITEMS ?= fixtures/scoring/cloze.jsonl
 # How far from FP32 a package's numerics may go (the gates' quality part): perplexity change
-# on held-out text at most, pooled top-1 agreement at least; optionally kl=, items=.
-BUDGET ?= ppl=2%,top1=0.95
+# on held-out text at most, pooled top-1 agreement at least; optionally kl=, items=. Empty: the
+# package precision's (coreml.precisions: fp32 ppl=2%,top1=0.95; fp16 ppl=0.5%,top1=0.99).
+BUDGET ?=
 # ALL_FIGURES=1: score the scoring set for every package, not only those within budget on the
 # held-out text (over budget there, no item can change the verdict; it costs ~100 s a gate on SmolLM2).
 ALL_FIGURES ?=
@@ -32,7 +48,7 @@ ALL_FIGURES ?=
 # its own process with an equal share of the cores.
 SURVEY_JOBS ?= 2
 COREML_JOBS ?= 2
-QUALITY_FLAGS = --budget "$(BUDGET)" --quality-text $(QUALITY_TEXT) --items $(ITEMS) $(if $(ALL_FIGURES),--all-figures)
+QUALITY_FLAGS = $(if $(BUDGET),--budget "$(BUDGET)") --quality-text $(QUALITY_TEXT) --items $(ITEMS) $(if $(ALL_FIGURES),--all-figures)
 # Its calibration lines feed calibration-aware recipes, its held-out lines the quality part.
 QUALITY_TEXT ?= fixtures/botchan.txt
 # Tokens the packages take (and the gates' long case covers); 128 is the fixture's context.
@@ -40,7 +56,7 @@ CONTEXT ?= 128
 # The package kinds converted and gated (coreml.kinds registers them).
 KINDS ?= stateless chunk_kv stateful
 # The conversion writes every kind at once; its first kind's manifest stands for the whole output.
-PACKAGES := $(OUT)/coreml/$(firstword $(KINDS))/manifest.json
+PACKAGES = $(PKG)/$(firstword $(KINDS))/manifest.json
 # The default fixture ships frozen reference logits; any other model gets them computed
 # once from its own CMF by the PyTorch reference.
 REFERENCE := $(if $(filter $(DEFAULT_MODEL),$(MODEL)),fixtures/reference,$(OUT)/reference)
@@ -90,10 +106,10 @@ test-portability: $(INSTALLED)
 bundle: $(OUT)/bundle/manifest.json
 preflight: $(OUT)/preflight/manifest.json
 coreml: $(PACKAGES)
-align: $(KINDS:%=$(OUT)/align/%.passed)
-compress: $(OUT)/survey/survey.json
-score: $(OUT)/scores/fp32-chunk_kv/manifest.json
-release: $(OUT)/release.done
+align: $(KINDS:%=$(ALIGN)/%.passed)
+compress: $(SURVEY)/survey.json
+score: $(SCORE_RUN)/manifest.json
+release: $(SURVEY)/release.done
 
 $(OUT)/bundle/manifest.json: $(MODEL) | $(INSTALLED)
 	$(CLI) bundle $(MODEL) -o $(OUT)/bundle --force
@@ -102,36 +118,40 @@ $(OUT)/bundle/manifest.json: $(MODEL) | $(INSTALLED)
 $(OUT)/preflight/manifest.json: $(OUT)/bundle/manifest.json $(QUALITY_TEXT)
 	$(CLI) preflight $(OUT)/bundle -o $(OUT)/preflight --text $(QUALITY_TEXT) --context $(CONTEXT) --force
 
-$(PACKAGES): $(OUT)/bundle/manifest.json
-	$(CLI) coreml $(OUT)/bundle -o $(OUT)/coreml --kinds $(KINDS) --context $(CONTEXT) --jobs $(COREML_JOBS) --force
+$(PACKAGES): $(OUT)/bundle/manifest.json $(if $(FP16),$(OUT)/preflight/manifest.json)
+	$(CLI) coreml $(OUT)/bundle -o $(PKG) --kinds $(KINDS) --context $(CONTEXT) --jobs $(COREML_JOBS) \
+	  --precision $(PRECISION) $(if $(FP16),--preflight $(OUT)/preflight) --force
 
 $(OUT)/reference/index.json: $(OUT)/bundle/manifest.json
 	$(CLI) reference-fixtures $(MODEL) -o $(OUT)/reference --text fixtures/botchan.txt --context $(CONTEXT) --force
 
-# The chunk_kv gate also writes FP32's scores of the scoring set (FP32_SCORES), which the
-# stateful gate and the survey read instead of scoring them again (~100 s each on SmolLM2).
+# The FP32 chunk_kv gate also writes FP32's scores of the scoring set (FP32_SCORES), which the
+# stateful gate and the survey read instead of scoring them again (~100 s each on SmolLM2). An
+# fp16 gate's scoring run holds the package's own scores, so fp16 gates score FP32 themselves.
 FP32_SCORES := $(OUT)/scores/fp32-reference
+ifeq ($(FP16),)
 GATE_FLAGS_chunk_kv = --scores-out $(FP32_SCORES)
 GATE_FLAGS_stateful = --fp32-scores $(FP32_SCORES)
+SURVEY_SCORES = --fp32-scores $(FP32_SCORES)
+endif
 
-$(OUT)/align/%.passed: $(PACKAGES) $(REFERENCE)/index.json $(ITEMS)
+$(ALIGN)/%.passed: $(PACKAGES) $(REFERENCE)/index.json $(ITEMS)
 	rm -f $@
-	$(CLI) align $(OUT)/coreml/$* --fixtures $(REFERENCE) -o $(OUT)/align/$* $(QUALITY_FLAGS) $(GATE_FLAGS_$*) --force
+	$(CLI) align $(PKG)/$* --fixtures $(REFERENCE) -o $(ALIGN)/$* $(QUALITY_FLAGS) $(GATE_FLAGS_$*) --force
 	touch $@
 
-$(OUT)/align/stateful.passed: $(OUT)/align/chunk_kv.passed
+$(ALIGN)/stateful.passed: $(ALIGN)/chunk_kv.passed
 
-$(OUT)/survey/survey.json: $(OUT)/align/chunk_kv.passed $(ITEMS)
-	$(CLI) survey $(OUT)/coreml/chunk_kv --fp32-gate $(OUT)/align/chunk_kv --fixtures $(REFERENCE) \
-	  -o $(OUT)/survey --recipes $(RECIPES) $(QUALITY_FLAGS) --fp32-scores $(FP32_SCORES) --jobs $(SURVEY_JOBS) --force
+$(SURVEY)/survey.json: $(ALIGN)/chunk_kv.passed $(ITEMS)
+	$(CLI) survey $(PKG)/chunk_kv --fp32-gate $(ALIGN)/chunk_kv --fixtures $(REFERENCE) --target $(TARGET) \
+	  -o $(SURVEY) --recipes $(RECIPES) $(QUALITY_FLAGS) $(SURVEY_SCORES) --jobs $(SURVEY_JOBS) --force
 
-$(OUT)/scores/fp32-chunk_kv/manifest.json: $(OUT)/align/chunk_kv.passed $(ITEMS)
-	$(CLI) score $(OUT)/coreml/chunk_kv $(ITEMS) -o $(OUT)/scores/fp32-chunk_kv --force
+$(SCORE_RUN)/manifest.json: $(ALIGN)/chunk_kv.passed $(ITEMS)
+	$(CLI) score $(PKG)/chunk_kv $(ITEMS) -o $(SCORE_RUN) --force
 
-$(OUT)/release.done: $(OUT)/survey/survey.json $(OUT)/align/stateless.passed
-	$(CLI) release $(OUT)/survey -o dist --name $(NAME) \
-	  --package $(OUT)/coreml/stateless $(OUT)/align/stateless --force
-	$(CLI) verify-artifact dist/$(NAME)-$$($(PY) -c "import json;print(json.load(open('$(OUT)/survey/survey.json'))['deployed']['recipe'])")
+$(SURVEY)/release.done: $(SURVEY)/survey.json $(ALIGN)/stateless.passed
+	$(CLI) release $(SURVEY) -o dist --name $(NAME) --package $(PKG)/stateless $(ALIGN)/stateless --force
+	$(CLI) verify-artifact dist/$(NAME)-$$($(PY) -c "import json;print(json.load(open('$(SURVEY)/survey.json'))['deployed']['recipe'])")
 	touch $@
 
 clean:

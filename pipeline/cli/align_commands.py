@@ -2,8 +2,8 @@
 
 from pathlib import Path
 
+from coreml.precisions import PRECISIONS
 from pipeline.stages.gates import (
-    DEFAULT_BUDGET,
     DEFAULT_ITEMS,
     DEFAULT_QUALITY_TEXT,
     GateFailed,
@@ -36,10 +36,11 @@ def _reference_fixtures(args) -> int:
 
 def add_quality_arguments(p) -> None:
     """--budget, --quality-text, --items and --all-figures: shared by align and survey."""
-    p.add_argument("--budget", default=DEFAULT_BUDGET,
+    p.add_argument("--budget",
                    help=f"quality budget against FP32: ppl=<max increase>, top1=<min agreement>, optionally "
                         f"kl=<max mean KL>, items=<max fraction of scoring items whose top-1 changed> "
-                        f"(default {DEFAULT_BUDGET.replace('%', '%%')})")
+                        f"(default: the package precision's, " + "; ".join(
+                            f"{p.name} {p.default_budget}" for p in PRECISIONS.values()).replace('%', '%%') + ")")
     p.add_argument("--quality-text", type=Path, default=DEFAULT_QUALITY_TEXT,
                    help="text whose held-out 'quality' lines the quality part reads and whose 'calibration' lines "
                         "calibration-aware recipes see (pipeline.ground.text_roles)")

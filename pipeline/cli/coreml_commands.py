@@ -5,7 +5,7 @@ import argparse
 from tqdm import tqdm
 
 from coreml.kinds import KINDS
-from coreml.precisions import PRECISIONS
+from coreml.precisions import PRECISIONS, precision
 
 # Kinds and recipes are checked by export_coreml and compress_package (typed errors naming the
 # known ones), not by argparse choices. The recipes are not listed here: coreml.recipes would
@@ -23,6 +23,9 @@ def register(subparsers) -> None:
     convert.add_argument("--precision", default="fp32",
                          help="compute precision: " + "; ".join(f"{p.name}: {p.description}" for p in PRECISIONS.values())
                          + " (default: fp32)")
+    convert.add_argument("--preflight", metavar="DIR",
+                         help="fp16: the preflight report whose mitigations the conversion applies (default: "
+                              "OUT/../preflight, made first by `cmfdeploy preflight` when absent)")
     convert.add_argument("--force", action="store_true", help="replace an existing output")
     convert.set_defaults(func=_coreml)
 
@@ -39,6 +42,8 @@ def _coreml(args: argparse.Namespace) -> int:
     from coreml.kinds.export import Conversion
 
     kinds = args.kinds or tuple(KINDS)
+    fp16 = precision(args.precision).compute_precision == "float16"  # an unknown name is refused by name here
+    conversion = _fp16_conversion(args) if fp16 else Conversion(args.precision)
     # disable=False explicitly: the quiet CLI disables tqdm's default to silence coremltools' bars.
     with tqdm(total=export_steps(kinds, args.jobs), unit="stage", disable=False) as bar:
 
@@ -47,10 +52,23 @@ def _coreml(args: argparse.Namespace) -> int:
             bar.update(1)
 
         manifests = export_coreml(args.bundle, args.out, kinds, force=args.force, context=args.context,
-                                  progress=progress, jobs=args.jobs, conversion=Conversion(args.precision))
+                                  progress=progress, jobs=args.jobs, conversion=conversion)
     for kind, manifest in manifests.items():
         print(f"{kind}: {manifest.path} ({manifest['package_bytes']} bytes)")
     return 0
+
+
+def _fp16_conversion(args: argparse.Namespace):
+    """The preflight's mitigations for an fp16 conversion; the preflight runs first where there is none."""
+    from pathlib import Path
+
+    from pipeline.stages.preflight import fp16_conversion, run_preflight
+
+    preflight = Path(args.preflight) if args.preflight else Path(args.out).parent / "preflight"
+    if not preflight.exists():
+        print(f"preflight: {preflight} (none yet: measuring fp16 peaks first)")
+        run_preflight(args.bundle, preflight, context=args.context)
+    return fp16_conversion(args.bundle, preflight, args.precision)
 
 
 def _compress(args: argparse.Namespace) -> int:

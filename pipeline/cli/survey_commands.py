@@ -21,6 +21,9 @@ def register(subparsers) -> None:
     survey.add_argument("--fp32-scores", metavar="RUN",
                         help="FP32's scoring run of the same scoring set and bundle (align --scores-out of the "
                              "FP32 gate): read, not scored again")
+    survey.add_argument("--target", default="cpu",
+                        help="cpu (FP32 package), gpu or ane (fp16 package): only a package whose program can claim "
+                             "the target's compute unit deploys (coreml.targets, coreml.ane)")
     survey.add_argument("--jobs", type=int, default=1,
                         help="recipes surveyed at a time, each in its own process with an equal share of the cores")
     survey.add_argument("--force", action="store_true", help="replace an existing output")
@@ -46,15 +49,16 @@ def _survey(args: argparse.Namespace) -> int:
                         **({"recipes": args.recipes} if args.recipes else {}),
                         force=args.force, backend=args.backend, budget=args.budget, quality_text=args.quality_text,
                         mixed_bpw=args.mixed_bpw, all_figures=args.all_figures, jobs=args.jobs,
-                        fp32_scores=args.fp32_scores)
+                        fp32_scores=args.fp32_scores, target=args.target)
     for record in survey["recipes"]:
         if record["status"] == "measured":
             gate, quality = record["gate"], record["gate"]["quality"]
             verdict = ("passed" if gate["passed"] else "NOT EXACT (a bug)" if not gate["exact"] else
                        "over budget" if not gate["within_budget"] else "invariants FAILED")
+            units = "+".join(gate.get("compute_units", []))
             print(f"{record['name']}: {record['package']['bits_per_weight']:.2f} bits/weight, "
                   f"{record['package']['size_bytes']} bytes ({record['package']['bytes_vs_fp32']:.3f} x FP32), "
-                  f"ppl {quality['ppl_change']:+.2%}, top-1 {quality['top1_agreement']:.3f}: {verdict}")
+                  f"ppl {quality['ppl_change']:+.2%}, top-1 {quality['top1_agreement']:.3f}, runs on {units}: {verdict}")
         else:
             print(f"{record['name']}: not measured: {record['precondition']['reason']}")
     print(f"deployed: {survey['deployed']['recipe']}; report {args.out}/survey.md")

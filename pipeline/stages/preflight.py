@@ -35,6 +35,7 @@ from manifests.identity import (
     load_manifest,
     portable_name,
     read_json,
+    sha256_file,
     write_json,
 )
 from manifests.output import refuse_existing, staged_output
@@ -219,3 +220,26 @@ def _page(report: dict, bundle_dir: Path, out_dir: Path) -> str:
              if events else "finite on every window\n",
              f"![per-layer peaks]({PLOT_NAME})", ""]
     return "\n".join(lines)
+
+
+def fp16_conversion(bundle_dir: str | Path, preflight_dir: str | Path, precision: str = "fp16"):
+    """The `coreml.kinds.export.Conversion` of an fp16 package: the mitigations the preflight at
+    `preflight_dir` chose, applied by `mitigated_from_record`, and its report bound by sha256.
+
+    The preflight must be intact, of this very bundle (by manifest sha256) and safe: a refused
+    model is never converted, and the refusal names the layer and value again."""
+    from coreml.kinds.export import Conversion
+
+    bundle_dir, preflight_dir = Path(bundle_dir), Path(preflight_dir)
+    manifest = verify_preflight(preflight_dir).data
+    bundle_sha = sha256_file(bundle_dir / MANIFEST_NAME)
+    if manifest["source"]["manifest_sha256"] != bundle_sha:
+        raise PreflightError(f"{preflight_dir / MANIFEST_NAME}: field 'source.manifest_sha256' is "
+                             f"{manifest['source']['manifest_sha256']}, but {bundle_dir} has manifest sha256 {bundle_sha}: "
+                             "the preflight is of another bundle")
+    if manifest["verdict"] != "safe":
+        refused = read_json(preflight_dir / REPORT_NAME)["refused"]
+        raise PreflightError(f"{preflight_dir / REPORT_NAME}: field 'verdict' is {manifest['verdict']!r}: "
+                             f"{refused['message']}; an fp16 package of this model is not built")
+    return Conversion(precision=precision, transform="pipeline.ground.models.fp16:mitigated_from_record",
+                      mitigations=manifest["mitigations"], preflight=str(preflight_dir / REPORT_NAME))

@@ -167,7 +167,7 @@ def make_release(
             "architecture": checked[1][2]["architecture"],
             "packages": entries,
             "survey": {"path": f"survey/{SURVEY_NAME}", "sha256": sha256_file(survey_dir / SURVEY_NAME),
-                       "deployed_rule": survey["deployed"]["rule"]},
+                       "deployed_rule": survey["deployed"]["rule"], "target": survey.get("target", "cpu")},
             "chain": identity_chain(survey, entries),
             "tokenizer": tokenizer,
         }
@@ -331,6 +331,7 @@ def _python_snippet(manifest: dict) -> str:
     """Load the shipped package and the tokenizer on a Mac and predict the next token."""
     interface, recipe = manifest["interface"], manifest["recipe"]
     kind = package_kind(interface["kind"], "the release's interface")
+    aim = release_target(manifest)
     lines = [
         "import json",
         "",
@@ -341,7 +342,8 @@ def _python_snippet(manifest: dict) -> str:
         f'release = "dist/{manifest["model"]}-{recipe}"  # this folder',
         'tokenizer = Tokenizer.from_file(f"{release}/tokenizer/tokenizer.json")',
         'config = json.load(open(f"{release}/tokenizer/tokenizer_config.json"))',
-        f'model = ct.models.MLModel(f"{{release}}/packages/{recipe}/model.mlpackage"{kind.snippet_model_arguments})',
+        f'model = ct.models.MLModel(f"{{release}}/packages/{recipe}/model.mlpackage"{kind.snippet_model_arguments},',
+        f'                          compute_units=ct.ComputeUnit.{aim.compute_units})  # target {aim.name}: {aim.description}',
         'ids = tokenizer.encode("I was sent to", add_special_tokens=False).ids',
         'if config.get("bos_token_id") is not None:',
         '    ids = [config["bos_token_id"]] + ids',
@@ -350,6 +352,13 @@ def _python_snippet(manifest: dict) -> str:
     lines += kind.snippet(interface)
     lines += ['next_id = int(out["logits"][0, -1].argmax())', "print(tokenizer.decode(ids + [next_id]))"]
     return "\n".join(lines)
+
+
+def release_target(manifest: dict):
+    """The deployment target (`coreml.targets`) the release's survey deployed for."""
+    from coreml.targets import target
+
+    return target(manifest["survey"].get("target", "cpu"), "the release's survey")
 
 
 def _swift_sketch(manifest: dict) -> str:
@@ -361,7 +370,9 @@ def _swift_sketch(manifest: dict) -> str:
         f'let release = URL(fileURLWithPath: "{release}")',
         'let tokenizer = try await AutoTokenizer.from(modelFolder: release.appendingPathComponent("tokenizer"))',
         f'let package = release.appendingPathComponent("packages/{recipe}/model.mlpackage")',
-        "let model = try MLModel(contentsOf: try await MLModel.compileModel(at: package))",
+        "let config = MLModelConfiguration()",
+        f"config.computeUnits = {release_target(manifest).swift_compute_units}",
+        "let model = try MLModel(contentsOf: try await MLModel.compileModel(at: package), configuration: config)",
         'let ids = tokenizer.encode(text: "I was sent to")',
         "let inputIds = try MLMultiArray(shape: [1, NSNumber(value: ids.count)], dataType: .int32)",
         "for (i, id) in ids.enumerated() { inputIds[i] = NSNumber(value: id) }",

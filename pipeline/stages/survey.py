@@ -29,7 +29,9 @@ from tqdm import tqdm
 
 from coreml import manifest as package_manifest
 from coreml.bits import bits_per_weight
+from coreml.precisions import package_precision
 from coreml.recipes import RECIPES, RecipePrecondition, compress_package
+from coreml.targets import target as target_unit
 from manifests.identity import (
     MANIFEST_NAME,
     Manifest,
@@ -56,7 +58,8 @@ FORMAT = "cmfdeploy.survey/1"
 FOLDER_FORMAT = "cmfdeploy.survey_folder/1"
 REPORT_NAME = "survey.json"
 ALL_RECIPES = tuple(RECIPES)
-DEPLOY_RULE = "the smallest package (bytes on disk) that passed all three parts: exact, within the budget, invariants"
+DEPLOY_RULE = ("the smallest package (bytes on disk) that passed all three parts (exact, within the budget, "
+               "invariants) and whose program can claim the target's compute unit (coreml.ane)")
 
 
 class SurveyError(CmfdeployError):
@@ -179,6 +182,7 @@ def survey_recipe(name: str, package_dir: Path, staging: Path, context: dict) ->
             "tolerance": report["tolerance"],
             "max_abs": summary["max_abs"],
             "outside": summary["outside"],
+            "compute_units": report["compute_units"]["claimable"],
             "quality": {k: quality[k] for k in ("ppl_change", "top1_agreement", "kl_mean", "items_top1_changed",
                                                 "over_budget")},
         },
@@ -188,9 +192,11 @@ def survey_recipe(name: str, package_dir: Path, staging: Path, context: dict) ->
     }
 
 
-def deployed_recipe(records: Iterable[dict]) -> str | None:
-    """The smallest measured package that passed all three parts (ties: the first by name)."""
-    passing = [r for r in records if r["status"] == "measured" and r["gate"]["passed"]]
+def deployed_recipe(records: Iterable[dict], claim: str = "cpu") -> str | None:
+    """The smallest measured package that passed all three parts and can claim the target's
+    unit `claim` (`coreml.targets`; ties: the first by name)."""
+    passing = [r for r in records if r["status"] == "measured" and r["gate"]["passed"]
+               and claim in r["gate"].get("compute_units", ["cpu", "gpu"])]
     return min(passing, key=lambda r: (r["package"]["size_bytes"], r["name"]))["name"] if passing else None
 
 
@@ -201,6 +207,10 @@ def _exactness_cell(gate: dict) -> str:
     if gate["exact"]:
         return "exact"
     return f'<span style="color:red">**NOT EXACT** (max \\|Δ\\| {gate["max_abs"]:.3g}): a bug</span>'
+
+
+def _ppl_cell(change: float | None) -> str:
+    return "no finite logits" if change is None else f"{change:+.2%}"
 
 
 def _budget_cell(gate: dict) -> str:
@@ -218,12 +228,13 @@ def survey_markdown(survey: dict) -> str:
     measured = [r for r in survey["recipes"] if r["status"] == "measured"]
     unmet = [r for r in survey["recipes"] if r["status"] != "measured"]
     rows = [["fp32 (source)", fp32["package"]["bits_per_weight"], fp32["package"]["size_bytes"], 1.0, "exact",
-             0.0, 1.0, 0.0, 0.0, "within", True, fp32["scoring"]["top1_accuracy"], ""]]
+             0.0, 1.0, 0.0, 0.0, "within", True, fp32["scoring"]["top1_accuracy"], "", ""]]
     rows += [[r["name"], r["package"]["bits_per_weight"], r["package"]["size_bytes"], r["package"]["bytes_vs_fp32"],
-              _exactness_cell(r["gate"]), f"{r['gate']['quality']['ppl_change']:+.2%}",
+              _exactness_cell(r["gate"]), _ppl_cell(r["gate"]["quality"]["ppl_change"]),
               r["gate"]["quality"]["top1_agreement"], r["gate"]["quality"]["kl_mean"],
               _or_not_measured(r["gate"]["quality"]["items_top1_changed"]), _budget_cell(r["gate"]),
               r["gate"]["invariants_passed"], _or_not_measured(r["scoring"].get("top1_accuracy")),
+              ", ".join(r["gate"].get("compute_units", [])),
               "**deployed**" if r["name"] == deployed else ""] for r in measured]
     budget = survey["budget"]
     lines = [
@@ -234,13 +245,14 @@ def survey_markdown(survey: dict) -> str:
         f"- gates on **{survey['backend']}**; fixtures `{survey['fixtures']['path']}`; quality on "
         f"{survey['quality']['tokens']} held-out tokens of `{survey['quality']['text']['path']}` and the scoring set "
         f"`{survey['scoring_set']['name']}` ({survey['scoring_set']['n_items']} items)",
-        f"- budget: **{budget}** (perplexity change at most, pooled top-1 agreement with FP32 at least)",
+        f"- target: **{survey.get('target', 'cpu')}** (coreml.targets); budget: **{budget}** (perplexity change at "
+        "most, pooled top-1 agreement with FP32 at least)",
         f"- deployed: **{deployed or 'none (no recipe passed all three parts)'}** ({survey['deployed']['rule']})",
         "",
         "Exact but over budget is a result of the recipe on this model; not exact is a conversion or runtime bug.",
         "",
         md_table(["recipe", "bits/weight", "bytes", "× FP32", "exactness", "ppl change", "top-1 agreement",
-                  "KL mean", "items top-1 changed", "budget", "invariants", "cloze accuracy", ""], rows),
+                  "KL mean", "items top-1 changed", "budget", "invariants", "cloze accuracy", "can run on", ""], rows),
     ]
     if any("not_measured" in r["scoring"] for r in measured):
         lines += ["", "¹ The scoring set is scored only for a package within budget on the held-out text: over budget "
@@ -263,8 +275,10 @@ def size_vs_error_plot(path: Path, survey: dict) -> Path:
         return r["name"] + (" (deployed)" if r["name"] == deployed else "" if gate["passed"] else
                             " (NOT EXACT)" if not gate["exact"] else " (over budget)")
 
+    # A package with no finite logit has no perplexity to plot: the table says so.
     points = [(label(r), r["package"]["bits_per_weight"], 100 * r["gate"]["quality"]["ppl_change"],
-               r["name"] == deployed) for r in survey["recipes"] if r["status"] == "measured"]
+               r["name"] == deployed) for r in survey["recipes"]
+              if r["status"] == "measured" and r["gate"]["quality"]["ppl_change"] is not None]
     points.append(("fp32", survey["fp32"]["package"]["bits_per_weight"], 0.0, False))
     return scatter_plot(path, points, title="Bits per weight against perplexity change",
                         xlabel="bits per weight", ylabel="perplexity change vs FP32 (%)")
@@ -331,13 +345,14 @@ def run_survey(
     recipes: Iterable[str] = ALL_RECIPES,
     force: bool = False,
     backend: str = "auto",
-    budget: str = gates.DEFAULT_BUDGET,
+    budget: str | None = None,
     quality_text: str | Path = gates.DEFAULT_QUALITY_TEXT,
     mixed_bpw: float | None = None,
     progress: bool = True,
     all_figures: bool = False,
     jobs: int = 1,
     fp32_scores: str | Path | None = None,
+    target: str = "cpu",
 ) -> dict:
     """Survey `recipes` on the FP32 package at `package_dir`; the survey record (survey.json).
 
@@ -347,6 +362,8 @@ def run_survey(
     `mixed_bpw` overrides the mixed recipe's budget in bits per weight. `all_figures` scores
     the scoring set for every recipe, not only those within budget on the held-out text.
     `jobs` > 1 surveys that many recipes at a time, each in its own process (`_recipes_in_workers`).
+    `target` (`coreml.targets`): the package must be of the target's precision, and only a
+    package that can claim the target's unit deploys. `budget` None: the precision's.
     `fp32_scores`: FP32's scoring run of the same scoring set and bundle (the FP32 gate's
     `scores_out`), read instead of scored again (`QualityInputs.use_fp32_scores` checks it).
     """
@@ -362,6 +379,12 @@ def run_survey(
     if source.format != package_manifest.COREML_FORMAT:
         raise SurveyError(f"{package_dir / MANIFEST_NAME}: field 'format' is {source.format!r}; "
                           f"a survey starts from an FP32 package ({package_manifest.COREML_FORMAT})")
+    aim = target_unit(target)
+    if package_precision(source["package"], package_dir).name != aim.precision:
+        raise SurveyError(f"{package_dir / MANIFEST_NAME}: field 'package.precision' is "
+                          f"{source['package'].get('precision', 'fp32')!r}; target {aim.name!r} surveys a "
+                          f"{aim.precision} package")
+    budget = budget or gates.default_budget(source.data)
     gate = fp32_gate(package_dir, Path(fp32_alignment_dir), out_dir)
     settings = {"package_dir": str(package_dir), "fixtures_dir": str(fixtures_dir), "budget": budget,
                 "backend": backend, "quality_text": str(quality_text), "items": str(items_path),
@@ -386,6 +409,7 @@ def run_survey(
         survey = {
             "format": FORMAT,
             "status": "complete",
+            "target": aim.name,
             "source": artifact_source(package_dir, relative_to=out_dir),
             "fp32": {
                 "package": {"path": relative_path(package_dir, out_dir), "kind": source["package"]["kind"],
@@ -402,7 +426,7 @@ def run_survey(
             "quality": quality.identity(relative_to=out_dir),
             "scoring_set": baseline_run["scoring_set"],
             "recipes": records,
-            "deployed": {"recipe": deployed_recipe(records), "rule": DEPLOY_RULE},
+            "deployed": {"recipe": deployed_recipe(records, aim.claim), "rule": DEPLOY_RULE},
         }
         (staging / "survey.md").write_text(survey_markdown(survey))
         size_vs_error_plot(staging / "size_vs_error.png", survey)

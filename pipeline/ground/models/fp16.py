@@ -466,3 +466,9 @@ def check_mitigated(findings: dict, headroom: float = HEADROOM, where: str = "mo
 
 __all__ = ["FP16_MAX", "Fp16Mitigations", "Fp16Reference", "Fp16Unsafe", "check_mitigated",
            "choose_mitigations", "fp16_reference", "mitigated_model", "preflight_findings"]
+
+
+def mitigated_from_record(model: Decoder, args: ModelArgs, record: dict) -> Decoder:
+    """`mitigated_model` from a manifest's or preflight report's mitigations record: the
+    conversion's transform (`coreml.kinds.export.Conversion`, "module:function" with JSON)."""
+    return mitigated_model(model, args, Fp16Mitigations.from_record(record, "mitigations record"))

@@ -91,8 +91,15 @@ def _chain(model, tokens: int) -> int:
                          extra)
 
 
+def _weight(module) -> np.ndarray:
+    # An fp16 reference's weights are widened (their squares would overflow in float16); a float32
+    # model's are read in place (Gemma 3's head is 670 MB).
+    weight = module.weight.detach()
+    return (weight.float() if weight.element_size() < 4 else weight).numpy()
+
+
 def _gain(norm) -> np.ndarray:
-    weight = norm.weight.detach().numpy()
+    weight = _weight(norm)
     return weight + 1.0 if norm.offset else weight
 
 
@@ -109,7 +116,7 @@ def model_logits_bound(model, tokens: int, fp16_cache: bool = False, weight_rtol
     if fp16_cache:
         rel += 2 * a.num_layers * 2.0**-11
     head = model.model.embed_tokens if model.lm_head is None else model.lm_head
-    return logits_bound(_chain(model, tokens), a.hidden_size, _gain(model.model.norm), head.weight.detach().numpy(),
+    return logits_bound(_chain(model, tokens), a.hidden_size, _gain(model.model.norm), _weight(head),
                         rel, probable)
 
 
@@ -128,7 +135,7 @@ def _cache_scale(model) -> float:
     for layer in model.model.layers:
         attn = layer.self_attn
         x = math.sqrt(a.hidden_size) * float(np.abs(_gain(layer.input_layernorm)).max())
-        rows = {name: float(np.linalg.norm(getattr(attn, name).weight.detach().numpy(), axis=1).max()) * x
+        rows = {name: float(np.linalg.norm(_weight(getattr(attn, name)), axis=1).max()) * x
                 for name in ("k_proj", "v_proj")}
         if attn.k_norm is not None:
             rows["k_proj"] = math.sqrt(a.head_dim) * float(np.abs(_gain(attn.k_norm)).max())
@@ -221,7 +228,7 @@ def fp16_logits_bound(model, tokens: int, probable: bool = False, against_fp32: 
     `tokens` positions; with `against_fp32`, between one fp16 evaluation and the FP32 model.
     The scale is `logits_bound`'s (sqrt(D) max|final gain| max|head row|_2)."""
     head = model.model.embed_tokens if model.lm_head is None else model.lm_head
-    return logits_bound(0, model.args.hidden_size, _gain(model.model.norm), head.weight.detach().numpy(),
+    return logits_bound(0, model.args.hidden_size, _gain(model.model.norm), _weight(head),
                         _fp16_rel(model, tokens, probable, against_fp32))
 
 

@@ -21,9 +21,10 @@ from pipeline.stages.gates.lineage import upstream_of
 from pipeline.stages.gates.quality import QualityInputs
 from pipeline.stages.gates.references import intended_references
 from pipeline.stages.gates.report import REPORT_NAME, GateFailed, require_passed, verify_alignment
-from pipeline.stages.gates.stage import DEFAULT_ITEMS, DEFAULT_QUALITY_TEXT, GateResult, align_package, gate_backend
+from pipeline.stages.gates.stage import (DEFAULT_ITEMS, DEFAULT_QUALITY_TEXT, GateResult, align_package, default_budget,
+                                         gate_backend)
 
 __all__ = ["DEFAULT_BUDGET", "DEFAULT_ITEMS", "DEFAULT_QUALITY_TEXT", "REPORT_NAME", "Budget", "BudgetError",
-           "GateFailed", "GateResult", "QualityInputs", "ReferenceFixtures", "align_package", "gate_backend",
+           "GateFailed", "GateResult", "default_budget", "QualityInputs", "ReferenceFixtures", "align_package", "gate_backend",
            "intended_references", "make_reference_fixtures", "parse_budget", "require_passed", "upstream_of",
            "verify_alignment"]

@@ -4,7 +4,11 @@ from dataclasses import dataclass
 
 from pipeline.ground.errors import CmfdeployError
 
-DEFAULT_BUDGET = "ppl=2%,top1=0.95"
+from coreml.precisions import PRECISIONS
+
+# The budget of a package whose user declares none is its precision's (`coreml.precisions`);
+# FP32's is the default where no package is at hand.
+DEFAULT_BUDGET = PRECISIONS["fp32"].default_budget
 
 
 class BudgetError(CmfdeployError):

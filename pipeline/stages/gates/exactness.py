@@ -44,15 +44,29 @@ class Tolerance:
 
 
 def exact_tolerances(model, context: int) -> tuple[Tolerance, Tolerance]:
-    """FP32's summation-order bound for `model` over `context` positions: (logits, K/V cache
-    entries). The package and its reference run the same float32 operations on the same
-    float32 weights; only the order of additions differs (blocked matmuls, fused attention,
-    another reduction tree). The bound is `pipeline.ground.models.numerics`' probable form: set by
-    the model's shapes and weights (a deeper or wider model accumulates more roundings), never
-    by a recipe's bit width nor by a measured difference. A compressed package's model is the
-    reference with its own decoded weights, whose norm and head scales enter as they are."""
-    from pipeline.ground.models.numerics import PROBABLE_LAMBDA, model_cache_bound, model_logits_bound
+    """The summation-order bound of the intended numerics for `model` over `context` positions:
+    (logits, K/V cache entries).
 
+    FP32: the package and its reference run the same float32 operations on the same float32
+    weights; only the order of additions differs (blocked matmuls, fused attention, another
+    reduction tree). An fp16 reference (`pipeline.ground.models.fp16.Fp16Reference`): both
+    sides round every op's output to fp16, maybe at other places (a fused op rounds once where
+    the reference rounds twice) and sum in other orders, so the bound is built on u16 over the
+    model's chain of op boundaries (`numerics.fp16_logits_bound`). Either is
+    `pipeline.ground.models.numerics`' probable form: set by the model's shapes and weights (a
+    deeper or wider model accumulates more roundings), never by a recipe's bit width nor by a
+    measured difference. A compressed package's model is the reference with its own decoded
+    weights, whose norm and head scales enter as they are."""
+    from pipeline.ground.models.fp16 import Fp16Reference
+    from pipeline.ground.models.numerics import (PROBABLE_LAMBDA, fp16_cache_bound, fp16_logits_bound,
+                                                 model_cache_bound, model_logits_bound)
+
+    if isinstance(model, Fp16Reference):
+        why = (f"fp16 arithmetic rounded at other op boundaries and summed in another order: 2·γ̃_n(λ="
+               f"{PROBABLE_LAMBDA:g}, u=2^-11) over this model's op boundaries plus FP32's chain at {context} "
+               f"positions, times the head's scale (pipeline/ground/models/numerics.py)")
+        return (Tolerance(fp16_logits_bound(model.decoder, context, probable=True), 0.0, None, None, why),
+                Tolerance(fp16_cache_bound(model.decoder, context, probable=True), 0.0, None, None, why))
     why = (f"the same float32 arithmetic in another summation order: 2·γ̃_N(λ={PROBABLE_LAMBDA:g})·scale over "
            f"this model's accumulation chain at {context} positions (pipeline/ground/models/numerics.py)")
     return (Tolerance(model_logits_bound(model, context, probable=True), 0.0, None, None, why),
@@ -68,13 +82,19 @@ def compare(got: np.ndarray, want: np.ndarray, tol: Tolerance) -> dict:
         return {"passed": False, "error": f"shape {list(got.shape)} != reference {list(want.shape)}"}
     delta = np.abs(got - want)
     outside = int(np.count_nonzero(delta > tol.atol + tol.rtol * np.abs(want)) + np.count_nonzero(~np.isfinite(got)))
+    # An inf or NaN is outside any bound (counted above); the figures are over the finite rows,
+    # so a report holds numbers only (JSON has no NaN).
+    finite = np.isfinite(got).all(-1) & np.isfinite(want).all(-1)
+    record = {"positions": int(got.shape[0]), "outside": outside, "nonfinite_rows": int(np.count_nonzero(~finite))}
+    if not finite.any():
+        return {**record, "error": "every position has a non-finite logit", "passed": False}
+    got, want, delta = got[finite], want[finite], delta[finite]
     top1 = got.argmax(-1) == want.argmax(-1)
     return {
-        "positions": int(got.shape[0]),
+        **record,
         "max_abs": float(delta.max()),
         "p99_abs": float(np.percentile(delta, 99)),
         "mean_abs": float(delta.mean()),
-        "outside": outside,
         "top1_agreement": float(top1.mean()),
         "kl_mean": float(np.mean(kl_rows(log_softmax(want), log_softmax(got)))),
         "passed": outside == 0,

@@ -96,27 +96,44 @@ def measure_quality(intended, inputs: QualityInputs, budget: Budget, all_figures
 
     same = intended is inputs.fp32
     nll = {"fp32": 0.0, "package": 0.0}
-    kl_sum = agree = count = 0
+    kl_sum = agree = count = positions = nonfinite = 0
     for tokens, logits in zip(inputs.windows, inputs.fp32_logits):
         log_p = log_softmax(logits)[:-1]
-        log_q = log_p if same else log_softmax(intended.logits(tokens))[:-1]
+        positions += len(tokens) - 1  # a row that is not finite agrees with nothing
         rows, targets = np.arange(len(tokens) - 1), tokens[1:]
+        if same:
+            log_q = log_p
+        else:
+            package_logits = intended.logits(tokens)
+            # A row with an inf or NaN fails the budget whatever else (below); the figures are over
+            # the finite rows, so they stay numbers.
+            finite = np.isfinite(package_logits[:-1]).all(-1)
+            nonfinite += int(np.count_nonzero(~np.isfinite(package_logits)))
+            log_q = log_softmax(package_logits)[:-1][finite]
+            log_p, rows, targets = log_p[finite], np.arange(len(log_q)), targets[finite]
+            if not len(rows):
+                continue
         nll["fp32"] -= log_p[rows, targets].sum()
         nll["package"] -= log_q[rows, targets].sum()
         kl_sum += kl_rows(log_p, log_q).sum()
         agree += int(np.count_nonzero(log_p.argmax(-1) == log_q.argmax(-1)))
-        count += len(tokens) - 1
-    ppl = {k: float(np.exp(v / count)) for k, v in nll.items()}
-    figures = {"ppl_change": ppl["package"] / ppl["fp32"] - 1, "top1_agreement": agree / count,
-               "kl_mean": float(kl_sum / count)}
+        count += len(rows)
+    if count:
+        ppl = {k: float(np.exp(v / count)) for k, v in nll.items()}
+        figures = {"ppl_change": ppl["package"] / ppl["fp32"] - 1, "top1_agreement": agree / positions,
+                   "kl_mean": float(kl_sum / count)}
+    else:  # not one finite row: nothing to measure, and the budget fails on nonfinite_logits
+        ppl, figures = {"fp32": None, "package": None}, {"ppl_change": None, "top1_agreement": 0.0, "kl_mean": None}
     limits = {"ppl_change": ("<=", budget.ppl), "top1_agreement": (">=", budget.top1),
               "kl_mean": ("<=", budget.kl), "items_top1_changed": ("<=", budget.items)}
 
     def over(names):
-        return [k for k in names if limits[k][1] is not None and not (
+        return [k for k in names if limits[k][1] is not None and figures[k] is not None and not (
             figures[k] <= limits[k][1] if limits[k][0] == "<=" else figures[k] >= limits[k][1])]
 
-    over_text, skipped = over(("ppl_change", "top1_agreement", "kl_mean")), None
+    # Every logit finite is no budget a user sets: an inf or NaN (fp16 overflow) fails whatever the figures.
+    over_text = over(("ppl_change", "top1_agreement", "kl_mean")) + (["nonfinite_logits"] if nonfinite else [])
+    skipped = None
     scores = None
     if same:
         figures["items_top1_changed"] = 0.0
@@ -128,7 +145,7 @@ def measure_quality(intended, inputs: QualityInputs, budget: Budget, all_figures
         scores = score_items(intended, inputs.tokenizer, inputs.items)
         figures["items_top1_changed"] = len(rank_differences(inputs.fp32_scores, scores).top1_changed) / len(inputs.items)
     over_budget = over_text + ([] if figures["items_top1_changed"] is None else over(("items_top1_changed",)))
-    return {"perplexity": ppl, **figures, "tokens": count, "items": len(inputs.items),
+    return {"perplexity": ppl, **figures, "nonfinite_logits": nonfinite, "tokens": count, "items": len(inputs.items),
             **({"items_not_measured": skipped} if skipped else {}),
             "budget": {**asdict(budget), "spec": budget.spec()}, "over_budget": over_budget,
             "within_budget": not over_budget, "measured_on": intended.name}, scores

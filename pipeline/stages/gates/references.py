@@ -13,7 +13,12 @@ import numpy as np
 
 def intended_references(package_dir: Path, manifest: dict, bundle: Path) -> tuple:
     """(the package's intended numerics, FP32's), both TorchBackends on the reference model of
-    `bundle`; one and the same object for an FP32 package with a float32 cache."""
+    `bundle`; one and the same object for an FP32 package with a float32 cache.
+
+    An fp16 package intends the fp16 reference (`pipeline.ground.models.fp16`: every op's
+    output rounded to fp16, K/V fp16) of the model its conversion traced: the reference with
+    the mitigations its manifest records (a compressed package: those of the package it was
+    made from, whose weights, already rescaled, it decoded)."""
     import torch
 
     from coreml.decoded import decoded_weights
@@ -22,13 +27,31 @@ def intended_references(package_dir: Path, manifest: dict, bundle: Path) -> tupl
     from coreml.precisions import package_precision
     from pipeline.ground.reference import load_reference
     from pipeline.ground.torch_backend import TorchBackend
+    from pipeline.stages.gates.lineage import upstream_of
 
     fp32_model, args, _ = load_reference(bundle)
     kind, context = manifest["package"]["kind"], manifest["package"]["context"]
     fp32 = TorchBackend(fp32_model, args, context)
-    cache_dtype = package_kind(kind, package_dir).cache_dtype(package_precision(manifest["package"], package_dir)) \
-        or np.float32
-    if manifest["format"] == COMPRESSED_FORMAT:
+    unit = package_precision(manifest["package"], package_dir)
+    cache_dtype = package_kind(kind, package_dir).cache_dtype(unit) or np.float32
+    compressed = manifest["format"] == COMPRESSED_FORMAT
+    if unit.compute_precision == "float16":
+        from pipeline.ground.models.fp16 import Fp16Mitigations, fp16_reference, mitigated_model
+
+        base = upstream_of(package_dir, manifest)[1] if compressed else manifest
+        record = base.get("numerics", {}).get("mitigations")
+        mitigations = Fp16Mitigations() if record is None else Fp16Mitigations.from_record(
+            record["record"], f"{package_dir}: field 'numerics.mitigations.record'")
+        model, _, _ = load_reference(bundle)
+        if compressed:
+            model.load_state_dict({name: torch.from_numpy(w) for name, w in decoded_weights(package_dir).items()},
+                                  strict=False)
+        what = f"recipe {manifest['recipe']['name']}, decoded weights" if compressed else "bundle weights"
+        mitigated = mitigated_model(model, args, mitigations, weights_scaled=compressed)
+        del model
+        return TorchBackend(fp16_reference(mitigated), args, context, cache_dtype=np.float16,
+                            numerics=f"fp16 at op boundaries, {what}, mitigations {_mitigations_name(mitigations)}"), fp32
+    if compressed:
         model, _, _ = load_reference(bundle)
         model.load_state_dict({name: torch.from_numpy(w) for name, w in decoded_weights(package_dir).items()},
                               strict=False)
@@ -37,3 +60,12 @@ def intended_references(package_dir: Path, manifest: dict, bundle: Path) -> tupl
     if cache_dtype == np.float16:
         return TorchBackend(fp32_model, args, context, cache_dtype=cache_dtype, numerics="fp32, fp16 K/V cache"), fp32
     return fp32, fp32
+
+
+def _mitigations_name(mitigations) -> str:
+    if mitigations.is_none:
+        return "none"
+    parts = [f"residual x{mitigations.residual_scale:g}" if mitigations.residual_scale != 1.0 else None,
+             f"{mitigations.rmsnorm} RMSNorm" if mitigations.rmsnorm != "plain" else None,
+             f"mask {mitigations.mask_value:g}" if mitigations.mask_value is not None else None]
+    return ", ".join(p for p in parts if p)

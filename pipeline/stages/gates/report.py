@@ -97,7 +97,8 @@ def markdown(report: dict) -> str:
         "",
         md_table(["figure", "value", "budget", "within"],
                  [["perplexity change", f"{q['ppl_change']:+.2%} ({q['perplexity']['fp32']:.4g} -> "
-                   f"{q['perplexity']['package']:.4g})", f"<= +{budget['ppl']:.2%}", "ppl_change" not in q["over_budget"]],
+                   f"{q['perplexity']['package']:.4g})" if q["ppl_change"] is not None else "no finite row to measure",
+                   f"<= +{budget['ppl']:.2%}", "ppl_change" not in q["over_budget"]],
                   ["pooled top-1 agreement", q["top1_agreement"], f">= {budget['top1']}",
                    "top1_agreement" not in q["over_budget"]],
                   ["mean KL(FP32 ‖ package)", q["kl_mean"], budget["kl"] if budget["kl"] is not None else "-",
@@ -106,14 +107,26 @@ def markdown(report: dict) -> str:
                    q["items_top1_changed"] if q["items_top1_changed"] is not None else
                    "not measured: " + q["items_not_measured"],
                    budget["items"] if budget["items"] is not None else "-",
-                   "items_top1_changed" not in q["over_budget"]]]),
+                   "items_top1_changed" not in q["over_budget"]],
+                  ["non-finite logits", q.get("nonfinite_logits", 0), "0, always", q.get("nonfinite_logits", 0) == 0]]),
         "## 3. Invariants",
         "",
         md_table(["invariant", "max |Δ|", "passed"], invariant_rows(report["invariants"])),
         "![error distribution](alignment.png)",
         "",
+        *compute_units_section(report["compute_units"]),
     ]
     return "\n".join(lines)
+
+
+def compute_units_section(record: dict) -> list[str]:
+    """The static check against the Neural Engine's limits (`coreml.ane`): what the package can claim."""
+    from coreml.ane import ane_markdown
+
+    return ["## Compute units", "",
+            f"Intended: **{record['intended']}** (the package's manifest); can claim: **{', '.join(record['claimable'])}** "
+            "(a static check of the saved program against the Neural Engine's published limits; not a gate part).", "",
+            *ane_markdown(record["ane"]), ""]
 
 
 # ---------------------------------------------------------------- the verifier

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from manifests.identity import portable_name, sha256_file
-from pipeline.stages.gates.budget import DEFAULT_BUDGET, Budget, parse_budget
+from pipeline.stages.gates.budget import Budget, parse_budget
 from pipeline.stages.gates.exactness import (
     ALL_PATTERNS,
     COMPRESSED_PATTERNS,
@@ -92,6 +92,13 @@ def gate_backend(candidate, intended, fixtures: ReferenceFixtures, quality: Qual
     }
 
 
+def default_budget(manifest: dict) -> str:
+    """The quality budget a package is held to when the user declares none: its precision's."""
+    from coreml.precisions import package_precision
+
+    return package_precision(manifest["package"]).default_budget
+
+
 @dataclass(frozen=True)
 class GateResult:
     """A gate that ran, passed or not: its report (as written to `out_dir`) and the item scores
@@ -110,7 +117,7 @@ class GateResult:
         return f"{self.package_dir}: {failure(self.report)}; report at {self.out_dir / REPORT_NAME}"
 
 
-def align_package(package_dir, fixtures_dir, out_dir, *, budget: Budget | str = DEFAULT_BUDGET,
+def align_package(package_dir, fixtures_dir, out_dir, *, budget: Budget | str | None = None,
                   quality_text=DEFAULT_QUALITY_TEXT, items=DEFAULT_ITEMS, backend: str = "auto",
                   force: bool = False, quality: QualityInputs | None = None, scores_out=None,
                   all_figures: bool = False, fp32_scores=None) -> GateResult:
@@ -124,6 +131,7 @@ def align_package(package_dir, fixtures_dir, out_dir, *, budget: Budget | str = 
     measures it even over budget (`measure_quality`); `fp32_scores` reads FP32's side of it
     from that run (`QualityInputs.use_fp32_scores`).
     """
+    from coreml.ane import ane_report
     from coreml.kinds import KINDS
     from coreml.runner import open_package_backend
     from manifests.identity import MANIFEST_NAME, artifact_source, environment, inventory, write_json
@@ -134,8 +142,9 @@ def align_package(package_dir, fixtures_dir, out_dir, *, budget: Budget | str = 
     refuse_existing(out_dir, force)  # before minutes of gating, not after
     if scores_out is not None:
         refuse_existing(Path(scores_out), force)
-    budget = parse_budget(budget) if isinstance(budget, str) else budget
     lineage = resolve_lineage(package_dir)
+    budget = parse_budget(budget if budget is not None else default_budget(lineage.manifest)) \
+        if not isinstance(budget, Budget) else budget
     kind = lineage.kind
     if kind not in KINDS:
         raise GateFailed(f"{package_dir}: package kind {kind!r} has no alignment gate; gated: {list(KINDS)}")
@@ -153,6 +162,7 @@ def align_package(package_dir, fixtures_dir, out_dir, *, budget: Budget | str = 
                         patterns=ALL_PATTERNS if recipe == "fp32" else COMPRESSED_PATTERNS, check=kind,
                         all_figures=all_figures)
     samples, scores = body.pop("_samples"), body.pop("_scores")
+    ane = ane_report(package_dir / lineage.manifest["package"]["name"])
     # Every path the gate records is relative to its own folder: gates ship in releases.
     fixtures_identity = fixtures.identity(relative_to=out_dir)
     report = {
@@ -166,6 +176,8 @@ def align_package(package_dir, fixtures_dir, out_dir, *, budget: Budget | str = 
                     "manifest_sha256": sha256_file(package_dir / MANIFEST_NAME)},
         "fixtures": fixtures_identity,
         "quality_inputs": quality.identity(relative_to=out_dir),
+        "compute_units": {"intended": lineage.manifest["package"].get("compute_units", "CPU_ONLY"),
+                          "claimable": ane["compute_units"], "ane": ane},
         "chain": [str(link.relative_to(out_dir)) for link in lineage.chain],
     }
     with staged_output(out_dir, force) as staging:

@@ -1,0 +1,78 @@
+"""Issue 21's failure mode through packages and gates: a fixture-sized model whose residual
+stream passes 65504 on "." (tests/_fp16_hazard.py). The fp16 package converted with the
+preflight's mitigations is finite and passes its gate (exact against the fp16 reference under
+the u16 bound, within the fp16 budget, invariants); the same package converted with the
+mitigations off is inf on "." and fails its gate. Also: `--precision fp16` without a preflight
+of this bundle, or with a refused one, builds nothing, and the survey takes a target."""
+
+import json
+
+import pytest
+
+from _fp16_hazard import make_hazard_bundle
+from pipeline.stages.gates import align_package, make_reference_fixtures
+from pipeline.stages.preflight import PreflightError, fp16_conversion, run_preflight
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
+CONTEXT = 128
+# Eight items keep the fp16 reference's scoring of the scoring set short; the gate's figures
+# on them are real, not a stub.
+ITEMS = 8
+
+
+@pytest.fixture(scope="module")
+def hazard(tmp_path_factory):
+    from coreml.convert import export_coreml
+    from coreml.kinds.export import Conversion
+
+    root = tmp_path_factory.mktemp("fp16-gate")
+    bundle = make_hazard_bundle(root)
+    run_preflight(bundle, root / "preflight", context=CONTEXT)
+    lines = (ROOT / "fixtures" / "botchan.txt").read_text(encoding="utf-8").splitlines()
+    make_reference_fixtures(root / "hazard.cmf", root / "reference", lines, context=CONTEXT)
+    items = root / "items.jsonl"
+    items.write_text("".join((ROOT / "fixtures" / "scoring" / "cloze.jsonl").read_text().splitlines(True)[:ITEMS]))
+    export_coreml(bundle, root / "mitigated", ["chunk_kv"], context=CONTEXT,
+                  conversion=fp16_conversion(bundle, root / "preflight"))
+    export_coreml(bundle, root / "naive", ["chunk_kv"], context=CONTEXT, conversion=Conversion("fp16"))
+    return root
+
+
+def _gate(hazard, name):
+    return align_package(hazard / name / "chunk_kv", hazard / "reference", hazard / f"gate-{name}",
+                         items=hazard / "items.jsonl")
+
+
+def test_the_mitigated_fp16_package_is_finite_and_passes_its_gate(hazard):
+    manifest = json.loads((hazard / "mitigated" / "chunk_kv" / "manifest.json").read_text())
+    assert manifest["numerics"]["mitigations"]["record"]["residual_scale"] < 1.0
+    gate = _gate(hazard, "mitigated")
+    report = gate.report
+    assert report["quality"]["budget"]["spec"] == "ppl=0.5%,top1=0.99"  # the fp16 precision's default
+    assert report["quality"]["nonfinite_logits"] == 0
+    assert report["numerics"].startswith("fp16 at op boundaries")
+    assert "u=2^-11" in report["tolerance"]["why"]
+    assert gate.passed, gate.failure()
+    assert set(report["compute_units"]["claimable"]) >= {"cpu", "gpu"}
+
+
+def test_the_same_package_without_mitigations_is_inf_on_the_hazard_and_fails_its_gate(hazard):
+    gate = _gate(hazard, "naive")
+    report = gate.report
+    assert not gate.passed
+    assert report["quality"]["nonfinite_logits"] > 0
+    assert "nonfinite_logits" in report["quality"]["over_budget"]
+    assert not report["summary"]["within_budget"]
+
+
+def test_an_fp16_conversion_takes_only_a_safe_preflight_of_its_own_bundle(hazard, tmp_path):
+    other = make_hazard_bundle(tmp_path / "other", intermediate_gain=1.5)
+    with pytest.raises(PreflightError, match="another bundle"):
+        fp16_conversion(other, hazard / "preflight")
+    from pipeline.ground.models.fp16 import Fp16Unsafe
+
+    unsafe = make_hazard_bundle(tmp_path / "unsafe", intermediate_gain=400.0)
+    with pytest.raises(Fp16Unsafe):
+        run_preflight(unsafe, tmp_path / "unsafe-preflight", context=64)
+    with pytest.raises(PreflightError, match="verdict"):
+        fp16_conversion(unsafe, tmp_path / "unsafe-preflight")
