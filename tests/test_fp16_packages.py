@@ -14,7 +14,7 @@ import torch
 from coreml.convert import export_coreml
 from coreml.crosscheck import STORAGE_OPS
 from coreml.kinds import KINDS
-from coreml.kinds.export import Conversion
+from coreml.kinds.export import Conversion, ScheduleMismatch, reference_for_export
 from coreml.manifest import verify_package
 from coreml.mil.loader import load_program
 from coreml.precisions import FP16, FP32, POSITIONAL_REASON, UnknownPrecision, precision
@@ -168,3 +168,26 @@ def test_the_conversion_traces_the_transform_it_is_handed(fixture_bundle, tmp_pa
     assert np.abs(logits - 2 * reference).max() <= bound
     assert np.abs(logits - reference).max() > 100 * bound
     verify_package(manifest.path)
+
+
+def test_the_stateful_trace_check_refuses_a_function_that_ignores_position(fixture_bundle):
+    """Below float32 the stateful functions are checked as traced, before conversion
+    (`Stateful.check_traced`); one that writes every chunk at position 0 is refused."""
+    ref = reference_for_export(fixture_bundle, conversion=Conversion("fp16"))
+    kind = KINDS["stateful"]
+    graph = kind.graph(ref)
+
+    class ForgetsPosition(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = graph
+            self.key_cache, self.value_cache = graph.key_cache, graph.value_cache  # the same tensors
+
+        def forward(self, ids, position):
+            return self.inner(ids, torch.zeros_like(position))
+
+    errors = kind.check_traced(graph, ref, "prefill", ((0, (1, 3, 4)),))
+    assert list(errors) == ["prefill@0[1,3,4]"] and errors["prefill@0[1,3,4]"] <= ref.tolerance
+    with pytest.raises(ScheduleMismatch, match=r"traced stateful prefill on prefill@0\[1,3,4\] differs from the "
+                                               r"fp16-cache torch graph by max \|Δ logit\| "):
+        kind.check_traced(ForgetsPosition(), ref, "prefill", ((0, (1, 3, 4)),))
