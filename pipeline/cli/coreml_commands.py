@@ -5,6 +5,7 @@ import argparse
 from tqdm import tqdm
 
 from coreml.kinds import KINDS
+from pipeline.ground.workers import ENGINES, Executor
 
 # Kinds and recipes are checked by export_coreml and compress_package (typed errors naming the
 # known ones), not by argparse choices. The recipes are not listed here: coreml.recipes would
@@ -19,6 +20,7 @@ def register(subparsers) -> None:
     convert.add_argument("--context", type=int, help="KV/flexible-length context (default: max_position_embeddings)")
     convert.add_argument("--jobs", type=int, default=1,
                          help="package kinds converted at a time, each in its own process with an equal share of the cores")
+    add_executor_arguments(convert)
     convert.add_argument("--force", action="store_true", help="replace an existing output")
     convert.set_defaults(func=_coreml)
 
@@ -30,19 +32,31 @@ def register(subparsers) -> None:
     compress.set_defaults(func=_compress)
 
 
+def add_executor_arguments(parser: argparse.ArgumentParser) -> None:
+    """--executor and --address: where a stage's worker jobs run (`pipeline.ground.workers.Executor`)."""
+    parser.add_argument("--executor", choices=ENGINES, default="local",
+                        help="local worker processes, or the actors of a Ray cluster that sees the build folder at "
+                             "the same path (pip install cmfdeploy[cluster])")
+    parser.add_argument("--address", help="the Ray cluster's address (default: RAY_ADDRESS, else a Ray started here)")
+
+
+def executor_of(args: argparse.Namespace) -> Executor:
+    return Executor(args.executor, args.address)
+
+
 def _coreml(args: argparse.Namespace) -> int:
     from coreml.convert import export_coreml, export_steps
 
-    kinds = args.kinds or tuple(KINDS)
+    kinds, executor = args.kinds or tuple(KINDS), executor_of(args)
     # disable=False explicitly: the quiet CLI disables tqdm's default to silence coremltools' bars.
-    with tqdm(total=export_steps(kinds, args.jobs), unit="stage", disable=False) as bar:
+    with tqdm(total=export_steps(kinds, args.jobs, executor), unit="stage", disable=False) as bar:
 
         def progress(stage: str) -> None:
             bar.set_description(stage)
             bar.update(1)
 
         manifests = export_coreml(args.bundle, args.out, kinds, force=args.force, context=args.context,
-                                  progress=progress, jobs=args.jobs)
+                                  progress=progress, jobs=args.jobs, executor=executor)
     for kind, manifest in manifests.items():
         print(f"{kind}: {manifest.path} ({manifest['package_bytes']} bytes)")
     return 0
