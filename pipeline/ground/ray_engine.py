@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.ground.errors import CmfdeployError
-from pipeline.ground.workers import STDERR_TAIL, WorkerFailed, thread_env
+from pipeline.ground.workers import STDERR_TAIL, Executor, WorkerFailed, thread_env
 
 INSTALL = "pip install cmfdeploy[cluster]"
 
@@ -88,12 +88,12 @@ def job_slots(nodes: Sequence[float], jobs: int, tasks: int) -> tuple[int, int]:
 
 
 def run_on_ray(entry: str, setup: dict, tasks: Sequence[Any], jobs: int, *, where: object,
-               shared: Sequence[str | Path], address: str | None,
-               done: Callable[[Any, Any], None] | None = None) -> list[Any]:
-    """`run_in_workers` on the Ray cluster at `address` (a Ray instance this process has already
-    joined is used as it is; otherwise this run joins `address`, or RAY_ADDRESS's cluster, or
-    starts one here, and leaves it after)."""
-    ray = import_ray()
+               shared: Sequence[str | Path], executor: Executor,
+               done: Callable[[Any, Any], None] | None) -> list[Any]:
+    """`run_in_workers` on the Ray cluster at the executor's address (a Ray instance this process
+    has already joined is used as it is; otherwise this run joins the address, or RAY_ADDRESS's
+    cluster, or starts one here, and leaves it after)."""
+    ray, address = import_ray(), executor.address
     joined_here = not ray.is_initialized()
     if joined_here:
         try:

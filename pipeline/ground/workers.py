@@ -39,7 +39,9 @@ from pipeline.ground.errors import CmfdeployError
 STDERR_TAIL = 4000
 # The thread pools a worker's share of the cores bounds (torch's OpenMP, MKL, numpy's OpenBLAS).
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
-ENGINES = ("local", "ray")
+# Each engine's runner, with run_in_workers' arguments, looked up by name when a stage asks for
+# it: only the Ray engine's module imports Ray.
+ENGINES = {"local": "pipeline.ground.workers:run_locally", "ray": "pipeline.ground.ray_engine:run_on_ray"}
 
 
 class WorkerFailed(CmfdeployError):
@@ -101,10 +103,14 @@ def run_in_workers(entry: str, setup: dict, tasks: Sequence[Any], jobs: int, *, 
     since their work is lost with the caller's staging folder anyway. `shared`: the folders
     the workers read and write (a staging folder), which a Ray worker checks it sees.
     """
-    if executor.engine == "ray":
-        from pipeline.ground.ray_engine import run_on_ray
+    module, _, runner = ENGINES[executor.engine].partition(":")
+    return getattr(importlib.import_module(module), runner)(entry, setup, tasks, jobs, where=where, shared=shared,
+                                                            executor=executor, done=done)
 
-        return run_on_ray(entry, setup, tasks, jobs, where=where, shared=shared, address=executor.address, done=done)
+
+def run_locally(entry: str, setup: dict, tasks: Sequence[Any], jobs: int, *, where: object,
+                shared: Sequence[str | Path], executor: Executor, done: Callable[[Any, Any], None] | None) -> list[Any]:
+    """`run_in_workers` in worker processes of this machine (which sees every `shared` folder)."""
     env = thread_share_env(jobs)
     argv = [sys.executable, "-m", __name__, entry, json.dumps(setup), str(os.getpid())]
     waiting = list(enumerate(tasks))
