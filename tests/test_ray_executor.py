@@ -40,9 +40,12 @@ CONVERSION_DATE = "com.github.apple.coremltools.conversion_date"
 
 @pytest.fixture(scope="module", autouse=True)
 def cluster(tmp_path_factory):
-    """A Ray cluster of this machine, with the CPUs two local workers share between them."""
+    """A Ray cluster of this machine, with the CPUs two local workers share between them. Ray's
+    memory monitor is off, as nothing watches the local workers: it kills a Ray worker when the
+    whole machine nears its memory, which on a shared machine is other processes' doing."""
     ray.init(num_cpus=2 * thread_share(2), include_dashboard=False, log_to_driver=False,
-             object_store_memory=80 * 2**20, _temp_dir=str(tmp_path_factory.mktemp("ray")))
+             object_store_memory=80 * 2**20, _temp_dir=str(tmp_path_factory.mktemp("ray")),
+             _system_config={"memory_monitor_refresh_ms": 0})
     yield
     ray.shutdown()
 
