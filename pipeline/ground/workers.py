@@ -45,7 +45,8 @@ ENGINES = {"local": "pipeline.ground.workers:run_locally", "ray": "pipeline.grou
 
 
 class WorkerFailed(CmfdeployError):
-    """A worker process exited before answering its task; carries the end of its stderr."""
+    """A worker died or failed before answering its task; carries the end of its stderr (a local
+    process) or of its remote traceback (a Ray actor)."""
 
 
 class UnknownExecutor(CmfdeployError):
