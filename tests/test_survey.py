@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _survey_models import SCORING_ITEMS, SURVEY_RECIPES, built_survey, failed_gate
+from _survey_models import SCORING_ITEMS, SURVEY_RECIPES, WORKER_RECIPES, built_survey, failed_gate, survey_in_workers
 from conftest import FIXTURE_REFERENCE
 
 from pipeline.stages.survey import ForeignGate, SurveyError, load_survey, run_survey
@@ -322,7 +322,7 @@ def test_existing_output_and_unknown_recipes_are_refused(survey, tmp_path, capsy
         run_survey(survey.package, survey.fp32_gate, FIXTURE_REFERENCE, survey.items, tmp_path / "o", recipes=("int3",))
 
 
-def test_a_survey_in_two_worker_processes_measures_what_one_process_does(survey, tmp_path):
+def test_a_survey_in_two_worker_processes_measures_what_one_process_does(survey):
     """jobs=2: recipes surveyed by worker processes (JSON orders and records) into one staging
     folder. The packages are the same bytes (their codes are elementwise functions of the
     weights), the records the same fields, and the perplexity change the same up to two float32
@@ -331,11 +331,10 @@ def test_a_survey_in_two_worker_processes_measures_what_one_process_does(survey,
     (target logit plus log-sum-exp), so the two runs' values differ by at most 4 bounds.
     FP32's item scores are read from the first survey's run (`fp32_scores`, as make passes the
     FP32 gate's), so its baseline is that run's to the byte."""
-    names = ("int8-b32", "int4-b32")
-    parallel = run_survey(survey.package, survey.fp32_gate, FIXTURE_REFERENCE, survey.items, tmp_path / "s",
-                          recipes=names, jobs=2, progress=False, fp32_scores=survey.path / "scores" / "fp32")
-    assert load_survey(tmp_path / "s") == json.loads(json.dumps(parallel))
-    assert (tmp_path / "s" / "scores" / "fp32" / "scores.jsonl").read_bytes() == (
+    names = WORKER_RECIPES
+    path, parallel = survey_in_workers(survey.path, survey.package, survey.fp32_gate, survey.items)
+    assert load_survey(path) == json.loads(json.dumps(parallel))
+    assert (path / "scores" / "fp32" / "scores.jsonl").read_bytes() == (
         survey.path / "scores" / "fp32" / "scores.jsonl").read_bytes()
     bundle = upstream_path(survey.package, read_json(survey.package / "manifest.json")["source"])
     bound = model_logits_bound(load_reference(bundle)[0], 128)
@@ -343,7 +342,7 @@ def test_a_survey_in_two_worker_processes_measures_what_one_process_does(survey,
         serial = _records(survey)[name]
         assert record["name"] == name and record.keys() == serial.keys()
         for blob in ("model.mlpackage/Data/com.apple.CoreML/weights/weight.bin",):
-            assert sha256_file(tmp_path / "s" / "packages" / name / blob) == sha256_file(
+            assert sha256_file(path / "packages" / name / blob) == sha256_file(
                 survey.path / "packages" / name / blob)
         got, want = record["gate"]["quality"], serial["gate"]["quality"]
         assert abs(np.log1p(got["ppl_change"]) - np.log1p(want["ppl_change"])) <= 4 * bound

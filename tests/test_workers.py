@@ -1,6 +1,7 @@
 """The one worker pool (pipeline.ground.workers): JSON tasks in, JSON results out, in order."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -9,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.ground.workers import WorkerFailed, run_in_workers, thread_share_env
+from pipeline.ground.ray_engine import INSTALL, RayMissing, job_slots
+from pipeline.ground.workers import Executor, UnknownExecutor, WorkerFailed, run_in_workers, thread_share_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,3 +71,33 @@ def test_a_worker_dies_with_the_stage_that_started_it(tmp_path):
     stage.send_signal(signal.SIGKILL)
     stage.wait()
     _until(lambda: not _alive(worker), "the worker to die with its stage")
+
+
+def test_an_executor_is_local_or_ray_and_only_ray_takes_an_address():
+    assert Executor().in_process and not Executor("ray", "10.0.0.1:6379").in_process
+    with pytest.raises(UnknownExecutor, match="executor 'dask' is not among"):
+        Executor("dask")
+    with pytest.raises(UnknownExecutor, match="address '10.0.0.1:6379': only the ray executor"):
+        Executor("local", "10.0.0.1:6379")
+
+
+def test_without_ray_the_ray_executor_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # what an environment without Ray gives `import ray`
+    with pytest.raises(RayMissing, match=re.escape(INSTALL)):
+        run_in_workers("tests._worker_jobs:arithmetic", {"factor": 1}, [1], jobs=1, where="test",
+                       executor=Executor("ray"))
+    assert INSTALL == "pip install cmfdeploy[cluster]"
+
+
+@pytest.mark.parametrize("nodes, jobs, tasks, slots", [
+    ((2.0,), 2, 5, (2, 1)),  # the test cluster: two actors of one thread, as two local workers on two cores
+    ((16.0,), 2, 10, (2, 8)),
+    ((16.0, 16.0), 4, 10, (4, 8)),
+    ((16.0,), 4, 1, (1, 4)),  # one task: one actor, still a 1/jobs share
+    ((3.0, 3.0), 3, 3, (3, 1)),  # two threads each would leave the third actor no node to fit on
+    ((2.0,), 8, 8, (2, 1)),  # no more actors than CPUs: one that never starts would hold its task for ever
+])
+def test_job_slots_share_the_cluster_and_fit_on_its_nodes(nodes, jobs, tasks, slots):
+    actors, threads = job_slots(nodes, jobs, tasks)
+    assert (actors, threads) == slots
+    assert sum(int(cpus) // threads for cpus in nodes) >= actors

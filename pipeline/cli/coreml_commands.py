@@ -6,6 +6,7 @@ from tqdm import tqdm
 
 from coreml.kinds import KINDS
 from coreml.precisions import PRECISIONS, precision
+from pipeline.ground.workers import ENGINES, Executor
 
 # Kinds and recipes are checked by export_coreml and compress_package (typed errors naming the
 # known ones), not by argparse choices. The recipes are not listed here: coreml.recipes would
@@ -26,6 +27,7 @@ def register(subparsers) -> None:
     convert.add_argument("--preflight", metavar="DIR",
                          help="fp16: the preflight report whose mitigations the conversion applies (default: "
                               "OUT/../preflight, made first by `cmfdeploy preflight` when absent)")
+    add_executor_arguments(convert)
     convert.add_argument("--force", action="store_true", help="replace an existing output")
     convert.set_defaults(func=_coreml)
 
@@ -37,22 +39,35 @@ def register(subparsers) -> None:
     compress.set_defaults(func=_compress)
 
 
+def add_executor_arguments(parser: argparse.ArgumentParser) -> None:
+    """--executor and --address: where a stage's worker jobs run (`pipeline.ground.workers.Executor`)."""
+    parser.add_argument("--executor", choices=ENGINES, default="local",
+                        help="local worker processes, or the actors of a Ray cluster that sees the build folder at "
+                             "the same path (pip install cmfdeploy[cluster])")
+    parser.add_argument("--address", help="the Ray cluster's address (default: RAY_ADDRESS, else a Ray started here)")
+
+
+def executor_of(args: argparse.Namespace) -> Executor:
+    return Executor(args.executor, args.address)
+
+
 def _coreml(args: argparse.Namespace) -> int:
     from coreml.convert import export_coreml, export_steps
     from coreml.kinds.export import Conversion
 
-    kinds = args.kinds or tuple(KINDS)
+    kinds, executor = args.kinds or tuple(KINDS), executor_of(args)
     fp16 = precision(args.precision).compute_precision == "float16"  # an unknown name is refused by name here
     conversion = _fp16_conversion(args) if fp16 else Conversion(args.precision)
     # disable=False explicitly: the quiet CLI disables tqdm's default to silence coremltools' bars.
-    with tqdm(total=export_steps(kinds, args.jobs), unit="stage", disable=False) as bar:
+    with tqdm(total=export_steps(kinds, args.jobs, executor), unit="stage", disable=False) as bar:
 
         def progress(stage: str) -> None:
             bar.set_description(stage)
             bar.update(1)
 
         manifests = export_coreml(args.bundle, args.out, kinds, force=args.force, context=args.context,
-                                  progress=progress, jobs=args.jobs, conversion=conversion)
+                                  progress=progress, jobs=args.jobs, conversion=conversion,
+                                  executor=executor)
     for kind, manifest in manifests.items():
         print(f"{kind}: {manifest.path} ({manifest['package_bytes']} bytes)")
     return 0

@@ -1,14 +1,18 @@
 """The one worker pool: independent jobs run by worker processes that share the cores.
 
-    results = run_in_workers("coreml.convert:conversion_worker", setup, ["stateful", "stateless"], jobs=2)
+    results = run_in_workers("coreml.convert:conversion_worker", setup, ["stateful", "stateless"], jobs=2,
+                             where=out_dir, shared=(staging,), executor=Executor("ray"))
 
 A worker is `python -m pipeline.ground.workers MODULE:FACTORY SETUP`: it imports
 `FACTORY`, calls it once with the JSON `SETUP` (what every job shares: a verified bundle, a
 reference model, a scored baseline), and answers each JSON task it reads on stdin with the
 JSON result of `handler(task)`, one line each. JSON in, JSON out: no pickle, so a task and
-its result are plain data any executor can ship (the same entry point, setup and tasks serve
-a cluster). Each worker gets a 1/`jobs` share of the cores for its BLAS and OpenMP pools,
-set in its environment before it imports numpy or torch.
+its result are plain data any executor can ship. Each worker gets a 1/`jobs` share of the
+cores for its BLAS and OpenMP pools, set in its environment before it imports numpy or torch.
+
+The `Executor` says where the workers run: local processes (the default, above), or the actors
+of a Ray cluster (`pipeline.ground.ray_engine`: the same entry, setup and tasks, one actor per
+job slot), whose nodes see the `shared` folders at the same paths as this machine.
 
 The caller names its own factory, so this module imports nothing above the ground.
 """
@@ -25,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,28 +37,81 @@ from pipeline.ground.errors import CmfdeployError
 
 # How much of a failed worker's stderr its error carries: the traceback's end, where the cause is.
 STDERR_TAIL = 4000
+# The thread pools a worker's share of the cores bounds (torch's OpenMP, MKL, numpy's OpenBLAS).
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+# Each engine's runner, with run_in_workers' arguments, looked up by name when a stage asks for
+# it: only the Ray engine's module imports Ray.
+ENGINES = {"local": "pipeline.ground.workers:run_locally", "ray": "pipeline.ground.ray_engine:run_on_ray"}
 
 
 class WorkerFailed(CmfdeployError):
-    """A worker process exited before answering its task; carries the end of its stderr."""
+    """A worker died or failed before answering its task; carries the end of its stderr (a local
+    process) or of its remote traceback (a Ray actor)."""
+
+
+class UnknownExecutor(CmfdeployError):
+    """An executor that is not among ENGINES, or a cluster address given to the local one."""
+
+
+@dataclass(frozen=True)
+class Executor:
+    """Where a stage's workers run: `local` processes, or `ray`, the cluster at `address`
+    (None: the one RAY_ADDRESS names, else a Ray instance started on this machine for the run)."""
+
+    engine: str = "local"
+    address: str | None = None
+
+    def __post_init__(self):
+        if self.engine not in ENGINES:
+            raise UnknownExecutor(f"executor {self.engine!r} is not among {list(ENGINES)}")
+        if self.address is not None and self.engine != "ray":
+            raise UnknownExecutor(f"address {self.address!r}: only the ray executor runs on a cluster")
+
+    @property
+    def in_process(self) -> bool:
+        """Whether a single job may run in the calling process: only local workers would run it here."""
+        return self.engine == "local"
+
+
+LOCAL = Executor()
+
+
+def thread_share(jobs: int) -> int:
+    """Threads per worker for `jobs` workers side by side on this machine's cores (each would
+    otherwise claim them all)."""
+    return max(1, (os.cpu_count() or 1) // jobs)
+
+
+def thread_env(threads: int) -> dict[str, str]:
+    """The variables that hold each BLAS/OpenMP pool to `threads`."""
+    return dict.fromkeys(THREAD_VARIABLES, str(threads))
 
 
 def thread_share_env(jobs: int) -> dict[str, str]:
     """This process's environment with each BLAS/OpenMP pool at 1/`jobs` of the cores, for one
-    of `jobs` worker processes running side by side (each would otherwise claim them all)."""
-    threads = str(max(1, (os.cpu_count() or 1) // jobs))
-    return {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "OPENBLAS_NUM_THREADS": threads}
+    of `jobs` worker processes running side by side."""
+    return {**os.environ, **thread_env(thread_share(jobs))}
 
 
 def run_in_workers(entry: str, setup: dict, tasks: Sequence[Any], jobs: int, *, where: object,
+                   shared: Sequence[str | Path] = (), executor: Executor = LOCAL,
                    done: Callable[[Any, Any], None] | None = None) -> list[Any]:
     """The result of every task, in the order of `tasks`, from at most `jobs` workers of `entry`.
 
     Tasks start in the order given (put the longest first, so no worker runs alone at the
     end); `done(task, result)` is called as each one comes back. The first worker to die
     raises WorkerFailed naming `where` and its task; the other workers are then killed,
-    since their work is lost with the caller's staging folder anyway.
+    since their work is lost with the caller's staging folder anyway. `shared`: the folders
+    the workers read and write (a staging folder), which a Ray worker checks it sees.
     """
+    module, _, runner = ENGINES[executor.engine].partition(":")
+    return getattr(importlib.import_module(module), runner)(entry, setup, tasks, jobs, where=where, shared=shared,
+                                                            executor=executor, done=done)
+
+
+def run_locally(entry: str, setup: dict, tasks: Sequence[Any], jobs: int, *, where: object,
+                shared: Sequence[str | Path], executor: Executor, done: Callable[[Any, Any], None] | None) -> list[Any]:
+    """`run_in_workers` in worker processes of this machine (which sees every `shared` folder)."""
     env = thread_share_env(jobs)
     argv = [sys.executable, "-m", __name__, entry, json.dumps(setup), str(os.getpid())]
     waiting = list(enumerate(tasks))

@@ -52,7 +52,7 @@ from pipeline.stages import gates, scoring
 from pipeline.ground.errors import CmfdeployError
 from pipeline.stages.report import md_table, scatter_plot
 from pipeline.ground.text_roles import text_roles
-from pipeline.ground.workers import run_in_workers
+from pipeline.ground.workers import LOCAL, Executor, run_in_workers
 
 FORMAT = "cmfdeploy.survey/1"
 FOLDER_FORMAT = "cmfdeploy.survey_folder/1"
@@ -312,7 +312,8 @@ def survey_context(settings: dict, manifest: dict | None = None) -> dict:
     }
 
 
-def _recipes_in_workers(recipes: tuple[str, ...], staging: Path, settings: dict, jobs: int, bar) -> list[dict]:
+def _recipes_in_workers(recipes: tuple[str, ...], staging: Path, settings: dict, jobs: int, bar,
+                        executor: Executor) -> list[dict]:
     """Each recipe's record from `jobs` worker processes (`pipeline.ground.workers`), each with
     an equal share of the cores for its BLAS threads: two 1-thread processes get through
     ~1.2x the items of one 2-thread process on two cores, and overlap each other's
@@ -325,7 +326,7 @@ def _recipes_in_workers(recipes: tuple[str, ...], staging: Path, settings: dict,
     # running alone at the end. Records come back in the order asked.
     longest_first = sorted(recipes, key=lambda name: not RECIPES[name].calibration)
     records = run_in_workers("pipeline.stages.survey:survey_worker", setup, longest_first, jobs, where=staging,
-                             done=lambda recipe, record: bar.update())
+                             shared=(staging,), executor=executor, done=lambda recipe, record: bar.update())
     by_recipe = dict(zip(longest_first, records))
     return [by_recipe[name] for name in recipes]
 
@@ -353,6 +354,7 @@ def run_survey(
     jobs: int = 1,
     fp32_scores: str | Path | None = None,
     target: str = "cpu",
+    executor: Executor = LOCAL,
 ) -> dict:
     """Survey `recipes` on the FP32 package at `package_dir`; the survey record (survey.json).
 
@@ -361,7 +363,8 @@ def run_survey(
     the held-out quality lines the gates measure on (`pipeline.ground.text_roles`).
     `mixed_bpw` overrides the mixed recipe's budget in bits per weight. `all_figures` scores
     the scoring set for every recipe, not only those within budget on the held-out text.
-    `jobs` > 1 surveys that many recipes at a time, each in its own process (`_recipes_in_workers`).
+    `jobs` > 1 surveys that many recipes at a time, each in its own process (`_recipes_in_workers`);
+    `executor` says where those run (a Ray executor surveys even one job's recipes on the cluster).
     `target` (`coreml.targets`): the package must be of the target's precision, and only a
     package that can claim the target's unit deploys. `budget` None: the precision's.
     `fp32_scores`: FP32's scoring run of the same scoring set and bundle (the FP32 gate's
@@ -397,13 +400,13 @@ def run_survey(
                           backend_name=quality.fp32.name, items_path=items_path)
         baseline_run = read_json(staging / "scores" / "fp32" / MANIFEST_NAME)
         bar = tqdm(total=len(recipes), desc="survey", unit="recipe", disable=not progress)
-        if jobs == 1:
+        if jobs == 1 and executor.in_process:
             records = []
             for name in recipes:
                 records.append(survey_recipe(name, package_dir, staging, context))
                 bar.update()
         else:
-            records = _recipes_in_workers(recipes, staging, settings, jobs, bar)
+            records = _recipes_in_workers(recipes, staging, settings, jobs, bar, executor)
         bar.close()
         fp32_summary = scoring.summarize(quality.fp32_scores)
         survey = {
