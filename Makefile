@@ -20,7 +20,8 @@ DEFAULT_MODEL := fixtures/botchan-llama-1m.cmf
 MODEL ?= $(DEFAULT_MODEL)
 NAME := $(basename $(notdir $(MODEL)))
 OUT := build/$(NAME)
-RECIPES ?= int8-b32 int4-b32 int4-b32-emb8 gptq-int4-b32 gptq-int4-b64 palette6-gc32 palette4-gc32 int8-b32-embfp16 palette4-int8lut mixed
+RECIPES ?= int8-b32 int8-b32-fp16scale int4-b32 int4-b32-emb8 gptq-int4-b32 gptq-int4-b64 gptq-int4-b64-emb8 palette6-gc32 \
+  palette4-gc32 int8-b32-embfp16 palette4-int8lut mixed
 ITEMS ?= fixtures/scoring/cloze.jsonl
 # How far from FP32 a package's numerics may go (the gates' quality part): perplexity change
 # on held-out text at most, pooled top-1 agreement at least; optionally kl=, items=.

@@ -56,7 +56,6 @@ sys.path.insert(0, str(ROOT))
 
 from coreml import codes  # noqa: E402
 from coreml.bits import bits_per_weight  # noqa: E402
-from coreml.calibration import logprobs_with  # noqa: E402
 from coreml.manifest import verify_package  # noqa: E402
 from coreml.recipes import EMBEDDING, RECIPES, Weight, compress_package  # noqa: E402
 from manifests.chain import upstream_path  # noqa: E402
@@ -72,8 +71,27 @@ TEXT = ROOT / "fixtures" / "botchan.txt"
 DEFAULT_RECIPES = ("int8-b32", "int4-b32", "palette6-gc32", "palette4-gc32", "mixed", "cmf-native")
 
 
+# Reference log-probabilities are kept (float32) for the KL column only while they take at
+# most this many bytes; Gemma 3's 262k vocabulary over the quality text would take 2.4 GB.
+KL_BYTES = 2**30
+
+
+class Reference:
+    """What a scored model is compared with, per window: its top-1 and (when kept) its log-probs."""
+
+    def __init__(self, logprobs_of, windows: list[np.ndarray], vocab: int):
+        keep = sum(len(w) for w in windows) * vocab * 4 <= KL_BYTES
+        self.top1, self.logprobs = [], [] if keep else None
+        for w in windows:
+            lp = logprobs_of(w)
+            self.top1.append(lp[:-1].argmax(-1))
+            if keep:
+                self.logprobs.append(lp[:-1].astype(np.float32))
+
+
 class Model:
-    """The FP32 reference of a package with swappable weights, scored on the survey's quality windows."""
+    """The FP32 reference of a package with swappable weights, scored on the survey's quality
+    windows one window at a time (a window's log-probs of a 262k vocabulary are 0.5 GB)."""
 
     def __init__(self, bundle: Path, window: int):
         self.bundle = bundle
@@ -88,7 +106,8 @@ class Model:
         self.bos_id = tokenizer.bos_id
         self.windows = windows(quality, self.window, tokenizer.bos_id)
         self.parameters = sum(t.numel() for n, t in self.original.items())
-        self.fp32 = logprobs_with(self.model, self.original, self.windows, {})
+        self.vocab = self.original[EMBEDDING].shape[0]
+        self.fp32 = Reference(self._logprobs, self.windows, self.vocab)
 
     @classmethod
     def of_package(cls, package: Path) -> "Model":
@@ -96,19 +115,42 @@ class Model:
         manifest = verify_package(package, hashes=False)
         return cls(upstream_path(package, manifest["source"]), manifest["package"]["context"])
 
-    def score(self, weights: dict[str, np.ndarray] | None = None, logprobs: list[np.ndarray] | None = None,
-              against: list[np.ndarray] | None = None) -> dict:
-        """Perplexity, top-1 agreement and mean KL against FP32 (or `against`) over the quality
-        windows, with `weights` swapped in (or of the given `logprobs`)."""
-        got = logprobs if logprobs is not None else logprobs_with(self.model, self.original, self.windows, weights or {})
-        nll, agree, count, kl = 0.0, 0, 0, 0.0
-        for w, p, q in zip(self.windows, against or self.fp32, got):
-            nll -= q[np.arange(len(w) - 1), w[1:]].sum()
-            agree += int((p[:-1].argmax(-1) == q[:-1].argmax(-1)).sum())
-            kl += float(kl_rows(p[:-1], q[:-1]).sum())
-            count += len(w) - 1
-        return {"perplexity": float(np.exp(nll / count)), "top1_agreement": agree / count, "kl_mean": kl / count,
-                "tokens": count}
+    def _logprobs(self, window: np.ndarray) -> np.ndarray:
+        import torch
+
+        with torch.no_grad():
+            return log_softmax(self.model(torch.as_tensor(window)).numpy())
+
+    def score(self, weights: dict[str, np.ndarray] | None = None, logprobs_of=None,
+              against: Reference | None = None) -> dict:
+        """Perplexity, top-1 agreement and mean KL (where the reference's log-probs are kept)
+        against FP32 (or `against`) over the quality windows, with `weights` swapped in (or
+        of `logprobs_of(window)`)."""
+        import torch
+
+        against = against or self.fp32
+        weights = weights or {}
+        if logprobs_of is None:
+            self.model.load_state_dict({n: torch.from_numpy(np.ascontiguousarray(w, np.float32))
+                                        for n, w in weights.items()}, strict=False)
+        try:
+            nll, agree, count, kl = 0.0, 0, 0, 0.0
+            for i, w in enumerate(self.windows):
+                q = (logprobs_of or self._logprobs)(w)
+                nll -= q[np.arange(len(w) - 1), w[1:]].sum()
+                agree += int((against.top1[i] == q[:-1].argmax(-1)).sum())
+                if against.logprobs is not None:
+                    kl += float(kl_rows(against.logprobs[i].astype(np.float64), q[:-1]).sum())
+                count += len(w) - 1
+        finally:
+            if logprobs_of is None:
+                self.model.load_state_dict({n: self.original[n] for n in weights}, strict=False)
+        return {"perplexity": float(np.exp(nll / count)), "top1_agreement": agree / count,
+                "kl_mean": kl / count if against.logprobs is not None else None, "tokens": count}
+
+
+def _kl(row: dict) -> str:
+    return "not kept" if row.get("kl_mean") is None else f"{row['kl_mean']:.4f}"
 
 
 def exactness(model: Model, manifest, weights: dict[str, np.ndarray]) -> dict:
@@ -188,7 +230,7 @@ def run_recipes(package: Path, recipes: list[str], work: Path, mlx_bits: list[in
         del weights
         shutil.rmtree(work / spec, ignore_errors=True)
         print(f"{spec}: {row['bpw']:.3f} bpw, ppl {row['perplexity']:.3f} ({row['ppl_delta']:+.2%}), "
-              f"top-1 {row['top1_agreement']:.3f}, KL {row['kl_mean']:.4f}, {seconds:.1f} s"
+              f"top-1 {row['top1_agreement']:.3f}, KL {_kl(row)}, {seconds:.1f} s"
               + (f", chose {row['chosen']}" if "chosen" in row else "")
               + (f", exact {row['exact']['passed']} (max |Δ logit| {row['exact']['max_abs']:.2g}, bound "
                  f"{row['exact']['bound']:.2g})" if exact else ""), flush=True)
@@ -213,7 +255,7 @@ def run_codes(bundle: Path, window: int, recipes: list[str], work: Path, mlx_bit
     model = Model(bundle, window)
     rows = {"fp32": _fp32_row(model)}
     base = rows["fp32"]
-    calib = Calibration.of_model(model.model, model.calibration, HESSIAN_WINDOWS, model.bos_id)
+    calib = Calibration.of_model(model.model, model.calibration, HESSIAN_WINDOWS, model.bos_id, model.original)
     tied = {EMBEDDING: ("gather", "linear")}
     weights = [Weight(n, (n,), tuple(t.shape), tied.get(n, ("linear",)), ()) for n, t in model.original.items()
                if t.ndim == 2 and t.numel() > WEIGHT_THRESHOLD]
@@ -240,7 +282,7 @@ def run_codes(bundle: Path, window: int, recipes: list[str], work: Path, mlx_bit
                "ppl_delta": scored["perplexity"] / base["perplexity"] - 1, **extra}
         rows[spec] = row
         print(f"{spec}: {row['bpw']:.3f} bpw, ppl {row['perplexity']:.3f} ({row['ppl_delta']:+.2%}), "
-              f"top-1 {row['top1_agreement']:.3f}, KL {row['kl_mean']:.4f}, {seconds:.1f} s"
+              f"top-1 {row['top1_agreement']:.3f}, KL {_kl(row)}, {seconds:.1f} s"
               + (f", chose {row['chosen']}" if "chosen" in row else ""), flush=True)
     del options, calib
     if mlx_bits:
@@ -257,8 +299,12 @@ def run_mlx_lm(model: Model, work: Path, mlx_bits: list[int], base: dict) -> dic
 
     runner = MlxLm(model.bundle, work)
     runner.load(None)
-    own = [log_softmax(runner.logits(w)) for w in model.windows]
-    mlx_fp32 = model.score(logprobs=own)
+
+    def logprobs_of(window):
+        return log_softmax(runner.logits(window))
+
+    own = Reference(logprobs_of, model.windows, model.vocab)
+    mlx_fp32 = model.score(logprobs_of=logprobs_of)
     rows = {"mlx-lm fp32": {**mlx_fp32, "bpw": 32.0, "seconds": 0.0,
                             "ppl_delta": mlx_fp32["perplexity"] / base["perplexity"] - 1}}
     print(f"mlx-lm fp32: ppl {mlx_fp32['perplexity']:.3f} (ours {base['perplexity']:.3f}), top-1 vs ours "
@@ -267,7 +313,7 @@ def run_mlx_lm(model: Model, work: Path, mlx_bits: list[int], base: dict) -> dic
         start = time.perf_counter()
         size = runner.load(bits)
         seconds = time.perf_counter() - start
-        scored = model.score(logprobs=[log_softmax(runner.logits(w)) for w in model.windows], against=own)
+        scored = model.score(logprobs_of=logprobs_of, against=own)
         row = {**scored, "bpw": size["bpw"], "seconds": seconds,
                "ppl_delta": scored["perplexity"] / mlx_fp32["perplexity"] - 1}
         rows[f"mlx-lm q{bits} g{GROUP}"] = row
@@ -330,7 +376,7 @@ def markdown(result: dict) -> str:
                         else f"NO ({r['exact']['max_abs']:.2g} > {r['exact']['bound']:.2g})") if "exact" in r else ""
                  for name, r in recipes.items()}
         rows = [[name, f"{r['bpw']:.3f}", f"{r['perplexity']:.3f}", f"{r.get('ppl_delta', 0.0):+.2%}",
-                 f"{r['top1_agreement']:.3f}", f"{r['kl_mean']:.4f}", exact[name], f"{r['seconds']:.1f}",
+                 f"{r['top1_agreement']:.3f}", _kl(r), exact[name], f"{r['seconds']:.1f}",
                  *(f"{r.get('ppl_delta', 0.0) / d:.2f}" if d else "" for d in anchors.values())]
                 for name, r in recipes.items()]
         return (f"# Compression on {result['package']}\n\nMeasured as {result['how']}. "
@@ -364,7 +410,7 @@ def main() -> int:
     parser.add_argument("--window", type=int,
                         help="score the recipes' codes on the bundle PACKAGE in windows of this many tokens, "
                              "without packages (run_codes)")
-    parser.add_argument("--recipes", nargs="+", default=list(DEFAULT_RECIPES), type=_recipe_spec,
+    parser.add_argument("--recipes", nargs="*", default=list(DEFAULT_RECIPES), type=_recipe_spec,
                         help="recipe names; RECIPE@B gives a calibration recipe's budget B bits per weight (mixed)")
     parser.add_argument("--mlx-lm", nargs="*", type=int, default=[], choices=(4, 8), metavar="BITS",
                         help="also run mlx-lm's own q4 / q8 (group 64) on the same windows")

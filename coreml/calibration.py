@@ -61,14 +61,16 @@ class Calibration:
 
     @classmethod
     def of_model(cls, model: torch.nn.Module, calibration_ids: np.ndarray, count: int = WINDOWS,
-                 bos_id: int | None = None) -> "Calibration":
-        """`count` windows of WINDOW tokens of `calibration_ids` (BOS first when `bos_id` is given)."""
+                 bos_id: int | None = None, original: dict[str, torch.Tensor] | None = None) -> "Calibration":
+        """`count` windows of WINDOW tokens of `calibration_ids` (BOS first when `bos_id` is
+        given); `original`: the model's own tensors, already copied by the caller."""
         ids = np.asarray(calibration_ids, dtype=np.int64)
         text = WINDOW - (bos_id is not None)
         parts = [ids[i * text:(i + 1) * text] for i in range(count)]
         windows = [np.concatenate([[bos_id], part]).astype(np.int64) if bos_id is not None else part
                    for part in parts if len(part) > 1]
-        original = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+        if original is None:
+            original = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
         calib = cls(model, windows, [], original)
         calib.reference_logprobs = logprobs_with(model, original, windows[:WINDOWS], {})
         return calib

@@ -39,8 +39,9 @@ class MixedRecipe(Recipe):
         return {"mixed": {"options": list(self.options), "group": self.group, "measure": self.measure}}
 
     def prepare(self, weights: list[Weight], context: Context) -> Prepared:
-        calib = context.calibration(calibration.HESSIAN_WINDOWS)
         below = sum(w.size for w in weights if w.hf_names and w.size <= WEIGHT_THRESHOLD)
+        _require_budget(_groups(weights), _budget_bits(weights, context.bpw, below), self.options)  # before measuring
+        calib = context.calibration(calibration.HESSIAN_WINDOWS)
         record, cached = mixed_plan(weights, calib, context.bpw, below, self.options)
         by_name = {w.name: w for w in weights}
         return Prepared(
@@ -84,15 +85,8 @@ def choose_mixed(
     """
     groups = _groups(weights)
     names = sorted(groups)
-    cost = {(g, o): sum(_bits(RECIPES[o], w) for w in groups[g]) for g in names for o in options}
+    cost = _require_budget(groups, budget_bits, options)
     error = {(g, o): float(measure(g, o)) if np.isfinite(cost[g, o]) else np.inf for g in names for o in options}
-    smallest = min(options, key=lambda o: sum(cost[g, o] for g in names))
-    least = sum(min(cost[g, o] for o in options) for g in names)
-    if least > budget_bits:
-        raise RecipePrecondition(
-            f"recipe mixed: the smallest choice ({smallest} everywhere, or the smallest option per group) needs "
-            f"{least:.0f} bits, over the budget of {budget_bits:.0f}"
-        )
     plan = _knapsack(names, options, cost, error, budget_bits)
     uniform = {o: {g: o for g in names} for o in options if sum(cost[g, o] for g in names) <= budget_bits}
     candidates = {**uniform, PLAN: plan}
@@ -115,6 +109,26 @@ def choose_mixed(
         "budget_bits": budget_bits,
         "estimated_bits": bits[chosen],
     }
+
+
+def _budget_bits(selected: list[Weight], bpw: float, below_elements: int) -> float:
+    """Bits the selected weights may take for `bpw` over every bundle parameter, the uncompressed
+    ones (norms and matrices of at most WEIGHT_THRESHOLD elements, `below_elements`) at 32 bits."""
+    total = sum(w.size for ws in _groups(selected).values() for w in ws) + below_elements
+    return bpw * total - 32 * below_elements
+
+
+def _require_budget(groups: dict[str, list[Weight]], budget_bits: float, options: tuple[str, ...]) -> dict:
+    """(group, option) -> bits; raises `RecipePrecondition` when the smallest choice per group exceeds the budget."""
+    cost = {(g, o): sum(_bits(RECIPES[o], w) for w in ws) for g, ws in groups.items() for o in options}
+    least = sum(min(cost[g, o] for o in options) for g in groups)
+    if least > budget_bits:
+        smallest = min(options, key=lambda o: sum(cost[g, o] for g in groups))
+        raise RecipePrecondition(
+            f"recipe mixed: the smallest choice ({smallest} everywhere, or the smallest option per group) needs "
+            f"{least:.0f} bits, over the budget of {budget_bits:.0f}"
+        )
+    return cost
 
 
 def _bits(recipe: StepRecipe, weight: Weight) -> float:
@@ -207,8 +221,7 @@ class OptionCodes:
         among `options` (default: all of this object's); the budget counts every bundle
         parameter, the uncompressed ones (norms and matrices of at most WEIGHT_THRESHOLD
         elements, `below_elements`) at their 32 bits."""
-        total = sum(w.size for w in self.selected) + below_elements
-        chosen = choose_mixed(self.selected, self.group_error, bpw * total - 32 * below_elements,
+        chosen = choose_mixed(self.selected, self.group_error, _budget_bits(self.selected, bpw, below_elements),
                               options or self.options, measure_whole=self.whole_error)
         chosen["bpw_budget"] = bpw
         codes_by_name = {w.name: self.code(w, chosen["choices"][w.group]) for w in self.selected
