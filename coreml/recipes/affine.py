@@ -39,6 +39,8 @@ register_recipe(CodeRecipe("int4-b32", Affine(4)))
 # int4-b32 its top-1 agreement.
 register_recipe(CodeRecipe("int4-b32-emb8", Affine(4), embedding=Affine(8, symmetric=True)))
 # Q8_0's grid everywhere: int8 per 32 with one fp16 scale, 8.5 bits per weight (mlx-lm's q8
-# g64 spends the same on an fp16 scale and offset per 64). A Q8_0 tensor (Gemma 3's
-# embedding/head and v) is carried exactly; coremltools' int8-b32 spends 9.0 on fp32 scales.
+# g64 spends the same on an fp16 scale and offset per 64; coremltools' int8-b32 9.0 on fp32
+# scales). A Q8_0 tensor (Gemma 3's embedding/head and v) gets its own codes and scale back;
+# the op's fp16 product q * scale then rounds each value once (2^-11 relative), as
+# int4-b32-emb8's embedding does.
 register_recipe(CodeRecipe("int8-b32-fp16scale", Affine(8, symmetric=True)))

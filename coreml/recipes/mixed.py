@@ -95,7 +95,12 @@ def choose_mixed(
     if measure_whole is None:
         chosen, whole = PLAN, {}
     else:
-        whole = {name: float(measure_whole(c)) for name, c in candidates.items()}
+        measured: dict[tuple, float] = {}  # a plan that is one option everywhere is measured once
+        for c in candidates.values():
+            key = tuple(sorted(c.items()))
+            if key not in measured:
+                measured[key] = float(measure_whole(c))
+        whole = {name: measured[tuple(sorted(c.items()))] for name, c in candidates.items()}
         # A tie goes to the uniform option (one recipe, and its own survey row says what it costs).
         chosen = min(candidates, key=lambda name: (whole[name], name == PLAN, bits[name]))
     return {
