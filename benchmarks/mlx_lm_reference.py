@@ -64,7 +64,6 @@ class MlxLm:
         """Load the folder with mlx-lm and quantize it to `bits` (None: leave it float32);
         returns mlx-lm's size figures (bits per weight as stored)."""
         import mlx.core as mx
-        import mlx.nn as nn
         from mlx.utils import tree_flatten, tree_map
         from mlx_lm.utils import load_model, quantize_model
 
@@ -84,7 +83,6 @@ class MlxLm:
                               model.parameters()))
         mx.eval(model.parameters())
         self.model, self.bits = model, bits
-        assert isinstance(model, nn.Module)
         return {"bpw": 8 * stored_bytes / count, "parameters": count, "stored_bytes": stored_bytes}
 
     def logits(self, window: np.ndarray) -> np.ndarray:
