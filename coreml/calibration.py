@@ -21,7 +21,7 @@ from pipeline.ground.reference import load_reference
 
 # Tokens per calibration window and windows measured:
 # 2 x 128 tokens keep one sensitivity forward per (layer, option) at a fraction of a second
-# for a 135M model on one core.
+# for a 135M model on one core (about a second for Gemma 3 270M, whose head is 262k wide).
 WINDOW = 128
 WINDOWS = 2
 # GPTQ's Hessians take one forward in all: 16 windows give 2048 samples, more than the
@@ -47,23 +47,38 @@ class Calibration:
     windows: list[np.ndarray]
     reference_logprobs: list[np.ndarray]
     original: dict[str, torch.Tensor]
+    hessians: dict[str, np.ndarray] | None = None
 
     @classmethod
     def from_package(cls, package_dir: Path, manifest: dict, calibration_ids: np.ndarray,
                      count: int = WINDOWS) -> "Calibration":
-        """`count` windows of WINDOW ids, taken as given (a caller that wants BOS windows puts BOS in)."""
+        """`count` windows of WINDOW tokens, each opened by the model's BOS when it has one
+        (`special_tokens.bos_token_id`), as the quality gate's windows are: a model trained
+        with BOS first (Gemma) is measured on the inputs it will be judged on."""
         model, _, _ = load_reference(upstream_path(package_dir, manifest["source"]))
         model.eval()
+        return cls.of_model(model, calibration_ids, count, manifest["special_tokens"]["bos_token_id"])
+
+    @classmethod
+    def of_model(cls, model: torch.nn.Module, calibration_ids: np.ndarray, count: int = WINDOWS,
+                 bos_id: int | None = None, original: dict[str, torch.Tensor] | None = None) -> "Calibration":
+        """`count` windows of WINDOW tokens of `calibration_ids` (BOS first when `bos_id` is
+        given); `original`: the model's own tensors, already copied by the caller."""
         ids = np.asarray(calibration_ids, dtype=np.int64)
-        windows = [ids[i * WINDOW:(i + 1) * WINDOW] for i in range(count) if len(ids[i * WINDOW:(i + 1) * WINDOW]) > 1]
-        original = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+        text = WINDOW - (bos_id is not None)
+        parts = [ids[i * text:(i + 1) * text] for i in range(count)]
+        windows = [np.concatenate([[bos_id], part]).astype(np.int64) if bos_id is not None else part
+                   for part in parts if len(part) > 1]
+        if original is None:
+            original = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
         calib = cls(model, windows, [], original)
-        calib.reference_logprobs = logprobs_with(model, original, windows, {})
+        calib.reference_logprobs = logprobs_with(model, original, windows[:WINDOWS], {})
         return calib
 
     def kl_with(self, weights: dict[str, np.ndarray]) -> float:
-        """Mean KL(reference || model with `weights` substituted) per token over the windows."""
-        got = logprobs_with(self.model, self.original, self.windows, weights)
+        """Mean KL(reference || model with `weights` substituted) per token over the first
+        WINDOWS windows (a Hessian calibration has more; its logits are not kept)."""
+        got = logprobs_with(self.model, self.original, self.windows[:WINDOWS], weights)
         kl = [kl_rows(p, q).mean() for p, q in zip(self.reference_logprobs, got)]
         return float(np.mean(kl))
 
@@ -83,8 +98,10 @@ class Calibration:
     def input_hessians(self) -> dict[str, np.ndarray]:
         """Weight name -> E[x x^T] over the inputs of the linear it feeds (GPTQ's Hessian of
         the output error, cross terms kept), float64 [in, in]; the tied embedding's is its
-        head use's."""
-        return self._input_statistics(lambda x: x.T @ x)
+        head use's. Gathered once per calibration (every GPTQ option of `mixed` reads them)."""
+        if self.hessians is None:
+            self.hessians = self._input_statistics(lambda x: x.T @ x)
+        return self.hessians
 
     def _input_statistics(self, statistic) -> dict[str, np.ndarray]:
         """Weight name -> the mean over input rows x [rows, in] (float64) of every Linear's
@@ -104,7 +121,9 @@ class Calibration:
                     counts[name] = counts.get(name, 0) + x.shape[0]
                 hooks.append(module.register_forward_hook(record))
         try:
-            logprobs_with(self.model, self.original, self.windows, {})
+            with torch.no_grad():
+                for window in self.windows:  # only the hooks' sums are kept, not the logits
+                    self.model(torch.as_tensor(window))
         finally:
             for hook in hooks:
                 hook.remove()

@@ -12,8 +12,10 @@ from coremltools.optimize.coreml._quantization_passes import WeightDecompressor
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from _coreml_models import VOCAB, make_bundle, random_weights
+from _coreml_models import ARCH, VOCAB, make_bundle, random_weights
 from pipeline.ground.models.numerics import U32, model_logits_bound
 from coreml.convert import export_coreml
 from coreml.manifest import verify_package
@@ -178,23 +180,100 @@ def _quantized_dtypes(mlpackage):
 
 
 def test_mixed_measures_on_calibration_ids_and_stores_each_layer_at_its_choice(source, tmp_path):
-    ids = np.random.default_rng(5).integers(0, VOCAB, 256).astype(np.int64)
+    ids = np.random.default_rng(5).integers(0, VOCAB, 128 * 16).astype(np.int64)
     # The fixture keeps 16960 of its 164416 parameters in fp32 (norms; k/v at the 2048 threshold):
-    # int4 everywhere else is 7.8 bits per weight, int8 everywhere 11.4; 9 buys some layers int8.
+    # int4 everywhere else is 7.8 bits per weight, int8 everywhere 10.9; 9 buys some layers int8.
     manifest = compress_package(source.path, "mixed", tmp_path / "mixed", calibration_ids=ids, bpw=9.0)
     mixed = manifest["selection"]["mixed"]
     assert mixed["estimated_bits"] <= mixed["budget_bits"] and mixed["bpw_budget"] == 9.0
-    assert len(set(mixed["choices"].values())) > 1
+    assert mixed["chosen"] == "plan" and len(set(mixed["choices"].values())) > 1
     for group, errors in mixed["measured_error"].items():
-        assert errors["int8-b32"] < errors["int4-b32"], group  # int8's error is the smaller, on every layer
+        # int8's error is the smaller on every layer; gptq-int4-b64 codes the 64-wide embedding per 96: not an option.
+        assert errors["int8-b32-fp16scale"] < errors["gptq-int4-b32"], group
+        assert (errors["gptq-int4-b64"] is None) == (group == "model.embed_tokens.weight"), group
+    # Every option that fits the budget everywhere was measured whole beside the plan, and none beat it.
+    candidates = mixed["candidates"]
+    assert set(candidates) == {"plan", "gptq-int4-b32", "gptq-int4-b64-emb8"}
+    assert all(candidates["plan"]["measured_error"] <= c["measured_error"] for c in candidates.values())
     dtypes = _quantized_dtypes(manifest.path / "model.mlpackage")
     for entry in manifest["selection"]["weights"].values():
         if entry["compressed"]:
             choice = mixed["choices"][Weight("", tuple(entry["hf_names"]), (), (), ()).group]
-            if choice == "palette4-gc32":
-                assert entry["chain"] == ["constexpr_lut_to_dense", "constexpr_cast"]
-            else:
-                assert dtypes[entry["compressed_as"]] == {"int4-b32": "UINT4", "int8-b32": "INT8"}[choice]
+            assert dtypes[entry["compressed_as"]] == ("INT8" if choice == "int8-b32-fp16scale" or (
+                choice == "gptq-int4-b64-emb8" and "model.embed_tokens.weight" in entry["hf_names"]) else "UINT4")
+    # The plan's joint error is the calibration KL of the package's own decoded weights, measured
+    # here through a calibration of its own (the same windows, a fresh reference model).
+    from coreml.calibration import Calibration
+    from manifests.chain import upstream_path
+    from pipeline.ground.reference import load_reference
+
+    model, _, _ = load_reference(upstream_path(source.path, source["source"]))
+    kl = Calibration.of_model(model.eval(), ids).kl_with(_decompressed_weights(manifest))
+    # The same sums over the same values; only the order of the float64 reductions may differ.
+    assert kl == pytest.approx(candidates["plan"]["measured_error"], rel=1e-9)
+
+
+def test_mixed_never_loses_to_a_uniform_option_that_fits_the_budget():
+    """Per-layer errors that add up to a misleading plan: each layer alone says "int8 on layers 0
+    and 1, palette on 2 and 3" is best, but coded together the palette layers interact; the
+    joint measure prefers int4 everywhere, which fits, and the chooser takes it."""
+    weights = [Weight(f"w{i}", (f"model.layers.{i}.mlp.up_proj.weight",), (64, 64), ("linear",), ()) for i in range(4)]
+    options = ("palette4-gc32", "int4-b32", "int8-b32")
+    alone = {"palette4-gc32": 1.0, "int4-b32": 0.9, "int8-b32": 0.1}
+
+    def measure(group, option):
+        return alone[option] * (3.0 if group in ("layers.0", "layers.1") else 1.0)
+
+    def whole(choices):  # palette layers together cost far more than their sum
+        summed = sum(measure(g, o) for g, o in choices.items())
+        return summed * (10.0 if list(choices.values()).count("palette4-gc32") > 1 else 1.0)
+
+    cost = {o: RECIPES[o].estimated_bits(weights[0]) for o in options}
+    budget = 2 * cost["int8-b32"] + 2 * cost["palette4-gc32"]
+    assert 4 * cost["int4-b32"] <= budget < 4 * cost["int8-b32"]
+    plain = choose_mixed(weights, measure, budget, options)
+    assert plain["choices"] == {"layers.0": "int8-b32", "layers.1": "int8-b32", "layers.2": "palette4-gc32",
+                                "layers.3": "palette4-gc32"}
+    judged = choose_mixed(weights, measure, budget, options, measure_whole=whole)
+    assert judged["chosen"] == "int4-b32" and set(judged["choices"].values()) == {"int4-b32"}
+    assert judged["plan"] == plain["choices"]
+    assert set(judged["candidates"]) == {"plan", "palette4-gc32", "int4-b32"}  # int8 everywhere does not fit
+    assert judged["candidates"]["int4-b32"]["measured_error"] < judged["candidates"]["plan"]["measured_error"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 10), st.floats(0, 10), st.floats(0, 10)), min_size=1, max_size=5),
+       st.floats(0.0, 1.0))
+def test_mixed_plan_is_the_least_summed_error_within_the_budget(errors, slack):
+    """The plan against every assignment, enumerated: the knapsack is exact (a per-bit greedy
+    along one chain of options is not)."""
+    import itertools
+
+    shapes = [(64, 64), (64, 128), (128, 64), (64, 256), (256, 64)]
+    weights = [Weight(f"w{i}", (f"model.layers.{i}.mlp.up_proj.weight",), shapes[i], ("linear",), ())
+               for i in range(len(errors))]
+    options = ("palette4-gc32", "int4-b32", "int8-b32")
+    table = {f"layers.{i}": dict(zip(options, e)) for i, e in enumerate(errors)}
+    cost = {(f"layers.{i}", o): RECIPES[o].estimated_bits(w) for i, w in enumerate(weights) for o in options}
+    least = sum(min(cost[g, o] for o in options) for g in table)
+    most = sum(max(cost[g, o] for o in options) for g in table)
+    budget = least + slack * (most - least)
+    chosen = choose_mixed(weights, lambda g, o: table[g][o], budget, options)
+    best = min(sum(table[g][o] for g, o in zip(table, combo)) for combo in itertools.product(options, repeat=len(table))
+               if sum(cost[g, o] for g, o in zip(table, combo)) <= budget)
+    assert chosen["estimated_bits"] <= budget
+    assert sum(table[g][o] for g, o in chosen["choices"].items()) == pytest.approx(best, rel=1e-12, abs=1e-12)
+
+
+def test_calibration_windows_open_with_bos_when_the_model_has_one():
+    from coreml.calibration import WINDOW, Calibration
+
+    model = build_model(ModelArgs.from_header({"arch": ARCH}), random_weights(seed=1)).eval()
+    ids = np.arange(3, 3 + 3 * WINDOW) % VOCAB
+    with_bos = Calibration.of_model(model, ids, count=3, bos_id=1).windows
+    assert [w[0] for w in with_bos] == [1, 1, 1] and all(len(w) == WINDOW for w in with_bos)
+    assert np.array_equal(np.concatenate([w[1:] for w in with_bos]), ids[:3 * (WINDOW - 1)])  # the text, in order
+    assert np.array_equal(np.concatenate(Calibration.of_model(model, ids, count=3).windows), ids)
 
 
 def test_refusals(source, compressed, tmp_path):

@@ -38,3 +38,9 @@ register_recipe(CodeRecipe("int4-b32", Affine(4)))
 # scale (Q8_0's own), 5.0 and 8.5 bits. docs/COMPRESSION.md: the 4-bit head is what costs
 # int4-b32 its top-1 agreement.
 register_recipe(CodeRecipe("int4-b32-emb8", Affine(4), embedding=Affine(8, symmetric=True)))
+# Q8_0's grid everywhere: int8 per 32 with one fp16 scale, 8.5 bits per weight (mlx-lm's q8
+# g64 spends the same on an fp16 scale and offset per 64; coremltools' int8-b32 9.0 on fp32
+# scales). A Q8_0 tensor (Gemma 3's embedding/head and v) gets its own codes and scale back;
+# the op's fp16 product q * scale then rounds each value once (2^-11 relative), as
+# int4-b32-emb8's embedding does.
+register_recipe(CodeRecipe("int8-b32-fp16scale", Affine(8, symmetric=True)))

@@ -191,10 +191,15 @@ class StepRecipe(Recipe):
     def steps(self, weight: Weight) -> dict[str, Step]:
         """The steps this recipe gives `weight`, before any calibration."""
 
-    def estimated_bits(self, shape: tuple[int, ...]) -> float:
-        """Storage of a (non-embedding) weight of `shape` under this recipe."""
-        (step,) = self.steps(Weight("", (), tuple(shape), (), ())).values()
-        return step.bits(shape)
+    def estimated_bits(self, weight: Weight) -> float:
+        """Storage of `weight` under this recipe (the tied embedding by its own step, if any)."""
+        (step,) = self.steps(weight).values()
+        return step.bits(weight.shape)
+
+    def encoders(self, weights: list[Weight], calib: Calibration) -> dict[str, Encoder]:
+        """MIL name -> an encoder fitted on `calib` that replaces the code step's data-free fit
+        (none by default; the mixed recipe codes its options' weights through these)."""
+        return {}
 
     def describe(self, steps: Mapping[str, Step]) -> str:
         return describe(steps)

@@ -1,24 +1,34 @@
-"""The mixed recipe: one option per decoder layer (the embedding on its own), chosen from
-each group's measured sensitivity (calibration logit KL with only that group coded) under a
-budget of bits per weight. Its options are other registered recipes."""
+"""The mixed recipe: per decoder layer (and the embedding on its own) one of its options,
+chosen under a budget of bits per weight. Its options are other registered recipes.
+
+Why it is built this way (docs/COMPRESSION.md, "Why mixed lost to its own options"): a
+chooser under a budget must never lose to one of its options applied everywhere at that
+budget. So the options include the GPTQ recipes; the plan minimises the summed per-group
+calibration KL exactly (a knapsack over the groups, not a per-bit greedy along one chain of
+options); and the plan is then measured as a whole, beside every option that fits the
+budget applied uniformly, on the same calibration text: the lowest joint KL is stored.
+"""
 
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
+from coreml import calibration
 from coreml.calibration import Calibration
-from coreml.recipes.base import (RECIPES, WEIGHT_THRESHOLD, Context, Prepared, Recipe, RecipePrecondition, Weight,
-                                 carried, register_recipe)
+from coreml.recipes.base import (RECIPES, WEIGHT_THRESHOLD, Context, Encoder, Prepared, Recipe, RecipePrecondition,
+                                 StepRecipe, Weight, carried, precondition, register_recipe)
 
 # Default budget of the mixed recipe in bits per weight, counted as mlx-lm and Core ML count
 # (every stored byte of codes, scales, offsets and LUTs, x 8, over the parameter count).
 MIXED_BPW = 4.5
+PLAN = "plan"  # the name of the per-group plan among the candidates the chooser compares
 
 
 @dataclass(frozen=True)
 class MixedRecipe(Recipe):
-    """Per group, the option with the best error drop per bit that the budget allows."""
+    """Per group, the option that minimises the summed calibration KL within the budget, kept
+    only if the whole plan measures better than each uniform option that fits."""
 
     calibration = True
     options: tuple[str, ...]
@@ -29,8 +39,9 @@ class MixedRecipe(Recipe):
         return {"mixed": {"options": list(self.options), "group": self.group, "measure": self.measure}}
 
     def prepare(self, weights: list[Weight], context: Context) -> Prepared:
-        calib = context.calibration()
         below = sum(w.size for w in weights if w.hf_names and w.size <= WEIGHT_THRESHOLD)
+        _require_budget(_groups(weights), _budget_bits(weights, context.bpw, below), self.options)  # before measuring
+        calib = context.calibration(calibration.HESSIAN_WINDOWS)
         record, cached = mixed_plan(weights, calib, context.bpw, below, self.options)
         by_name = {w.name: w for w in weights}
         return Prepared(
@@ -39,9 +50,19 @@ class MixedRecipe(Recipe):
             {"mixed": record})
 
 
-MIXED = register_recipe(MixedRecipe("mixed", options=("palette4-gc32", "int4-b32", "int8-b32"),
-                                    group="decoder layer (embedding on its own)",
-                                    measure="calibration logit KL, one group coded at a time"))
+MIXED = register_recipe(MixedRecipe(
+    "mixed", options=("gptq-int4-b64", "gptq-int4-b32", "gptq-int4-b64-emb8", "int8-b32-fp16scale"),
+    group="decoder layer (embedding on its own)",
+    measure="calibration logit KL: per group coded alone (summed, minimised exactly under the budget), then the "
+            "plan and every uniform option that fits, each coded whole"))
+
+
+def _groups(weights: list[Weight]) -> dict[str, list[Weight]]:
+    groups: dict[str, list[Weight]] = {}
+    for weight in weights:
+        if weight.hf_names and weight.size > WEIGHT_THRESHOLD:
+            groups.setdefault(weight.group, []).append(weight)
+    return groups
 
 
 def choose_mixed(
@@ -49,80 +70,172 @@ def choose_mixed(
     measure: Callable[[str, str], float],
     budget_bits: float,
     options: tuple[str, ...] = MIXED.options,
+    measure_whole: Callable[[dict[str, str]], float] | None = None,
 ) -> dict:
     """Choose one option per group (decoder layer, or the embedding) under `budget_bits`.
 
     `measure(group, option)` is the error (logit KL on calibration text) of the model with
-    only that group compressed by that option. Start every group at the smallest option,
-    then repeatedly take the upgrade with the largest error drop per extra bit that still
-    fits the budget. Raises `RecipePrecondition` when even the smallest choice exceeds it.
+    only that group coded by that option. The plan minimises the sum of these errors within
+    the budget, exactly: a multiple-choice knapsack solved on its Pareto front of (bits,
+    error) over the groups taken one by one. `measure_whole(choices)` is the error of the
+    model with every group coded as `choices` says; given, it measures the plan and every
+    option that fits the budget applied to all groups, and the lowest error wins (a uniform
+    option on a tie), so interactions between groups the sum misses cannot make the chooser
+    lose to one of its own options. Raises `RecipePrecondition` when nothing fits.
     """
-    groups: dict[str, list[Weight]] = {}
-    for weight in weights:
-        if weight.hf_names and weight.size > WEIGHT_THRESHOLD:
-            groups.setdefault(weight.group, []).append(weight)
-    cost = {(g, o): sum(RECIPES[o].estimated_bits(w.shape) for w in ws) for g, ws in groups.items() for o in options}
-    by_size = sorted(options, key=lambda o: sum(cost[g, o] for g in groups))
-    error = {(g, o): float(measure(g, o)) for g in groups for o in options}
-    level = {g: 0 for g in groups}
-    total = sum(cost[g, by_size[0]] for g in groups)
-    if total > budget_bits:
-        raise RecipePrecondition(
-            f"recipe mixed: the smallest choice ({by_size[0]} everywhere) needs {total:.0f} bits, "
-            f"over the budget of {budget_bits:.0f}"
-        )
-    while True:
-        upgrades = []
-        for g in groups:
-            if level[g] + 1 < len(by_size):
-                now, nxt = by_size[level[g]], by_size[level[g] + 1]
-                extra = cost[g, nxt] - cost[g, now]
-                if total + extra <= budget_bits:
-                    upgrades.append(((error[g, now] - error[g, nxt]) / max(extra, 1.0), g, extra))
-        if not upgrades:
-            break
-        gain, group, extra = max(upgrades)
-        if gain <= 0:
-            break
-        level[group] += 1
-        total += extra
+    groups = _groups(weights)
+    names = sorted(groups)
+    cost = _require_budget(groups, budget_bits, options)
+    error = {(g, o): float(measure(g, o)) if np.isfinite(cost[g, o]) else np.inf for g in names for o in options}
+    plan = _knapsack(names, options, cost, error, budget_bits)
+    uniform = {o: {g: o for g in names} for o in options if sum(cost[g, o] for g in names) <= budget_bits}
+    candidates = {**uniform, PLAN: plan}
+    bits = {name: sum(cost[g, c[g]] for g in names) for name, c in candidates.items()}
+    summed = {name: sum(error[g, c[g]] for g in names) for name, c in candidates.items()}
+    if measure_whole is None:
+        chosen, whole = PLAN, {}
+    else:
+        measured: dict[tuple, float] = {}  # a plan that is one option everywhere is measured once
+        for c in candidates.values():
+            key = tuple(sorted(c.items()))
+            if key not in measured:
+                measured[key] = float(measure_whole(c))
+        whole = {name: measured[tuple(sorted(c.items()))] for name, c in candidates.items()}
+        # A tie goes to the uniform option (one recipe, and its own survey row says what it costs).
+        chosen = min(candidates, key=lambda name: (whole[name], name == PLAN, bits[name]))
     return {
-        "choices": {g: by_size[level[g]] for g in sorted(groups)},
-        "measured_error": {g: {o: error[g, o] for o in options} for g in sorted(groups)},
+        "choices": dict(candidates[chosen]),
+        "chosen": chosen,
+        "candidates": {name: {"estimated_bits": bits[name], "summed_group_error": summed[name],
+                              **({"measured_error": whole[name]} if whole else {})} for name in candidates},
+        "plan": plan,
+        # None: the option cannot code that group (its block does not divide an input axis).
+        "measured_error": {g: {o: error[g, o] if np.isfinite(error[g, o]) else None for o in options} for g in names},
         "budget_bits": budget_bits,
-        "estimated_bits": total,
+        "estimated_bits": bits[chosen],
     }
+
+
+def _budget_bits(selected: list[Weight], bpw: float, below_elements: int) -> float:
+    """Bits the selected weights may take for `bpw` over every bundle parameter, the uncompressed
+    ones (norms and matrices of at most WEIGHT_THRESHOLD elements, `below_elements`) at 32 bits."""
+    total = sum(w.size for ws in _groups(selected).values() for w in ws) + below_elements
+    return bpw * total - 32 * below_elements
+
+
+def _require_budget(groups: dict[str, list[Weight]], budget_bits: float, options: tuple[str, ...]) -> dict:
+    """(group, option) -> bits; raises `RecipePrecondition` when the smallest choice per group exceeds the budget."""
+    cost = {(g, o): sum(_bits(RECIPES[o], w) for w in ws) for g, ws in groups.items() for o in options}
+    least = sum(min(cost[g, o] for o in options) for g in groups)
+    if least > budget_bits:
+        smallest = min(options, key=lambda o: sum(cost[g, o] for g in groups))
+        raise RecipePrecondition(
+            f"recipe mixed: the smallest choice ({smallest} everywhere, or the smallest option per group) needs "
+            f"{least:.0f} bits, over the budget of {budget_bits:.0f}"
+        )
+    return cost
+
+
+def _bits(recipe: StepRecipe, weight: Weight) -> float:
+    """`weight`'s storage under `recipe`, infinite where its step cannot code it (a block that
+    does not divide the input axis): that option is not one the group can take."""
+    (step,) = recipe.steps(weight).values()
+    return np.inf if precondition(weight, step.record()) else recipe.estimated_bits(weight)
+
+
+def _knapsack(names: list[str], options: tuple[str, ...], cost: dict, error: dict, budget: float) -> dict[str, str]:
+    """The choice per group of least summed error with summed cost within `budget`.
+
+    The front after each group holds, for every reachable total cost, the least total error,
+    pruned to the plans no other plan beats on both; a plan's choices are read back through
+    each front's parent links. Among plans of equal error the cheaper one is kept.
+    """
+    front_cost, front_error = np.zeros(1), np.zeros(1)
+    links = []
+    for g in names:
+        c = (front_cost[:, None] + np.array([cost[g, o] for o in options])[None, :]).ravel()
+        e = (front_error[:, None] + np.array([error[g, o] for o in options])[None, :]).ravel()
+        parent, option = np.divmod(np.arange(c.size), len(options))
+        fits = np.flatnonzero(c <= budget)
+        order = fits[np.lexsort((e[fits], c[fits]))]
+        best_before = np.minimum.accumulate(np.concatenate([[np.inf], e[order]]))[:-1]
+        keep = order[e[order] < best_before]
+        front_cost, front_error = c[keep], e[keep]
+        links.append((parent[keep], option[keep]))
+    index = int(np.argmin(front_error))  # the front is sorted by cost: the cheapest of the least errors
+    plan = {}
+    for g, (parent, option) in zip(reversed(names), reversed(links)):
+        plan[g] = options[option[index]]
+        index = parent[index]
+    return dict(sorted(plan.items()))
 
 
 def _decoded(code) -> np.ndarray:
     return code.decode() if hasattr(code, "decode") else np.asarray(code, np.float32)
 
 
+def _step_key(recipe: StepRecipe, weight: Weight) -> str:
+    """What the option's step for `weight` is: options that give a weight the same step share its codes."""
+    (step,) = recipe.steps(weight).values()
+    return f"{type(step).__name__}:{sorted(step.record().items())}"
+
+
+class OptionCodes:
+    """Each option's codes for the selected weights, computed once from the reference model's
+    tensors by the option's own encoder (GPTQ with the calibration Hessians where the option
+    is GPTQ), and the calibration KL of the model with a choice of them swapped in."""
+
+    def __init__(self, weights: list[Weight], calib: Calibration, options: tuple[str, ...]):
+        self.calib, self.options = calib, options
+        self.groups = _groups(weights)
+        self.selected = [w for ws in self.groups.values() for w in ws]
+        self._encoders: dict[tuple[str, str], Encoder] = {}
+        for option in options:
+            recipe = RECIPES[option]
+            fits = [w for w in self.selected if np.isfinite(_bits(recipe, w))]
+            calibrated = recipe.encoders(fits, calib)
+            for w in fits:
+                (step,) = recipe.steps(w).values()
+                self._encoders.setdefault((w.name, _step_key(recipe, w)), calibrated.get(w.name, step.encode))
+        self._codes: dict[tuple[str, str], object] = {}
+        self._group_errors: dict[tuple, float] = {}
+
+    def code(self, weight: Weight, option: str):
+        key = (weight.name, _step_key(RECIPES[option], weight))
+        if key not in self._codes:
+            self._codes[key] = self._encoders[key](self.calib.weight(weight.hf_names[0]))
+        return self._codes[key]
+
+    def decoded(self, choices: dict[str, str]) -> dict[str, np.ndarray]:
+        """HF name -> the decoded weight of every group `choices` names, coded by its choice."""
+        return {n: _decoded(self.code(w, choices[g])) for g, ws in self.groups.items() if g in choices
+                for w in ws for n in w.hf_names}
+
+    def group_error(self, group: str, option: str) -> float:
+        """Calibration KL with only `group` coded by `option` (options that code it alike: measured once)."""
+        key = (group, tuple(_step_key(RECIPES[option], w) for w in self.groups[group]))
+        if key not in self._group_errors:
+            self._group_errors[key] = self.calib.kl_with(self.decoded({group: option}))
+        return self._group_errors[key]
+
+    def whole_error(self, choices: dict[str, str]) -> float:
+        return self.calib.kl_with(self.decoded(choices))
+
+    def plan(self, bpw: float, below_elements: int, options: tuple[str, ...] | None = None) -> tuple[dict, dict]:
+        """(the chooser's record, MIL name -> code for `code` steps) for `bpw` bits per weight
+        among `options` (default: all of this object's); the budget counts every bundle
+        parameter, the uncompressed ones (norms and matrices of at most WEIGHT_THRESHOLD
+        elements, `below_elements`) at their 32 bits."""
+        chosen = choose_mixed(self.selected, self.group_error, _budget_bits(self.selected, bpw, below_elements),
+                              options or self.options, measure_whole=self.whole_error)
+        chosen["bpw_budget"] = bpw
+        codes_by_name = {w.name: self.code(w, chosen["choices"][w.group]) for w in self.selected
+                         if "code" in RECIPES[chosen["choices"][w.group]].steps(w)}
+        return chosen, codes_by_name
+
+
 def mixed_plan(weights: list[Weight], calib: Calibration, bpw: float, below_elements: int,
                options: tuple[str, ...] = MIXED.options) -> tuple[dict, dict]:
-    """(the chooser's record, MIL name -> code for `code` steps) for `bpw` bits per weight.
-
-    Each group's sensitivity is the calibration KL with only that group's weights coded by
-    the option (from the reference model's tensor); the budget counts every bundle
-    parameter, the uncompressed ones (norms and matrices of at most WEIGHT_THRESHOLD
-    elements, `below_elements`) at their 32 bits.
-    """
-    selected = [w for w in weights if w.hf_names and w.size > WEIGHT_THRESHOLD]
-    cache = {(w.name, o): _reference_code(calib, w, RECIPES[o]) for w in selected for o in options}
-
-    def measure(group: str, option: str) -> float:
-        return calib.kl_with({n: _decoded(cache[w.name, option]) for w in selected if w.group == group
-                              for n in w.hf_names})
-
-    total = sum(w.size for w in selected) + below_elements
-    chosen = choose_mixed(selected, measure, bpw * total - 32 * below_elements, options)
-    chosen["bpw_budget"] = bpw
-    codes_by_name = {w.name: cache[w.name, chosen["choices"][w.group]] for w in selected
-                     if "code" in RECIPES[chosen["choices"][w.group]].steps(w)}
-    return chosen, codes_by_name
-
-
-def _reference_code(calib: Calibration, weight: Weight, recipe: Recipe) -> object:
-    """What `recipe`'s step stores for `weight`, computed from the reference model's tensor."""
-    (step,) = recipe.steps(weight).values()
-    return step.encode(calib.weight(weight.hf_names[0]))
+    """(the chooser's record, MIL name -> code for `code` steps) for `bpw` bits per weight
+    (`OptionCodes.plan`)."""
+    return OptionCodes(weights, calib, options).plan(bpw, below_elements)
