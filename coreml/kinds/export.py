@@ -253,13 +253,14 @@ def weight_names(mlpackage: Path, model: nn.Module) -> dict[str, list[str]]:
     """
     by_bytes: dict[str, list[str]] = {}
     for name, tensor in model.state_dict().items():
-        by_bytes.setdefault(sha256_bytes(tensor.numpy().astype(np.float32).tobytes()), []).append(name)
+        # Hashed in place (a contiguous array is a buffer): the model's tensors are the bundle's map.
+        by_bytes.setdefault(sha256_bytes(np.ascontiguousarray(tensor.numpy(), np.float32)), []).append(name)
     names = {}
     for function in load_program(mlpackage).functions.values():
         for op in function.block.operations:
             value = op.attributes.get("val") if op.type == "const" else None
             if isinstance(value, np.ndarray) and value.dtype == np.float32 and value.ndim:
-                if found := by_bytes.get(sha256_bytes(np.ascontiguousarray(value).tobytes())):
+                if found := by_bytes.get(sha256_bytes(np.ascontiguousarray(value))):
                     names[op.outputs[0][0]] = sorted(found)
     return dict(sorted(names.items()))
 

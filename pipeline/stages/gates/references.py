@@ -14,8 +14,6 @@ import numpy as np
 def intended_references(package_dir: Path, manifest: dict, bundle: Path) -> tuple:
     """(the package's intended numerics, FP32's), both TorchBackends on the reference model of
     `bundle`; one and the same object for an FP32 package with a float32 cache."""
-    import torch
-
     from coreml.decoded import decoded_weights
     from coreml.kinds import package_kind
     from coreml.manifest import COMPRESSED_FORMAT
@@ -27,9 +25,8 @@ def intended_references(package_dir: Path, manifest: dict, bundle: Path) -> tupl
     fp32 = TorchBackend(fp32_model, args, context)
     cache_dtype = package_kind(kind, package_dir).cache_dtype or np.float32
     if manifest["format"] == COMPRESSED_FORMAT:
-        model, _, _ = load_reference(bundle)
-        model.load_state_dict({name: torch.from_numpy(w) for name, w in decoded_weights(package_dir).items()},
-                              strict=False)
+        # The decoded weights are the model's own tensors; the rest stay the bundle's mapped pages.
+        model, _, _ = load_reference(bundle, replaced=decoded_weights(package_dir))
         return TorchBackend(model.eval(), args, context, cache_dtype=cache_dtype,
                             numerics=f"recipe {manifest['recipe']['name']}, decoded weights"), fp32
     if cache_dtype == np.float16:
