@@ -155,3 +155,34 @@ def test_executor_fp32_constants_are_views_of_the_weight_file(fixture_packages):
         start = value.__array_interface__["data"][0]
         assert not value.flags.owndata and not value.flags.writeable, name
         assert any(m["start"] <= start and start + value.nbytes <= m["stop"] for m in mappings), name
+
+
+# -- the scale benchmark's models and table
+
+
+def test_scale_bench_models_have_smollm2s_parameter_counts():
+    """The configs are SmolLM2's: built on the meta device, each model has the published count."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from scale_bench import COMMON, SHAPES
+
+    published = {"135m": 134_515_008, "360m": 361_821_120, "1.7b": 1_711_376_384}
+    for name, shape in SHAPES.items():
+        with torch.device("meta"):
+            model = LlamaForCausalLM(LlamaConfig(**shape, **COMMON))
+        assert sum(p.numel() for p in model.parameters()) == published[name], name
+
+
+def test_scale_bench_rows_are_ratios_to_the_weights_and_the_baseline():
+    from scale_bench import GB, rows
+
+    def stage(seconds, rss, anon):
+        return {"seconds": seconds, "process_rss": rss, "process_anon": anon, "tree_anon": anon}
+
+    results = {"135m": {"fp32_bytes": 1 * GB, "stages": {"align": stage(10, 2 * GB, 1 * GB)}},
+               "360m": {"fp32_bytes": 3 * GB, "stages": {"align": stage(60, 4 * GB, 5 * GB)}}}
+    base, big = rows(results)
+    assert base["seconds_x_base"] == base["rss_x_base"] == base["anon_x_base"] == 1
+    assert big["seconds_x_base"] == 6 and big["seconds_per_weight_x_base"] == 2
+    assert big["rss_x_weights"] == 4 / 3 and big["anon_x_weights"] == 5 / 3 and big["anon_x_base"] == 5
+    assert base["anon_within_target"] and big["anon_within_target"] == (5 <= 1.25 * 3 + 1.5)
