@@ -186,3 +186,19 @@ def test_scale_bench_rows_are_ratios_to_the_weights_and_the_baseline():
     assert big["seconds_x_base"] == 6 and big["seconds_per_weight_x_base"] == 2
     assert big["rss_x_weights"] == 4 / 3 and big["anon_x_weights"] == 5 / 3 and big["anon_x_base"] == 5
     assert base["anon_within_target"] and big["anon_within_target"] == (5 <= 1.25 * 3 + 1.5)
+
+
+def test_executor_holds_each_decompressed_weight_once(fixture_packages, tmp_path):
+    """int4-b32 decodes each weight to fp16 and casts it to fp32: only the fp32 result, which
+    the program's ops read, stays among the executor's constants."""
+    package = compress_package(fixture_packages / "chunk_kv", "int4-b32", tmp_path / "int4").path
+    program = load_program(package / load_manifest(package)["package"]["name"])
+    executor = Executor(program)
+    operations = program.functions[program.default_function].block.operations
+    folded = {name: op for op in operations if op.type.startswith("constexpr_") for name, _ in op.outputs}
+    cast_inputs = {op.inputs["source_val"][0].name for op in operations if op.type == "constexpr_cast"}
+    read = {a.name for op in operations if not op.type.startswith(("const", "constexpr_"))
+            for args in op.inputs.values() for a in args if a.name}
+    assert cast_inputs and cast_inputs <= set(folded) and not cast_inputs & set(executor.constants)
+    assert {name for name in folded if name in read} <= set(executor.constants)
+    assert all(executor.constants[name].dtype == np.float32 for name in folded if name in executor.constants)
