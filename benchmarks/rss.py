@@ -4,7 +4,7 @@ and of a whole stage (a process and every process it starts), sampled.
 Linux reads /proc/self/status: getrusage's ru_maxrss survives exec there, so a child started
 by a big parent would report the parent's peak. Elsewhere ru_maxrss is the best there is.
 
-    python benchmarks/rss.py [--interval 0.05] [--json out.json] -- COMMAND ARGS...
+    python benchmarks/rss.py [--interval 0.1] [--json out.json] -- COMMAND ARGS...
 
 runs COMMAND and prints its wall time and peaks (`TreeSampler`): total resident memory (VmRSS,
 mapped file pages included) and anonymous memory (RssAnon: the heap, numpy and torch buffers,
@@ -112,10 +112,15 @@ class TreeSampler:
         self.peaks = {"process_rss": 0, "process_anon": 0, "tree_rss": 0, "tree_anon": 0}
         self.samples = 0
         self.processes: set[int] = set()
+        self.tree = [root]
 
-    def sample(self) -> None:
+    def sample(self, rescan: bool = True) -> None:
+        """Read the memory of each process of the tree; `rescan` finds the tree anew first
+        (reading every process's parent is the sample's dearest part on a busy machine)."""
+        if rescan:
+            self.tree = process_tree(self.root)
         rss = anon = 0
-        for pid in process_tree(self.root):
+        for pid in self.tree:
             memory = process_memory(pid)
             if memory is None:
                 continue
@@ -131,21 +136,22 @@ class TreeSampler:
         return {**self.peaks, "samples": self.samples, "processes": len(self.processes)}
 
 
-def run_sampled(argv: list[str], interval: float = 0.05, **popen) -> dict:
-    """Run `argv` to its end, sampling its tree every `interval` s: {"returncode", "seconds",
-    and `TreeSampler.result()`'s peaks in bytes}."""
+def run_sampled(argv: list[str], interval: float = 0.1, rescan_every: int = 10, **popen) -> dict:
+    """Run `argv` to its end, sampling its tree every `interval` s (finding the tree anew
+    every `rescan_every` samples): {"returncode", "seconds", and `TreeSampler.result()`'s
+    peaks in bytes}."""
     start = time.perf_counter()
     process = subprocess.Popen(argv, **popen)
     sampler = TreeSampler(process.pid)
     while process.poll() is None:
-        sampler.sample()
+        sampler.sample(rescan=sampler.samples % rescan_every == 0)
         time.sleep(interval)
     return {"returncode": process.returncode, "seconds": time.perf_counter() - start, **sampler.result()}
 
 
 def _main() -> int:
     parser = argparse.ArgumentParser(description="Run a command; print its wall time and peak memory (total and anonymous).")
-    parser.add_argument("--interval", type=float, default=0.05, help="seconds between samples (default 0.05)")
+    parser.add_argument("--interval", type=float, default=0.1, help="seconds between samples (default 0.1)")
     parser.add_argument("--json", type=Path, help="also write the result here")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ARGS...")
     args = parser.parse_args()
