@@ -33,7 +33,9 @@ DEFAULT_ITEMS = ROOT / "fixtures" / "scoring" / "cloze.jsonl"
 
 
 class _Clock:
-    """Wall seconds per step of a gate, recorded in its report (benchmarks/pipeline_bench.py reads them)."""
+    """Wall seconds per step of a gate, recorded in its report and shown on its page
+    (benchmarks/pipeline_bench.py reads them): loading (lineage, the package opened, the
+    references built), then each part (`gate_backend`)."""
 
     def __init__(self):
         self.laps, self._last = {}, time.perf_counter()
@@ -135,6 +137,7 @@ def align_package(package_dir, fixtures_dir, out_dir, *, budget: Budget | str = 
     if scores_out is not None:
         refuse_existing(Path(scores_out), force)
     budget = parse_budget(budget) if isinstance(budget, str) else budget
+    clock = _Clock()  # the loading steps' cost; gate_backend's parts follow them in the report
     lineage = resolve_lineage(package_dir)
     kind = lineage.kind
     if kind not in KINDS:
@@ -143,8 +146,11 @@ def align_package(package_dir, fixtures_dir, out_dir, *, budget: Budget | str = 
     if lineage.source_cmf_sha256 != fixtures.checkpoint_sha256:
         raise GateFailed(f"{fixtures.directory / 'index.json'}: fixtures were made from CMF sha256 "
                          f"{fixtures.checkpoint_sha256}, but {package_dir} comes from {lineage.source_cmf_sha256}")
+    clock.lap("lineage")
     candidate = open_package_backend(package_dir, backend=backend)
+    clock.lap("open_package")
     intended, fp32 = intended_references(package_dir, lineage.manifest, lineage.bundle)
+    clock.lap("references")
     quality = quality or QualityInputs(fp32, lineage.bundle, quality_text, items, fp32.context)
     if fp32_scores is not None:
         quality.use_fp32_scores(fp32_scores)
@@ -153,6 +159,7 @@ def align_package(package_dir, fixtures_dir, out_dir, *, budget: Budget | str = 
                         patterns=ALL_PATTERNS if recipe == "fp32" else COMPRESSED_PATTERNS, check=kind,
                         all_figures=all_figures)
     samples, scores = body.pop("_samples"), body.pop("_scores")
+    body["seconds"] = {**clock.laps, **body["seconds"]}
     # Every path the gate records is relative to its own folder: gates ship in releases.
     fixtures_identity = fixtures.identity(relative_to=out_dir)
     report = {
