@@ -66,6 +66,19 @@ def int8_stateless(fixture_packages, tmp_path_factory):
                             tmp_path_factory.mktemp("int8") / "stateless-int8").path
 
 
+def test_report_shows_each_steps_cost(gates):
+    """Loading (lineage, the package, the references) and each part, in order, in the report
+    and on its page; the chunk patterns only where the backend runs chunks."""
+    out, reports = gates
+    loading = ["lineage", "open_package", "references"]
+    assert list(reports["stateless"]["seconds"]) == loading + ["one_shot", "branching", "quality"]
+    assert list(reports["chunk_kv"]["seconds"]) == loading + ["chunk_patterns", "one_shot", "branching", "quality"]
+    page = (out / "chunk_kv" / "alignment.md").read_text()
+    cost = page[page.index("## Cost"):]
+    assert all(step.replace("_", " ") in cost for step in reports["chunk_kv"]["seconds"])
+    assert all(seconds >= 0 for report in reports.values() for seconds in report["seconds"].values())
+
+
 @pytest.mark.parametrize("kind", ["stateless", "chunk_kv"])
 def test_fp32_packages_pass_all_three_parts(gates, kind, fixture_exact):
     out, reports = gates

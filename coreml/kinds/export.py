@@ -305,13 +305,14 @@ def weight_names(mlpackage: Path, model: nn.Module, dtype: np.dtype = np.dtype(n
     """
     by_bytes: dict[str, list[str]] = {}
     for name, tensor in model.state_dict().items():
-        by_bytes.setdefault(sha256_bytes(tensor.float().numpy().astype(dtype).tobytes()), []).append(name)
+        # Hashed in place (a contiguous array is a buffer): a float32 model's tensors are the bundle's map.
+        by_bytes.setdefault(sha256_bytes(np.ascontiguousarray(tensor.float().numpy(), dtype)), []).append(name)
     names = {}
     for function in load_program(mlpackage).functions.values():
         for op in function.block.operations:
             value = op.attributes.get("val") if op.type == "const" else None
             if isinstance(value, np.ndarray) and value.dtype == dtype and value.ndim:
-                if found := by_bytes.get(sha256_bytes(np.ascontiguousarray(value).tobytes())):
+                if found := by_bytes.get(sha256_bytes(np.ascontiguousarray(value))):
                     names[op.outputs[0][0]] = sorted(found)
     return dict(sorted(names.items()))
 

@@ -152,6 +152,7 @@ class Executor:
         if unknown:
             first = next(iter(unknown.values()))
             raise UnsupportedOp(f"{first}: MIL op types {sorted(unknown)} are not implemented by the executor")
+        self._drop_folded_intermediates()
         if len(self.function.spec_outputs) != len(self.function.block.outputs):
             raise MilError(
                 f"{self.where}: the spec describes {len(self.function.spec_outputs)} outputs, "
@@ -200,6 +201,18 @@ class Executor:
         if name not in self._wide_constants:
             self._wide_constants[name] = _widened(self.constants[name])
         return self._wide_constants[name]
+
+    def _drop_folded_intermediates(self) -> None:
+        """Forget a decompressed constant that only other constexpr ops read (int4-b32's fp16
+        product before its cast to fp32): each weight is then held once, as the ops that run
+        read it. `const` values stay: they are views of the weight file, not copies."""
+        read = {a.name for step in self._steps for args in step.op.inputs.values() for a in args if a.name}
+        kept = read | set(self.function.block.outputs)
+        for op in self.function.block.operations:
+            if op.type.startswith("constexpr_"):
+                for name, _ in op.outputs:
+                    if name not in kept:
+                        del self.constants[name]
 
     def _fold(self, step: _Step) -> None:
         if step.dynamic:

@@ -116,6 +116,12 @@ def safetensors_header(path: Path) -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape from a bundle's safetensors header, every entry checked: F32,
     its byte range exactly its shape's size, the ranges back to back and ending at the end
     of the file. Anything else is an IdentityError naming the file and the entry."""
+    return {name: shape for name, (shape, _) in safetensors_layout(path).items()}
+
+
+def safetensors_layout(path: Path) -> dict[str, tuple[tuple[int, ...], int]]:
+    """Tensor name -> (shape, offset of its first byte in the file), checked as
+    `safetensors_header` says."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         prefix = f.read(8)
@@ -131,7 +137,7 @@ def safetensors_header(path: Path) -> dict[str, tuple[int, ...]]:
     metadata = header.pop("__metadata__", {})
     if not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
         raise IdentityError(f"{path}: header __metadata__ is {metadata!r}, not an object of strings")
-    shapes, ranges = {}, []
+    layout, ranges = {}, []
     for name, entry in header.items():
         where = f"{path}: tensor {name!r}"
         if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
@@ -146,7 +152,7 @@ def safetensors_header(path: Path) -> dict[str, tuple[int, ...]]:
         if offsets[1] - offsets[0] != SAFETENSORS_ITEMSIZE[dtype] * math.prod(shape):
             raise IdentityError(f"{where}: data_offsets {offsets} span {offsets[1] - offsets[0]} bytes, "
                                 f"shape {shape} of {dtype} needs {SAFETENSORS_ITEMSIZE[dtype] * math.prod(shape)}")
-        shapes[name] = tuple(shape)
+        layout[name] = (tuple(shape), 8 + length + offsets[0])
         ranges.append((offsets[0], offsets[1], name))
     end = 0
     for start, stop, name in sorted(ranges):
@@ -155,7 +161,26 @@ def safetensors_header(path: Path) -> dict[str, tuple[int, ...]]:
         end = stop
     if 8 + length + end != size:
         raise IdentityError(f"{path}: the tensors end at byte {8 + length + end}, the file has {size}")
-    return shapes
+    return layout
+
+
+def mapped_weights(path: Path) -> dict[str, np.ndarray]:
+    """Tensor name -> float32 array over a copy-on-write map of a bundle's safetensors file
+    (its layout checked by `safetensors_layout`): nothing is read until a tensor is used, and
+    the pages read are the file's, shared by every process that maps it and dropped under
+    memory pressure rather than swapped. Arrays are writable (torch takes them without
+    copying or warning), but a write only ever makes a private copy of the page it touches:
+    the file never changes, and a stray write shows up as anonymous memory."""
+    layout = safetensors_layout(path)
+    if not layout:
+        return {}
+    data = np.memmap(path, dtype=np.uint8, mode="c")
+    weights = {}
+    for name, (shape, start) in layout.items():
+        array = data[start : start + 4 * math.prod(shape)].view(np.float32).reshape(shape)
+        # Bundles written here start their data 8-aligned; a foreign writer's odd offset is copied into alignment.
+        weights[name] = array if array.flags.aligned else np.array(array)
+    return weights
 
 
 # -- planning: which tensors, from where, under which name

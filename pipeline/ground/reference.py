@@ -16,9 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
-from safetensors.numpy import load_file
-
-from pipeline.ground.bundle_format import WEIGHTS_NAME, verify_bundle
+from pipeline.ground.bundle_format import WEIGHTS_NAME, mapped_weights, verify_bundle
 from pipeline.ground.cmf import open_cmf
 from pipeline.ground.cmf.reader import CmfFile
 from pipeline.ground.cmf.skills import skill_tensor_source
@@ -105,14 +103,21 @@ def task_mask(cmf: CmfFile, task: str | int):
 
 
 def load_reference(artifact: str | Path, task: str | int | None = None, skill: str | None = None,
-                   blend: Mapping[str, float] | None = None, temperature: float = 1.0
-                   ) -> tuple[Decoder, ModelArgs, bytes | None]:
-    """(model, args, tokenizer.json bytes or None) from a CMF file or a bundle directory."""
+                   blend: Mapping[str, float] | None = None, temperature: float = 1.0,
+                   replaced: Mapping[str, np.ndarray] | None = None) -> tuple[Decoder, ModelArgs, bytes | None]:
+    """(model, args, tokenizer.json bytes or None) from a CMF file or a bundle directory.
+
+    `replaced` (bundles only) gives some of the bundle's tensors other values (a package's
+    decoded weights); names the bundle does not hold are ignored, as a non-strict
+    `load_state_dict` would, so a tied head stays the embedding.
+    """
     path = Path(artifact)
     if path.is_dir():
         if task is not None or skill is not None or blend is not None:
             raise ModelConfigError(f"{path}: a bundle is one fixed model; task, skill and blend apply to CMF files")
-        return _load_bundle(path)
+        return _load_bundle(path, replaced)
+    if replaced is not None:
+        raise ModelConfigError(f"{path}: replaced tensors apply to bundles, not CMF files")
     with open_cmf(path) as cmf:
         if cmf.is_skill_file:
             raise UnsupportedModel(f"{cmf.path.name}: a skill file (feature bit 6) never runs on its own; "
@@ -123,10 +128,13 @@ def load_reference(artifact: str | Path, task: str | int | None = None, skill: s
         return model, args, cmf.vocab
 
 
-def _load_bundle(path: Path) -> tuple[Decoder, ModelArgs, bytes | None]:
+def _load_bundle(path: Path, replaced: Mapping[str, np.ndarray] | None) -> tuple[Decoder, ModelArgs, bytes | None]:
     verify_bundle(path)
     config = json.loads((path / BUNDLE_CONFIG).read_text())
     args = ModelArgs.from_header(config, source=str(path / BUNDLE_CONFIG))
-    model = build_model(args, load_file(path / WEIGHTS_NAME), source=str(path / WEIGHTS_NAME))
+    # The model's parameters are the map's pages (`mapped_weights`), not a copy of them.
+    weights = mapped_weights(path / WEIGHTS_NAME)
+    weights.update((name, value) for name, value in (replaced or {}).items() if name in weights)
+    model = build_model(args, weights, source=str(path / WEIGHTS_NAME))
     tokenizer = path / BUNDLE_TOKENIZER
     return model, args, tokenizer.read_bytes() if tokenizer.exists() else None

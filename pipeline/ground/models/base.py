@@ -30,7 +30,10 @@ class Weights(WeightLedger):
         if isinstance(value, torch.Tensor):
             tensor = value.detach().to(torch.float32).clone()
         else:
-            tensor = torch.tensor(np.asarray(value, dtype=np.float32))
+            array = np.asarray(value, dtype=np.float32)
+            # A writable float32 array (a bundle's copy-on-write map, a freshly decoded tensor) is
+            # taken as it is; a read-only one (a CMF's own map, closed after loading) is copied.
+            tensor = torch.from_numpy(array) if array.flags.writeable else torch.tensor(array)
         self.claim(name, tuple(tensor.shape), shape)
         return tensor
 

@@ -19,8 +19,6 @@ def intended_references(package_dir: Path, manifest: dict, bundle: Path) -> tupl
     output rounded to fp16, K/V fp16) of the model its conversion traced: the reference with
     the mitigations its manifest records (a compressed package: those of the package it was
     made from, whose weights, already rescaled, it decoded)."""
-    import torch
-
     from coreml.decoded import decoded_weights
     from coreml.kinds import package_kind
     from coreml.manifest import COMPRESSED_FORMAT
@@ -42,19 +40,15 @@ def intended_references(package_dir: Path, manifest: dict, bundle: Path) -> tupl
         record = base.get("numerics", {}).get("mitigations")
         mitigations = Fp16Mitigations() if record is None else Fp16Mitigations.from_record(
             record["record"], f"{package_dir}: field 'numerics.mitigations.record'")
-        model, _, _ = load_reference(bundle)
-        if compressed:
-            model.load_state_dict({name: torch.from_numpy(w) for name, w in decoded_weights(package_dir).items()},
-                                  strict=False)
+        # A compressed package's decoded weights are the model's own tensors; the rest stay the bundle's map.
+        model, _, _ = load_reference(bundle, replaced=decoded_weights(package_dir) if compressed else None)
         what = f"recipe {manifest['recipe']['name']}, decoded weights" if compressed else "bundle weights"
         mitigated = mitigated_model(model, args, mitigations, weights_scaled=compressed)
         del model
         return TorchBackend(fp16_reference(mitigated), args, context, cache_dtype=np.float16,
                             numerics=f"fp16 at op boundaries, {what}, mitigations {_mitigations_name(mitigations)}"), fp32
     if compressed:
-        model, _, _ = load_reference(bundle)
-        model.load_state_dict({name: torch.from_numpy(w) for name, w in decoded_weights(package_dir).items()},
-                              strict=False)
+        model, _, _ = load_reference(bundle, replaced=decoded_weights(package_dir))
         return TorchBackend(model.eval(), args, context, cache_dtype=cache_dtype,
                             numerics=f"recipe {manifest['recipe']['name']}, decoded weights"), fp32
     if cache_dtype == np.float16:

@@ -114,6 +114,11 @@ def markdown(report: dict) -> str:
         md_table(["invariant", "max |Δ|", "passed"], invariant_rows(report["invariants"])),
         "![error distribution](alignment.png)",
         "",
+        "## Cost",
+        "",
+        "Wall seconds per step: " + ", ".join(f"{step.replace('_', ' ')} {seconds:.1f}"
+                                              for step, seconds in report["seconds"].items()) + ".",
+        "",
         *compute_units_section(report["compute_units"]),
     ]
     return "\n".join(lines)

@@ -33,7 +33,9 @@ DEFAULT_ITEMS = ROOT / "fixtures" / "scoring" / "cloze.jsonl"
 
 
 class _Clock:
-    """Wall seconds per step of a gate, recorded in its report (benchmarks/pipeline_bench.py reads them)."""
+    """Wall seconds per step of a gate, recorded in its report and shown on its page
+    (benchmarks/pipeline_bench.py reads them): loading (lineage, the package opened, the
+    references built), then each part (`gate_backend`)."""
 
     def __init__(self):
         self.laps, self._last = {}, time.perf_counter()
@@ -142,6 +144,7 @@ def align_package(package_dir, fixtures_dir, out_dir, *, budget: Budget | str | 
     refuse_existing(out_dir, force)  # before minutes of gating, not after
     if scores_out is not None:
         refuse_existing(Path(scores_out), force)
+    clock = _Clock()  # the loading steps' cost; gate_backend's parts follow them in the report
     lineage = resolve_lineage(package_dir)
     budget = parse_budget(budget if budget is not None else default_budget(lineage.manifest)) \
         if not isinstance(budget, Budget) else budget
@@ -152,8 +155,11 @@ def align_package(package_dir, fixtures_dir, out_dir, *, budget: Budget | str | 
     if lineage.source_cmf_sha256 != fixtures.checkpoint_sha256:
         raise GateFailed(f"{fixtures.directory / 'index.json'}: fixtures were made from CMF sha256 "
                          f"{fixtures.checkpoint_sha256}, but {package_dir} comes from {lineage.source_cmf_sha256}")
+    clock.lap("lineage")
     candidate = open_package_backend(package_dir, backend=backend)
+    clock.lap("open_package")
     intended, fp32 = intended_references(package_dir, lineage.manifest, lineage.bundle)
+    clock.lap("references")
     quality = quality or QualityInputs(fp32, lineage.bundle, quality_text, items, fp32.context)
     if fp32_scores is not None:
         quality.use_fp32_scores(fp32_scores)
@@ -163,6 +169,7 @@ def align_package(package_dir, fixtures_dir, out_dir, *, budget: Budget | str | 
                         all_figures=all_figures)
     samples, scores = body.pop("_samples"), body.pop("_scores")
     ane = ane_report(package_dir / lineage.manifest["package"]["name"])
+    body["seconds"] = {**clock.laps, **body["seconds"]}
     # Every path the gate records is relative to its own folder: gates ship in releases.
     fixtures_identity = fixtures.identity(relative_to=out_dir)
     report = {

@@ -1,0 +1,204 @@
+"""Memory that scales with the model: which stage holds the weights as a map of a file and
+which as its own copy, held as properties (where a tensor's bytes live, whether a map's
+pages were written), never as a timing or a measured size. The sizes themselves are
+measured by benchmarks/scale_bench.py."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from rss import TreeSampler, process_tree  # noqa: E402
+
+from coreml.mil.executor import Executor  # noqa: E402
+from coreml.mil.loader import load_program  # noqa: E402
+from coreml.recipes import compress_package  # noqa: E402
+from manifests.identity import load_manifest  # noqa: E402
+from pipeline.ground.bundle_format import WEIGHTS_NAME, mapped_weights  # noqa: E402
+from pipeline.ground.reference import load_reference  # noqa: E402
+from pipeline.stages.gates.lineage import upstream_of  # noqa: E402
+from pipeline.stages.gates.references import intended_references  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads /proc (Linux only)")
+
+MIB = 1 << 20
+
+
+def _mappings(path: Path) -> list[dict]:
+    """This process's mappings of `path`: address range and smaps' counters in bytes."""
+    found, current = [], None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5 and ":" in fields[3]:  # a mapping's first line
+            start, stop = (int(x, 16) for x in fields[0].split("-"))
+            current = {"start": start, "stop": stop} if len(fields) >= 6 and fields[5] == str(path) else None
+            if current is not None:
+                found.append(current)
+        elif current is not None and fields[0].endswith(":") and len(fields) == 3 and fields[2] == "kB":
+            current[fields[0][:-1]] = int(fields[1]) * 1024
+    return found
+
+
+def _inside(tensor: torch.Tensor, mappings: list[dict]) -> bool:
+    start = tensor.data_ptr()
+    stop = start + tensor.numel() * tensor.element_size()
+    return any(m["start"] <= start and stop <= m["stop"] for m in mappings)
+
+
+# -- the sampler
+
+
+def test_sampler_counts_anonymous_memory_apart_from_mapped_file_pages(tmp_path):
+    """A child that holds 64 MiB of its own and has read a 64 MiB file through a map: the
+    anonymous peak holds the first and not the second, the total both; the grandchild counts
+    in the tree."""
+    data = tmp_path / "data.bin"
+    data.write_bytes(np.arange(16 * MIB, dtype=np.float32).tobytes())
+    child = (
+        "import subprocess, sys, numpy as np\n"
+        f"own = np.ones({8 * MIB}, np.float64)\n"
+        f"mapped = np.memmap({str(data)!r}, dtype=np.uint8, mode='r'); mapped.sum()\n"
+        "grandchild = subprocess.Popen([sys.executable, '-c', 'import sys; sys.stdin.read()'], stdin=subprocess.PIPE)\n"
+        "print(grandchild.pid, flush=True); sys.stdin.read(); grandchild.communicate()\n"
+    )
+    process = subprocess.Popen([sys.executable, "-c", child], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    grandchild = int(process.stdout.readline())
+    sampler = TreeSampler(process.pid)
+    sampler.sample()
+    process.communicate("")
+    peaks = sampler.result()
+    assert grandchild in sampler.processes and process.pid in sampler.processes
+    assert peaks["process_anon"] >= 64 * MIB
+    assert peaks["process_rss"] >= peaks["process_anon"] + 64 * MIB  # the file's pages, read through the map
+    assert peaks["process_anon"] < 64 * MIB + 64 * MIB  # ...which are not anonymous (interpreter and numpy < 64 MiB)
+    assert peaks["tree_anon"] > peaks["process_anon"]
+    assert process_tree(process.pid) == [process.pid]  # gone: only the root is named
+
+
+# -- the reference model over the bundle's map
+
+
+def test_reference_parameters_are_the_bundle_map_and_nothing_writes_it(fixture_bundle):
+    weights = fixture_bundle / WEIGHTS_NAME
+    model, _, _ = load_reference(fixture_bundle)
+    with torch.no_grad():
+        model(torch.arange(16))
+    mappings = _mappings(weights)
+    assert mappings, "the bundle's weights are not mapped"
+    parameters = list(model.parameters())
+    assert parameters and all(_inside(p, mappings) for p in parameters)
+    # Copy-on-write: a page the model wrote would be a private dirty page of the mapping.
+    assert all(m.get("Private_Dirty", 0) == 0 for m in mappings)
+
+
+def test_mapped_weights_equal_the_file_read_by_safetensors(fixture_bundle):
+    from safetensors.numpy import load_file
+
+    read = load_file(fixture_bundle / WEIGHTS_NAME)
+    mapped = mapped_weights(fixture_bundle / WEIGHTS_NAME)
+    assert list(mapped) == list(read)
+    for name, array in read.items():
+        assert mapped[name].dtype == np.float32 and mapped[name].flags.writeable
+        np.testing.assert_array_equal(mapped[name], array)
+
+
+@pytest.fixture(scope="module")
+def int8_chunk_kv(fixture_packages, tmp_path_factory):
+    return compress_package(fixture_packages / "chunk_kv", "int8-b32", tmp_path_factory.mktemp("int8") / "chunk_kv").path
+
+
+def test_intended_reference_takes_decoded_weights_without_writing_the_map(int8_chunk_kv, fixture_bundle):
+    """The compressed package's reference: its decoded weights in place of the bundle's (the
+    tied head still the decoded embedding), any other tensor the bundle's map, which nothing
+    writes; the same values as loading the bundle and `load_state_dict(decoded, strict=False)`."""
+    from coreml.decoded import decoded_weights
+
+    manifest = load_manifest(int8_chunk_kv)
+    bundle = upstream_of(int8_chunk_kv, manifest)[2]
+    intended, fp32 = intended_references(int8_chunk_kv, manifest, bundle)
+    decoded = decoded_weights(int8_chunk_kv)
+    old_way, _, _ = load_reference(bundle)
+    old_way.load_state_dict({n: torch.from_numpy(w) for n, w in decoded.items()}, strict=False)
+    state, expected = intended.model.state_dict(), old_way.state_dict()
+    assert list(state) == list(expected)
+    for name in state:
+        assert torch.equal(state[name], expected[name]), name
+    mappings = _mappings(bundle / WEIGHTS_NAME)
+    # int8-b32 stores every weight the bundle holds, norms as fp32 constants: all are the package's.
+    assert all(_inside(p, mappings) == (n not in decoded) for n, p in intended.model.named_parameters())
+    assert all(_inside(p, mappings) for p in fp32.model.parameters())
+    del old_way, state, expected  # the one model here that wrote into its map (load_state_dict)
+    import gc
+
+    gc.collect()
+    assert all(m.get("Private_Dirty", 0) == 0 for m in _mappings(bundle / WEIGHTS_NAME))
+
+
+# -- the MIL executor's constants
+
+
+def test_executor_fp32_constants_are_views_of_the_weight_file(fixture_packages):
+    package = fixture_packages / "chunk_kv"
+    program = load_program(package / load_manifest(package)["package"]["name"])
+    executor = Executor(program)
+    weight_file = next(program.path.glob("Data/com.apple.CoreML/weights/*.bin"))
+    mappings = _mappings(weight_file.resolve())
+    large = {n: v for n, v in executor.constants.items() if isinstance(v, np.ndarray) and v.nbytes >= 4096}
+    assert large and all(v.dtype == np.float32 for v in large.values())
+    for name, value in large.items():
+        start = value.__array_interface__["data"][0]
+        assert not value.flags.owndata and not value.flags.writeable, name
+        assert any(m["start"] <= start and start + value.nbytes <= m["stop"] for m in mappings), name
+
+
+# -- the scale benchmark's models and table
+
+
+def test_scale_bench_models_have_smollm2s_parameter_counts():
+    """The configs are SmolLM2's: built on the meta device, each model has the published count."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from scale_bench import COMMON, SHAPES
+
+    published = {"135m": 134_515_008, "360m": 361_821_120, "1.7b": 1_711_376_384}
+    for name, shape in SHAPES.items():
+        with torch.device("meta"):
+            model = LlamaForCausalLM(LlamaConfig(**shape, **COMMON))
+        assert sum(p.numel() for p in model.parameters()) == published[name], name
+
+
+def test_scale_bench_rows_are_ratios_to_the_weights_and_the_baseline():
+    from scale_bench import GB, rows
+
+    def stage(seconds, rss, anon):
+        return {"seconds": seconds, "process_rss": rss, "process_anon": anon, "tree_anon": anon}
+
+    results = {"135m": {"fp32_bytes": 1 * GB, "stages": {"align": stage(10, 2 * GB, 1 * GB)}},
+               "360m": {"fp32_bytes": 3 * GB, "stages": {"align": stage(60, 4 * GB, 5 * GB)}}}
+    base, big = rows(results)
+    assert base["seconds_x_base"] == base["rss_x_base"] == base["anon_x_base"] == 1
+    assert big["seconds_x_base"] == 6 and big["seconds_per_weight_x_base"] == 2
+    assert big["rss_x_weights"] == 4 / 3 and big["anon_x_weights"] == 5 / 3 and big["anon_x_base"] == 5
+    assert base["anon_within_target"] and big["anon_within_target"] == (5 <= 1.25 * 3 + 1.5)
+
+
+def test_executor_holds_each_decompressed_weight_once(fixture_packages, tmp_path):
+    """int4-b32 decodes each weight to fp16 and casts it to fp32: only the fp32 result, which
+    the program's ops read, stays among the executor's constants."""
+    package = compress_package(fixture_packages / "chunk_kv", "int4-b32", tmp_path / "int4").path
+    program = load_program(package / load_manifest(package)["package"]["name"])
+    executor = Executor(program)
+    operations = program.functions[program.default_function].block.operations
+    folded = {name: op for op in operations if op.type.startswith("constexpr_") for name, _ in op.outputs}
+    cast_inputs = {op.inputs["source_val"][0].name for op in operations if op.type == "constexpr_cast"}
+    read = {a.name for op in operations if not op.type.startswith(("const", "constexpr_"))
+            for args in op.inputs.values() for a in args if a.name}
+    assert cast_inputs and cast_inputs <= set(folded) and not cast_inputs & set(executor.constants)
+    assert {name for name in folded if name in read} <= set(executor.constants)
+    assert all(executor.constants[name].dtype == np.float32 for name in folded if name in executor.constants)
