@@ -61,6 +61,7 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--kinds", nargs="*", default=["stateless", "chunk_kv", "stateful"])
     parser.add_argument("--no-mlx", action="store_true")
+    parser.add_argument("--no-reference", action="store_true", help="skip the torch reference decoder")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
@@ -71,11 +72,11 @@ def main() -> None:
     theirs_tokenizer = AutoTokenizer.from_pretrained(args.gguf.parent, gguf_file=args.gguf.name, local_files_only=True)
     hf = AutoModelForCausalLM.from_pretrained(args.gguf.parent, gguf_file=args.gguf.name, dtype=torch.float32,
                                               local_files_only=True).eval()
-    tokenizer = tokenizer_from_artifact(args.release or args.build / "coreml" / "chunk_kv")
+    tokenizer = tokenizer_from_artifact(args.release or args.build / "bundle")
     text = held_out_text()
     ids = tokenizer.encode(text, add_bos=True)
     report = {"model": str(args.gguf.name), "cmf": str(cmf), "tokens": args.tokens,
-              "tokenizer": {"source": str(args.release or args.build / "coreml" / "chunk_kv"),
+              "tokenizer": {"source": str(args.release or args.build / "bundle"),
                             "held_out_tokens": int(len(ids)),
                             "ids_equal_transformers": ids.tolist() == theirs_tokenizer(text).input_ids}}
     ids = ids[:args.tokens]
@@ -105,7 +106,8 @@ def main() -> None:
 
     from pipeline.ground.torch_backend import TorchBackend
 
-    measure("reference (torch, f32 CMF)", TorchBackend(reference, reference.args, context=len(ids) + args.new))
+    if not args.no_reference:
+        measure("reference (torch, f32 CMF)", TorchBackend(reference, reference.args, context=len(ids) + args.new))
     del reference
     gc.collect()
     from coreml.runner import open_package_backend

@@ -141,6 +141,11 @@ def exactness_one_shot(one_shot: dict, intended, fixtures: ReferenceFixtures, fr
 
 # ---------------------------------------------------------------- chunk patterns
 
+def sliding_window(args) -> int | None:
+    """The model's sliding window where any layer is SlidingAttention (None for `args` None)."""
+    return args.sliding_window if args is not None and "SlidingAttention" in args.layer_types else None
+
+
 def chunk_patterns(n: int, window: int | None = None) -> dict[str, list[int]]:
     """The chunk patterns over `n` tokens, one_shot first. With a sliding `window` shorter than
     `n`, window_edge decodes single tokens on each side of its edge (positions window-1 and
@@ -217,7 +222,7 @@ def exactness_chunks(chunks: ChunkSchedule, intended, fixtures: ReferenceFixture
     pattern's run as soon as it is checked, so no two patterns' logits are held at once (a
     262k vocabulary's over 1024 positions are 1 GB a side)."""
     tolerance, cache_tolerance = tolerances
-    window = intended.args.sliding_window if "SlidingAttention" in intended.args.layer_types else None
+    window = sliding_window(intended.args)
     records, runs = [], {}
     for case in fixtures.cases.values():
         n = case.valid_prefix

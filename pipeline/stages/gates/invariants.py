@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.stages.gates.exactness import Tolerance, bitwise, compare
+from pipeline.stages.gates.exactness import Tolerance, bitwise, compare, sliding_window
 from pipeline.stages.gates.fixtures import ReferenceFixtures
 
 # The branching checks' prefix: 7 tokens, or past a sliding window shorter than the long case
@@ -132,7 +132,7 @@ class PatternsEqualOneShot(Invariant):
                             "fp16 cache: the reference's own pattern difference, each run within FP32's bound")
         else:
             want, tol = one_shot["got"], tolerance
-        return {"cache_outside": run["cache_outside"], "equals_one_shot": compare(run["got"], want, tol)}
+        return {"equals_one_shot": compare(run["got"], want, tol)}
 
     def run(self, gate: GateRun) -> list[dict]:
         return [{"name": f"{case}_{pattern}_equals_one_shot", **run["equals_one_shot"]}
@@ -166,10 +166,6 @@ def branch_prefix(args, tokens: int) -> int:
     if window is not None and window + BRANCH_PREFIX + longest <= tokens:
         return window + BRANCH_PREFIX
     return BRANCH_PREFIX
-
-
-def sliding_window(args) -> int | None:
-    return args.sliding_window if args is not None and "SlidingAttention" in args.layer_types else None
 
 
 def branching_invariants(candidate, prefix_ids: np.ndarray, args=None) -> list[dict]:
