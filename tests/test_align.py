@@ -297,6 +297,25 @@ def test_compare_counts_nonfinite_outputs_as_outside():
     assert record["outside"] == 1 and not record["passed"]
 
 
+def test_compare_in_row_blocks_gives_the_whole_arrays_figures(monkeypatch):
+    """A 262k vocabulary's logits go through in blocks of rows; every figure is the one the
+    whole arrays give (the blocks change no sum but |Δ|'s, taken whole)."""
+    from pipeline.ground.backend_protocol import kl_rows, log_softmax
+    from pipeline.stages.gates import exactness
+
+    rng = np.random.default_rng(0)
+    want = rng.standard_normal((37, 300)).astype(np.float32)
+    got = want + rng.standard_normal(want.shape).astype(np.float32) * 1e-3
+    tol = Tolerance(2e-3, 1e-4, None, None, "any")
+    whole = compare(got, want, tol)
+    monkeypatch.setattr(exactness, "COMPARE_BLOCK_BYTES", 5 * 300 * 4)  # 5 rows a block, 8 blocks
+    assert compare(got, want, tol) == whole
+    delta = np.abs(got - want)
+    assert whole["max_abs"] == float(delta.max()) and whole["p99_abs"] == float(np.percentile(delta, 99))
+    assert whole["outside"] == int(np.count_nonzero(delta > tol.atol + tol.rtol * np.abs(want)))
+    assert whole["kl_mean"] == float(np.mean(kl_rows(log_softmax(want), log_softmax(got))))
+
+
 def test_reference_fixtures_command_reproduces_the_frozen_fixtures(tmp_path):
     from fixtures.corpus import corpus_lines, split_lines
     from pipeline.ground.reference import load_reference

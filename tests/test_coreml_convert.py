@@ -21,7 +21,7 @@ from coreml.convert import _kinds_in_workers, export_coreml
 from pipeline.ground.workers import WorkerFailed
 from coreml.crosscheck import BUNDLE_SHA_KEY
 from coreml.kinds import UnknownKind, package_kind
-from coreml.kinds.export import CHECK_SCHEDULES, ScheduleMismatch, check_chunk_schedules, reference_for_export
+from coreml.kinds.export import ScheduleMismatch, check_chunk_schedules, check_schedules, reference_for_export
 from coreml.manifest import verify_package
 from coreml.mil.loader import load_program
 from coreml.package import open_package
@@ -166,7 +166,7 @@ def test_manifests_bind_the_package_to_its_bundle_code_and_program(built, statef
     assert [f["name"] for f in chunk["inputs"]] == ["input_ids", "position", "key_cache", "value_cache"]
     assert chunk["inputs"][2]["shape"] == [4, 1, 2, CONTEXT, 16]
     assert set(manifests["chunk_kv"]["checks"]["schedules_vs_reference_max_abs"]) == {
-        "[" + ",".join(map(str, s)) + "]" for s in CHECK_SCHEDULES}
+        "[" + ",".join(map(str, s)) + "]" for s in check_schedules(reference_for_export(bundle).args, CONTEXT)}
     assert stateful["package"]["functions"] == {"prefill": {"dims": {"T": [1, CONTEXT]}},
                                                 "decode": {"dims": {"T": [1, 1]}}}
     assert sorted(stateful["op_histogram"]) == ["decode", "prefill"]

@@ -100,6 +100,24 @@ def test_real_model_logits_equal_transformers_past_the_window(gemma3_cmf, hf_gem
 
 
 @pytest.mark.slow
+def test_real_model_on_mlx_equals_transformers_past_the_window(gemma3_cmf, hf_gemma3):
+    """The MLX runtime on the f32 CMF against transformers on the same GGUF: 600 held-out
+    tokens, within the same bound as the reference decoder."""
+    from mlx_runtime.backend import MlxBackend
+    from pipeline.ground.models.numerics import model_logits_bound
+    from pipeline.ground.reference import load_reference
+
+    ids = tokenizer_from_artifact(gemma3_cmf).encode(_held_out_text(), add_bos=True)[:600]
+    model, _, _ = load_reference(gemma3_cmf)
+    bound = model_logits_bound(model, len(ids))
+    del model
+    ours = MlxBackend(gemma3_cmf).logits(ids)
+    with torch.no_grad():
+        theirs = hf_gemma3(torch.from_numpy(ids)[None]).logits[0].numpy()
+    assert np.abs(ours - theirs).max() <= bound
+
+
+@pytest.mark.slow
 def test_real_gguf_arch_block(gemma3_cmf):
     with open_cmf(gemma3_cmf) as cmf:
         arch = dict(cmf.arch)
@@ -159,10 +177,11 @@ def _k_quant_blocks(rows: int, cols: int, qtype, rng) -> np.ndarray:
 
 def _write_gemma3_gguf(path: Path, layers: int = 7, hidden: int = 256, heads: int = 2, head_dim: int = 128,
                        metadata: dict | None = None,
-                       drop: tuple[str, ...] = ()) -> None:
+                       drop: tuple[str, ...] = (), retype: dict | None = None) -> None:
     """A gemma3 GGUF in llama.cpp's layout: norms stored as 1 + w, q/k unpermuted, the 270M
     file's tensor types (K-quants where the widths are multiples of 256), a SentencePiece
-    vocabulary. `metadata` adds or replaces keys ({key: (writer method, value)}); `drop` removes them."""
+    vocabulary. `metadata` adds or replaces keys ({key: (writer method, value)}); `drop` removes them;
+    `retype` stores tensors as another GGML type ({tensor name: type}; I8 as int8 values)."""
     from gguf import GGMLQuantizationType as Q
     from gguf import GGUFWriter
     from gguf.quants import quantize
@@ -196,7 +215,10 @@ def _write_gemma3_gguf(path: Path, layers: int = 7, hidden: int = 256, heads: in
     rng = np.random.default_rng(3)
 
     def add(name, shape, qtype):
-        if qtype in (Q.Q4_K, Q.Q6_K):
+        qtype = (retype or {}).get(name, qtype)
+        if qtype == Q.I8:
+            writer.add_tensor(name, rng.integers(-8, 8, shape, dtype=np.int8), raw_dtype=Q.I8)
+        elif qtype in (Q.Q4_K, Q.Q6_K):
             writer.add_tensor(name, _k_quant_blocks(*shape, qtype, rng), raw_dtype=qtype)
         elif qtype == Q.F32:  # a norm: 1 + w, w around 0
             writer.add_tensor(name, (1 + 0.2 * rng.standard_normal(shape)).astype(np.float32))
@@ -298,15 +320,58 @@ def test_gemma3_gguf_refusals_name_the_problem(tmp_path, options, message):
     assert not (tmp_path / "x.cmf").exists()
 
 
-@pytest.mark.parametrize("keep", [0.05, 0.999])
-def test_a_cut_gguf_is_refused_by_name(tmp_path, keep):
-    """A chunk package cut short assembles into a cut file: in its metadata or in its tensors."""
+@pytest.mark.parametrize("cut", [(0.05, 1.0), (0.999, 1.0), (0.5, 0.6)], ids=["metadata", "last-tensor", "middle-chunk"])
+def test_a_cut_gguf_is_refused_by_name(tmp_path, cut):
+    """A chunk cut short, concatenated with the others, makes a cut file: in its metadata, in its
+    last tensor, or a chunk in the middle (the later bytes shifted, so the file ends early)."""
     _write_gemma3_gguf(tmp_path / "whole.gguf", layers=1, hidden=64, heads=2, head_dim=32)
     whole = (tmp_path / "whole.gguf").read_bytes()
-    (tmp_path / "cut.gguf").write_bytes(whole[: int(len(whole) * keep)])
-    with pytest.raises(UnsupportedModel, match=rf"cut.gguf: not a complete GGUF file \({int(len(whole) * keep)} bytes\)"):
+    end, resume = (int(len(whole) * f) for f in cut)
+    (tmp_path / "cut.gguf").write_bytes(whole[:end] + whole[resume:])
+    size = (tmp_path / "cut.gguf").stat().st_size
+    with pytest.raises(UnsupportedModel, match=rf"cut.gguf: not a complete GGUF file \({size} bytes\)"):
         import_gguf(tmp_path / "cut.gguf", tmp_path / "cut.cmf")
     assert not (tmp_path / "cut.cmf").exists()
+
+
+def test_a_tensor_type_gguf_cannot_dequantize_is_refused_by_name(tmp_path):
+    from gguf import GGMLQuantizationType as Q
+
+    _write_gemma3_gguf(tmp_path / "x.gguf", layers=1, hidden=64, heads=2, head_dim=32,
+                       retype={"blk.0.attn_v.weight": Q.I8})
+    with pytest.raises(UnsupportedModel, match="x.gguf: tensor 'blk.0.attn_v.weight' is I8, which gguf cannot dequantize"):
+        import_gguf(tmp_path / "x.gguf", tmp_path / "x.cmf")
+    assert not (tmp_path / "x.cmf").exists()
+
+
+def test_a_tensor_type_code_no_ggml_type_has_is_refused_by_name(tmp_path):
+    """A type code from a newer llama.cpp than the gguf package here: refused with its code."""
+    _write_gemma3_gguf(tmp_path / "x.gguf", layers=1, hidden=64, heads=2, head_dim=32)
+    data = bytearray((tmp_path / "x.gguf").read_bytes())
+    name = b"blk.0.attn_v.weight"
+    at = data.index(name) + len(name)  # then n_dims (u32), the dims (u64 each), the type (u32)
+    n_dims = int.from_bytes(data[at:at + 4], "little")
+    type_at = at + 4 + 8 * n_dims
+    data[type_at:type_at + 4] = (250).to_bytes(4, "little")
+    (tmp_path / "x.gguf").write_bytes(bytes(data))
+    with pytest.raises(UnsupportedModel, match="x.gguf: a tensor has GGML type code 250, which gguf .* does not know"):
+        import_gguf(tmp_path / "x.gguf", tmp_path / "x.cmf")
+    assert not (tmp_path / "x.cmf").exists()
+
+
+def test_a_cmf_whose_layer_types_miss_a_layer_is_refused_by_name(small_gguf, tmp_path):
+    """Every runtime reads the arch through ModelArgs: one layer type short of num_layers is
+    refused by name before any weight is read, never run with a guessed type."""
+    from pipeline.ground.cmf.writer import write_cmf
+    from pipeline.ground.models.errors import ModelConfigError
+    from pipeline.ground.reference import load_reference
+
+    with open_cmf(small_gguf / "small.cmf") as cmf:
+        arch = {**cmf.arch, "layer_types": cmf.arch["layer_types"][:-1]}
+        tensors = [(name, cmf.decode(name), "f32") for name in cmf.tensors]
+    write_cmf(tmp_path / "short.cmf", arch=arch, tensors=tensors)
+    with pytest.raises(ModelConfigError, match=r"short.cmf: arch.layer_types has 6 entries for num_layers 7"):
+        load_reference(tmp_path / "short.cmf")
 
 
 # -- import-hf: a small random Gemma3ForCausalLM

@@ -21,6 +21,7 @@ from _one_thread import one_thread  # noqa: F401 (autouse fixture)
 from _survey_models import cloze_slice
 from conftest import FIXTURE_CMF
 from coreml.convert import export_coreml
+from coreml.kinds.chunk_kv import ChunkKVRunner
 from coreml.runner import open_package_backend
 from fixtures.corpus import corpus_lines, split_lines
 from manifests.identity import load_manifest
@@ -32,6 +33,7 @@ from pipeline.ground.models.numerics import model_logits_bound
 from pipeline.ground.reference import load_reference
 from pipeline.stages.bundle import export_bundle
 from pipeline.stages.gates import align_package, make_reference_fixtures
+from pipeline.stages.gates.invariants import BRANCH_PREFIX, branch_prefix, branching_invariants
 from pipeline.stages.importers.hf import import_hf
 from pipeline.stages.importers.quant_policy import QuantPolicy
 
@@ -186,3 +188,38 @@ def test_the_gates_pass_on_the_cache_packages(packages, gate_inputs, kind, tmp_p
     assert report["summary"]["exact"]
     invariants = {i["name"]: i["passed"] for i in report["invariants"]}
     assert invariants["dirty_tail_bitwise"] and invariants["branch_A_B_A_bitwise"]
+    # The patterns cross the window on every case longer than it, window_edge decoding on each
+    # side of its edge.
+    edges = [r for r in report["records"] if r["pattern"] == "window_edge"]
+    assert {r["case"] for r in edges} == {"short", "long", "right_pad", "changed_future"} and all(r["passed"] for r in edges)
+
+
+def test_the_converters_checks_cross_the_window_and_reach_the_last_slot(packages):
+    """From the arch and the context: a schedule decoding at positions window-1 and window and
+    into the last slot, and the stateless graph replayed over the whole context."""
+    long = f"[{WINDOW - 1},1,1,{CONTEXT - WINDOW - 2},1]"
+    for kind, key in (("chunk_kv", "schedules_vs_reference_max_abs"),
+                      ("stateful", "executor_vs_fp16_cache_graph_max_abs")):
+        assert long in load_manifest(packages / kind)["checks"][key]
+    assert f"T={CONTEXT}" in load_manifest(packages / "stateless")["checks"]["traced_vs_reference_max_abs"]
+
+
+class _ReadsOutsideTheWindow(ChunkKVRunner):
+    """A broken package stand-in: its logits depend on slot 0 of a sliding layer, which no query
+    past the window may read (a ring buffer whose slot rule is off would do this)."""
+
+    def run(self, snapshot, ids):
+        logits, after = super().run(snapshot, ids)
+        return logits + 1e-3 * float(snapshot.key_cache[0, ..., 0, :].mean()), after
+
+
+def test_the_dirty_tail_check_starts_past_the_window_and_catches_a_read_outside_it(packages, cmf_f32):
+    _, args, _ = load_reference(cmf_f32)
+    assert branch_prefix(args, CONTEXT) == WINDOW + BRANCH_PREFIX
+    prefix = IDS[:branch_prefix(args, CONTEXT)]
+    good = open_package_backend(packages / "chunk_kv", backend="executor")
+    bad = open_package_backend(packages / "chunk_kv", backend="executor")
+    bad.kv = bad.chunks = _ReadsOutsideTheWindow(bad.package)
+    good, bad = ({i["name"]: i["passed"] for i in branching_invariants(b, prefix, args)} for b in (good, bad))
+    assert all(good.values())
+    assert bad["dirty_tail_bitwise"] is False and bad["branch_A_B_A_bitwise"] is True

@@ -28,9 +28,10 @@ from pipeline.ground.models import KVCache, ModelArgs, build_model
 from pipeline.ground.models.numerics import model_cache_bound, model_logits_bound
 from pipeline.ground.reference import load_reference
 
-# Chunk schedules (token counts per call) that together exercise a first call longer than
-# one token, single-token decode between long chunks, and a chunk ending at the last slot.
-CHECK_SCHEDULES = ((1, 3, 124), (128,), (3, 1, 124), (124, 3, 1), (127, 1))
+# Chunk schedules (token counts per call) over the first 128 slots: a first call longer than
+# one token, single-token decode between long chunks, a chunk ending at the 128th slot
+# (`check_schedules` adds one over the whole context).
+SHORT_SCHEDULES = ((1, 3, 124), (128,), (3, 1, 124), (124, 3, 1), (127, 1))
 # The layer types a package's graph runs: the reference's cached step holds a SlidingAttention
 # layer's window in its mask.
 EXPORTED_LAYER_TYPES = ("FullAttention", "SlidingAttention")
@@ -41,8 +42,6 @@ SLIDING_CACHE_DESIGN = (
     "would save cache memory but needs its own slot rule (position mod window) and mask, while "
     "the full-length cache keeps one cache shape and slot rule for every layer type"
 )
-# Lengths at which the stateless trace is replayed against the reference.
-STATELESS_CHECK_LENGTHS = (1, 7, 128)
 TRACE_LENGTH = 5
 
 
@@ -94,6 +93,10 @@ class Reference:
     source: dict  # the manifest's `source` record: the bundle, by manifest sha256
     precision: Precision = FP32
     numerics: dict = field(default_factory=dict)  # the manifest's `numerics` record (Conversion.record)
+
+    @property
+    def check_schedules(self) -> tuple[tuple[int, ...], ...]:
+        return check_schedules(self.args, self.context)
 
     @property
     def cache_shape(self) -> tuple[int, ...]:
@@ -162,50 +165,86 @@ def trace_module(module: nn.Module, example: tuple) -> torch.jit.ScriptModule:
 # --- checks against the reference ------------------------------------------------------
 
 
-def clip_schedule(schedule: Iterable[int], context: int) -> tuple[int, ...]:
-    """The schedule's chunks cut to fit `context` slots (the full schedules need 128)."""
-    ends = np.minimum(np.cumsum(schedule), context)
+def check_schedules(args: ModelArgs, context: int) -> tuple[tuple[int, ...], ...]:
+    """The chunk schedules a graph is checked on: SHORT_SCHEDULES within the context, and one
+    over the whole context that decodes into its last slot. Where a sliding window is
+    shorter than the context, that one also decodes single tokens on each side of the
+    window's edge (positions window-1 and window, where the first key leaves the window)."""
+    n = context
+    schedules = [fit_schedule(s, n) for s in SHORT_SCHEDULES]
+    window = args.sliding_window if "SlidingAttention" in args.layer_types else None
+    if window is not None and window < n:
+        schedules.append(fit_schedule((window - 1, 1, 1, n - window - 2, 1), n))
+    elif n > 128:
+        schedules.append((n - 1, 1))
+    return tuple(dict.fromkeys(schedules))
+
+
+def fit_schedule(schedule: Iterable[int], context: int) -> tuple[int, ...]:
+    """The schedule's positive chunks, cut to fit `context` slots (a context under 5 tokens)."""
+    ends = np.minimum(np.cumsum([s for s in schedule if s > 0]), context)
     sizes = np.diff(ends, prepend=0)
     return tuple(int(s) for s in sizes if s > 0)
+
+
+def stateless_check_lengths(args: ModelArgs, context: int) -> tuple[int, ...]:
+    """Lengths at which the stateless trace is replayed against the reference: a baked-in T
+    shows up at 1, 7 and 128 tokens; a model whose sliding window is shorter than the
+    context is also replayed over the whole context, past the window."""
+    window = args.sliding_window if "SlidingAttention" in args.layer_types else None
+    lengths = {1, 7, 128} | ({context} if window is not None and window < context else set())
+    return tuple(sorted({min(n, context) for n in lengths}))
+
+
+def max_abs_delta(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| without a second array of got's size (logits of a 262k vocabulary over
+    1024 positions are 1 GB); NaN where either holds one."""
+    return float(torch.sub(got, want).abs_().max())
+
+
+def worst(*deltas: float) -> float:
+    """The largest of `deltas`, NaN where any is (Python's max drops a NaN after the first)."""
+    return float("nan") if any(d != d for d in deltas) else max(deltas)
 
 
 def check_chunk_schedules(
     graph: Callable,
     ref: Reference,
-    schedules: Iterable[tuple[int, ...]] = CHECK_SCHEDULES,
+    schedules: Iterable[tuple[int, ...]] | None = None,
     tolerance: float | None = None,
 ) -> dict[str, float]:
     """Run `graph(ids, position, k, v)` chunk by chunk and compare with the reference.
 
     The caches start as noise, so a graph that reads a slot at or after position+T (or
-    writes the wrong slots) shows up as a logit error. Each schedule is compared with the
-    plain forward over all tokens and with `forward_cached` fed the same chunks.
-    Returns max |Δ| per schedule; raises `ScheduleMismatch` naming the first that fails.
+    writes the wrong slots) shows up as a logit error. Each schedule (default: the model's
+    `check_schedules`) is compared with the plain forward over all tokens and with
+    `forward_cached` fed the same chunks, chunk by chunk (one set of logits over the context
+    held, not three). Returns max |Δ| per schedule; raises `ScheduleMismatch` naming the
+    first that fails.
     """
     tolerance = ref.tolerance if tolerance is None else tolerance
+    schedules = ref.check_schedules if schedules is None else schedules
     errors = {}
     generator = torch.Generator().manual_seed(1)
     for schedule in schedules:
-        schedule = clip_schedule(schedule, ref.context)
+        schedule = fit_schedule(schedule, ref.context)
         ids = example_ids(ref.args.vocab_size, sum(schedule), seed=len(errors) + 2)
         key_cache = torch.randn(ref.cache_shape, generator=generator)
         value_cache = torch.randn(ref.cache_shape, generator=generator)
         cache = KVCache.empty(ref.args, ref.context)
-        graph_logits, cached_logits = [], []
-        position = 0
+        delta, position = 0.0, 0
         with torch.no_grad():
             full = ref.model(ids).reshape(-1, ref.args.vocab_size)
             for size in schedule:
                 chunk = ids[:, position : position + size]
                 logits, key_cache, value_cache = graph(chunk, position_tensor(position), key_cache, value_cache)
-                graph_logits.append(logits.reshape(-1, ref.args.vocab_size))
-                cached_logits.append(ref.model.forward_cached(chunk, cache).reshape(-1, ref.args.vocab_size))
+                logits = logits.reshape(-1, ref.args.vocab_size)
+                cached = ref.model.forward_cached(chunk, cache).reshape(-1, ref.args.vocab_size)
+                delta = worst(delta, max_abs_delta(logits, full[position : position + size]),
+                              max_abs_delta(logits, cached))
+                del logits, cached
                 position += size
-        graph_logits = torch.cat(graph_logits)
-        delta = max(
-            float((graph_logits - full).abs().max()),
-            float((graph_logits - torch.cat(cached_logits)).abs().max()),
-        )
+        del full
         name = "[" + ",".join(map(str, schedule)) + "]"
         errors[name] = delta
         if not delta <= tolerance:  # also catches NaN
@@ -219,10 +258,10 @@ def check_chunk_schedules(
 def check_stateless(graph: Callable, ref: Reference) -> dict[str, float]:
     """Replay a traced stateless graph at several lengths: a baked-in T shows up here."""
     tolerance, errors = ref.tolerance, {}
-    for length in sorted({min(n, ref.context) for n in STATELESS_CHECK_LENGTHS}):
+    for length in stateless_check_lengths(ref.args, ref.context):
         ids = example_ids(ref.args.vocab_size, length, seed=100 + length)
         with torch.no_grad():
-            delta = float((graph(ids).reshape(length, -1) - ref.model(ids).reshape(length, -1)).abs().max())
+            delta = max_abs_delta(graph(ids).reshape(length, -1), ref.model(ids).reshape(length, -1))
         errors[f"T={length}"] = delta
         if not delta <= tolerance:
             raise ScheduleMismatch(

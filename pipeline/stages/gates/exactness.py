@@ -8,6 +8,7 @@ reference starts from the package's own cache, and the caches both write must ag
 so by induction the whole schedule is checked without carrying a rounding flip along.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,11 +21,15 @@ from pipeline.stages.gates.fixtures import FixtureCase, ReferenceFixtures
 # nothing else changed), so the schedule logic its FP32 package's gate ran on every pattern
 # is the same graph; what is new is the decoded weights, which one shot (every case) and one
 # two-chunk schedule (the K/V projections written to the cache and read back) exercise.
-ALL_PATTERNS = ("one_shot", "single_tokens", "split_3", "half_half")
+ALL_PATTERNS = ("one_shot", "single_tokens", "split_3", "half_half", "window_edge")
 COMPRESSED_PATTERNS = ("one_shot", "split_3")
 # The package's caches before each chunk are held until the reference runs those chunks as one
 # batch of branches (`TorchBackend.advance_arrays`): at most this many bytes of them at a time.
 REFERENCE_BATCH_BYTES = 256 * 2**20
+# Comparisons go through logits this many bytes of rows at a time: a 262k vocabulary's logits
+# over 1024 positions are 1 GB, and a comparison's temporaries (|Δ|, log-softmaxes) would be
+# several of those at once.
+COMPARE_BLOCK_BYTES = 64 * 2**20
 
 
 @dataclass(frozen=True)
@@ -76,27 +81,43 @@ def exact_tolerances(model, context: int) -> tuple[Tolerance, Tolerance]:
 # ---------------------------------------------------------------- comparisons
 
 def compare(got: np.ndarray, want: np.ndarray, tol: Tolerance) -> dict:
-    """The error record of one comparison (positions x vocab); passed iff nothing lies outside."""
+    """The error record of one comparison (positions x vocab); passed iff nothing lies outside.
+    Rows go through in blocks (`COMPARE_BLOCK_BYTES`); only |Δ| is held whole, for its
+    percentile, and every figure is the one the whole arrays would give."""
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     if got.shape != want.shape:
         return {"passed": False, "error": f"shape {list(got.shape)} != reference {list(want.shape)}"}
-    delta = np.abs(got - want)
-    outside = int(np.count_nonzero(delta > tol.atol + tol.rtol * np.abs(want)) + np.count_nonzero(~np.isfinite(got)))
-    # An inf or NaN is outside any bound (counted above); the figures are over the finite rows,
-    # so a report holds numbers only (JSON has no NaN).
-    finite = np.isfinite(got).all(-1) & np.isfinite(want).all(-1)
+    delta = np.empty_like(got)
+    rows = len(got) if got.ndim < 2 else max(1, COMPARE_BLOCK_BYTES // (got[0].nbytes or 1))
+    blocks = [slice(None)] if got.ndim < 2 else [slice(i, i + rows) for i in range(0, len(got), rows)]
+    outside, finite, top1, kl = 0, [], [], []
+    for block in blocks:
+        g, w, d = got[block], want[block], delta[block]
+        np.abs(np.subtract(g, w, out=d), out=d)
+        outside += int(np.count_nonzero(d > tol.atol + tol.rtol * np.abs(w)) + np.count_nonzero(~np.isfinite(g)))
+        # An inf or NaN is outside any bound (counted above); the figures are over the finite
+        # rows, so a report holds numbers only (JSON has no NaN).
+        ok = np.atleast_1d(np.isfinite(g).all(-1) & np.isfinite(w).all(-1))
+        finite.append(ok)
+        if ok.any():
+            g, w = (g[ok], w[ok]) if g.ndim > 1 else (g, w)
+            top1.append(np.atleast_1d(g.argmax(-1) == w.argmax(-1)))
+            kl.append(np.atleast_1d(kl_rows(log_softmax(w), log_softmax(g))))
+    finite = np.concatenate(finite)
     record = {"positions": int(got.shape[0]), "outside": outside, "nonfinite_rows": int(np.count_nonzero(~finite))}
     if not finite.any():
         return {**record, "error": "every position has a non-finite logit", "passed": False}
-    got, want, delta = got[finite], want[finite], delta[finite]
-    top1 = got.argmax(-1) == want.argmax(-1)
+    if not finite.all():
+        delta = delta[finite]
+    top1, kl = np.concatenate(top1), np.concatenate(kl)
+    figures = {"max_abs": float(delta.max()), "mean_abs": float(delta.mean())}
     return {
         **record,
-        "max_abs": float(delta.max()),
-        "p99_abs": float(np.percentile(delta, 99)),
-        "mean_abs": float(delta.mean()),
+        "max_abs": figures["max_abs"],
+        "p99_abs": float(np.percentile(delta.reshape(-1), 99, overwrite_input=True)),
+        "mean_abs": figures["mean_abs"],
         "top1_agreement": float(top1.mean()),
-        "kl_mean": float(np.mean(kl_rows(log_softmax(want), log_softmax(got)))),
+        "kl_mean": float(np.mean(kl)),
         "passed": outside == 0,
     }
 
@@ -145,13 +166,24 @@ def exactness_one_shot(one_shot: dict, intended, fixtures: ReferenceFixtures, fr
 
 # ---------------------------------------------------------------- chunk patterns
 
-def chunk_patterns(n: int) -> dict[str, list[int]]:
-    return {
+def sliding_window(args) -> int | None:
+    """The model's sliding window where any layer is SlidingAttention (None for `args` None)."""
+    return args.sliding_window if args is not None and "SlidingAttention" in args.layer_types else None
+
+
+def chunk_patterns(n: int, window: int | None = None) -> dict[str, list[int]]:
+    """The chunk patterns over `n` tokens, one_shot first. With a sliding `window` shorter than
+    `n`, window_edge decodes single tokens on each side of its edge (positions window-1 and
+    window, where the first key leaves the window); the other patterns cross it in chunks."""
+    patterns = {
         "one_shot": [n],
         "single_tokens": [1] * n,
         "split_3": [3, n - 3],
         "half_half": [n // 2, n - n // 2],
     }
+    if window is not None and window < n:
+        patterns["window_edge"] = [size for size in (window - 1, 1, 1, n - window - 1) if size > 0]
+    return patterns
 
 
 def run_checked(chunks: ChunkSchedule, intended, ids: np.ndarray, schedule: list[int],
@@ -191,27 +223,45 @@ def run_checked(chunks: ChunkSchedule, intended, ids: np.ndarray, schedule: list
         start += size
     if pending:
         outside += check()
-    return {"got": np.concatenate(got), "want": np.concatenate(want), "cache_outside": outside}
+    return {"got": _joined(got), "want": _joined(want), "cache_outside": outside}
+
+
+def _joined(parts: list[np.ndarray]) -> np.ndarray:
+    """`parts` concatenated, each freed as it is copied (never both whole at once)."""
+    out = np.empty((sum(len(p) for p in parts), *parts[0].shape[1:]), np.result_type(*parts))
+    start = 0
+    while parts:
+        part = parts.pop(0)
+        out[start:start + len(part)] = part
+        start += len(part)
+    return out
 
 
 def exactness_chunks(chunks: ChunkSchedule, intended, fixtures: ReferenceFixtures, patterns, samples: dict,
-                     check: str, tolerances: tuple[Tolerance, Tolerance]) -> tuple[list[dict], dict]:
+                     check: str, tolerances: tuple[Tolerance, Tolerance],
+                     reduce_run: Callable[[dict, dict], dict] | None = None) -> tuple[list[dict], dict]:
     """Every case on every pattern, held to `tolerances` (logits, caches); also returns the runs
     for the pattern and prefix invariants. The one_shot pattern feeds the whole case (padding
     included: the prefix invariants read it); logits are compared over the valid prefix,
-    caches everywhere."""
+    caches everywhere. `reduce_run(one_shot_run, run)`, where given, replaces each other
+    pattern's run as soon as it is checked, so no two patterns' logits are held at once (a
+    262k vocabulary's over 1024 positions are 1 GB a side)."""
     tolerance, cache_tolerance = tolerances
+    window = sliding_window(intended.args)
     records, runs = [], {}
     for case in fixtures.cases.values():
         n = case.valid_prefix
-        for pattern, schedule in chunk_patterns(n).items():
+        for pattern, schedule in chunk_patterns(n, window).items():
             if pattern not in patterns:
                 continue
             ids = case.input_ids if pattern == "one_shot" else case.input_ids[:n]
-            run = runs[case.name, pattern] = run_checked(chunks, intended, ids, [len(ids)] if pattern == "one_shot"
-                                                         else schedule, cache_tolerance)
+            run = run_checked(chunks, intended, ids, [len(ids)] if pattern == "one_shot" else schedule,
+                              cache_tolerance)
             record = compare(run["got"][:n], run["want"][:n], tolerance)
             record.update(cache_outside=run["cache_outside"], passed=record["passed"] and run["cache_outside"] == 0)
             records.append({"check": check, "case": case.name, "pattern": pattern, **record})
             samples.setdefault(check, []).append(delta_histogram(run["got"][:n], run["want"][:n]))
+            if pattern != "one_shot" and reduce_run is not None:
+                run = reduce_run(runs[case.name, "one_shot"], run)
+            runs[case.name, pattern] = run
     return records, runs

@@ -21,6 +21,7 @@ import numpy as np
 from manifests.identity import canonical_json, file_identity, portable_name, read_json, sha256_bytes, sha256_file
 from manifests.output import refuse_existing, staged_output
 from pipeline.ground.errors import CmfdeployError
+from pipeline.ground.text_roles import CALIBRATION_START
 
 FORMAT = "cmfdeploy.fixtures/1"
 SHORT = 16
@@ -51,12 +52,13 @@ class ReferenceFixtures:
         self.directory = Path(directory)
         self.index = read_json(self.directory / "index.json")
         self.npz_path = self.directory / "logits.npz"
+        # Only the cases' arrays: long_kv_step_logits is as large as the long case's logits
+        # (1 GB for a 262k vocabulary at 1024 positions) and no gate reads it.
         with np.load(self.npz_path, allow_pickle=False) as npz:
-            arrays = {key: npz[key] for key in npz.files}
-        self.cases = {
-            name: FixtureCase(name, arrays[f"{name}.input_ids"], arrays[f"{name}.logits"], int(arrays[f"{name}.valid_prefix"]))
-            for name, meta in self.index["cases"].items()
-        }
+            self.cases = {
+                name: FixtureCase(name, npz[f"{name}.input_ids"], npz[f"{name}.logits"], int(npz[f"{name}.valid_prefix"]))
+                for name in self.index["cases"]
+            }
 
     @property
     def checkpoint_sha256(self) -> str:
@@ -85,9 +87,14 @@ def pad_id(tokenizer) -> int:
 
 def build_cases(tokenizer, lines: list[str], context: int) -> dict[str, dict]:
     def ids(line: int, count: int) -> np.ndarray:
-        encoded = tokenizer.encode(" ".join(lines[line : line + LINES_PER_CASE]), add_bos=True)
+        # LINES_PER_CASE lines, or as many more blocks of them as a long context needs (Gemma 3's
+        # vocabulary gives ~14 tokens a line: 1024 take ~75 lines); the start never moves, and no
+        # case reads the calibration lines (pipeline.ground.text_roles).
+        end, last = line + LINES_PER_CASE, min(len(lines), CALIBRATION_START)
+        while len(encoded := tokenizer.encode(" ".join(lines[line:end]), add_bos=True)) < count and end < last:
+            end += LINES_PER_CASE
         if len(encoded) < count:
-            raise FixtureTextError(f"text lines {line}..{line + LINES_PER_CASE} give {len(encoded)} tokens, "
+            raise FixtureTextError(f"text lines {line}..{min(end, last)} give {len(encoded)} tokens, "
                                    f"fewer than the {count} the case needs")
         return encoded[:count]
 
@@ -114,12 +121,14 @@ def reference_arrays(artifact: Path, cases: dict[str, dict], context: int) -> di
         arrays = {}
         for name, case in cases.items():
             arrays[f"{name}.input_ids"] = case["input_ids"]
-            arrays[f"{name}.logits"] = model(torch.as_tensor(case["input_ids"])).numpy().astype(np.float32)
+            arrays[f"{name}.logits"] = model(torch.as_tensor(case["input_ids"])).numpy().astype(np.float32, copy=False)
             arrays[f"{name}.valid_prefix"] = np.int64(case["valid_prefix"])
         cache = KVCache.empty(args, context)
-        steps = [model.forward_cached(torch.as_tensor(cases["long"]["input_ids"][i : i + 1]), cache)
-                 for i in range(context)]
-        arrays["long_kv_step_logits"] = torch.cat(steps).numpy().astype(np.float32)
+        # Written row by row: the steps' logits are as large as the long case's (1 GB for a
+        # 262k vocabulary at 1024 positions), so no list of them and no joined copy.
+        steps = arrays["long_kv_step_logits"] = np.empty((context, args.vocab_size), np.float32)
+        for i in range(context):
+            steps[i] = model.forward_cached(torch.as_tensor(cases["long"]["input_ids"][i : i + 1]), cache).numpy()
     return arrays
 
 

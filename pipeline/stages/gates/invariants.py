@@ -17,9 +17,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.stages.gates.exactness import Tolerance, bitwise, compare
+from pipeline.stages.gates.exactness import Tolerance, bitwise, compare, sliding_window
 from pipeline.stages.gates.fixtures import ReferenceFixtures
 
+# The branching checks' prefix: 7 tokens, or past a sliding window shorter than the long case
+# (`branch_prefix`), so the branches run where the window drops keys.
 BRANCH_PREFIX = 7
 BRANCH_A = (9,)
 BRANCH_B = (47, 81, 102)
@@ -30,14 +32,16 @@ INVARIANT_PREFIX = 16
 @dataclass(frozen=True)
 class GateRun:
     """What the invariants read of a gate run: the candidate, its one-shot logits per case,
-    its chunk-pattern runs (`exactness_chunks`; None where it has no `chunks`), FP32's bound
-    and whether the intended cache is fp16."""
+    its chunk-pattern runs (`exactness_chunks`, each pattern but one_shot reduced by
+    `PatternsEqualOneShot.reduce`; None where it has no `chunks`), FP32's bound, whether the
+    intended cache is fp16, and the model's arch (`ModelArgs`: its sliding window)."""
     candidate: object
     fixtures: ReferenceFixtures
     one_shot: dict[str, np.ndarray]
     runs: dict | None
     tolerance: Tolerance
     fp16_cache: bool
+    args: object
 
 
 class Invariant(ABC):
@@ -116,21 +120,23 @@ class PatternsEqualOneShot(Invariant):
     def offered(self, gate: GateRun) -> bool:
         return gate.runs is not None
 
+    @staticmethod
+    def reduce(one_shot_run: dict, run: dict, tolerance: Tolerance, fp16_cache: bool) -> dict:
+        """`run`'s record against its case's one-shot run, made as soon as the pattern has run
+        (`exactness_chunks`' reduce_run): the run keeps the record, not its logits."""
+        n = len(run["got"])  # the one-shot run also fed the case's padding
+        one_shot = {key: one_shot_run[key][:n] for key in ("got", "want")}
+        if fp16_cache:
+            want = one_shot["got"] + (run["want"] - one_shot["want"])
+            tol = Tolerance(2 * tolerance.atol, 2 * tolerance.rtol, None, None,
+                            "fp16 cache: the reference's own pattern difference, each run within FP32's bound")
+        else:
+            want, tol = one_shot["got"], tolerance
+        return {"equals_one_shot": compare(run["got"], want, tol)}
+
     def run(self, gate: GateRun) -> list[dict]:
-        out, bound = [], gate.tolerance
-        for (case, pattern), run in gate.runs.items():
-            if pattern == "one_shot":
-                continue
-            n = len(run["got"])  # the one-shot run also fed the case's padding
-            one_shot = {key: gate.runs[case, "one_shot"][key][:n] for key in ("got", "want")}
-            if gate.fp16_cache:
-                want = one_shot["got"] + (run["want"] - one_shot["want"])
-                tol = Tolerance(2 * bound.atol, 2 * bound.rtol, None, None,
-                                "fp16 cache: the reference's own pattern difference, each run within FP32's bound")
-            else:
-                want, tol = one_shot["got"], bound
-            out.append({"name": f"{case}_{pattern}_equals_one_shot", **compare(run["got"], want, tol)})
-        return out
+        return [{"name": f"{case}_{pattern}_equals_one_shot", **run["equals_one_shot"]}
+                for (case, pattern), run in gate.runs.items() if pattern != "one_shot"]
 
     def owns(self, record: dict) -> bool:
         return record["name"].endswith("_equals_one_shot")
@@ -145,14 +151,27 @@ class Branching(Invariant):
     records = ("branch_A_B_A_bitwise", "snapshot_unchanged", "dirty_tail_bitwise")
 
     def run(self, gate: GateRun) -> list[dict]:
-        return branching_invariants(gate.candidate, gate.fixtures.cases["long"].input_ids[:BRANCH_PREFIX])
+        long = gate.fixtures.cases["long"].input_ids
+        return branching_invariants(gate.candidate, long[:branch_prefix(gate.args, len(long))], gate.args)
 
     def owns(self, record: dict) -> bool:
         return record["name"] in self.records
 
 
-def branching_invariants(candidate, prefix_ids: np.ndarray) -> list[dict]:
-    """`Branching`'s records for `candidate` (any Backend) after `prefix_ids`."""
+def branch_prefix(args, tokens: int) -> int:
+    """The branching checks' prefix length within `tokens`: BRANCH_PREFIX, or past a sliding
+    window shorter than that, so every branch token's window has dropped keys."""
+    window = sliding_window(args)
+    longest = max(len(BRANCH_A), len(BRANCH_B))
+    if window is not None and window + BRANCH_PREFIX + longest <= tokens:
+        return window + BRANCH_PREFIX
+    return BRANCH_PREFIX
+
+
+def branching_invariants(candidate, prefix_ids: np.ndarray, args=None) -> list[dict]:
+    """`Branching`'s records for `candidate` (any Backend) after `prefix_ids`. The dirty
+    snapshot fills every slot at and after the position and, where `args` has a sliding
+    window, the SlidingAttention layers' slots every branch token's window has left."""
     _, snapshot = candidate.prefill(prefix_ids)
     chunks = getattr(candidate, "chunks", None)
     before = chunks and [np.array(a, copy=True) for a in chunks.cache_arrays(snapshot)[:2]]
@@ -165,7 +184,7 @@ def branching_invariants(candidate, prefix_ids: np.ndarray) -> list[dict]:
                        "snapshots' caches (Backend.chunks)"} for name in ("snapshot_unchanged", "dirty_tail_bitwise")]
     keys, values, position = chunks.cache_arrays(snapshot)
     unchanged = bitwise(keys, before[0]) and bitwise(values, before[1])
-    dirty = chunks.with_cache_arrays(snapshot, *(_dirty_tail(c, position) for c in (keys, values)))
+    dirty = chunks.with_cache_arrays(snapshot, *(_dirty_tail(c, position, args) for c in (keys, values)))
     a_dirty = candidate.extend(dirty, np.array(BRANCH_A))
     b_clean = candidate.extend(snapshot, np.array(BRANCH_B))
     b_dirty = candidate.extend(dirty, np.array(BRANCH_B))
@@ -176,7 +195,15 @@ def branching_invariants(candidate, prefix_ids: np.ndarray) -> list[dict]:
     ]
 
 
-def _dirty_tail(cache: np.ndarray, position: int) -> np.ndarray:
+def _dirty_tail(cache: np.ndarray, position: int, args=None) -> np.ndarray:
+    """`cache` (layers first) with DIRTY_FILL in every slot no branch token from `position` on
+    may read: those at and after it and, in a SlidingAttention layer, those before the first
+    branch token's window (query p sees key j iff p - window < j)."""
     dirty = np.array(cache, copy=True)
     dirty[..., position:, :] = DIRTY_FILL
+    window = sliding_window(args)
+    if window is not None and position - window + 1 > 0:
+        for layer, layer_type in enumerate(args.layer_types):
+            if layer_type == "SlidingAttention":
+                dirty[layer, ..., :position - window + 1, :] = DIRTY_FILL
     return dirty

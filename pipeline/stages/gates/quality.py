@@ -5,6 +5,7 @@ text, not the gate fixtures) and on the scoring set: perplexity change, mean KL(
 package), pooled top-1 agreement, the fraction of items whose top-1 candidate changed.
 """
 
+import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
@@ -15,6 +16,10 @@ from pipeline.ground.backend_protocol import kl_rows, log_softmax
 from pipeline.stages.gates.budget import Budget
 from pipeline.stages.gates.lineage import upstream_of
 from pipeline.stages.gates.report import GateFailed
+
+
+# The quality part's log-softmaxes go through this many bytes of rows at a time.
+QUALITY_BLOCK_BYTES = 64 * 2**20
 
 
 class QualityInputs:
@@ -38,9 +43,16 @@ class QualityInputs:
 
     @property
     def fp32_logits(self) -> list[np.ndarray]:
-        """FP32's logits per window, as the model returned them (float32)."""
+        """FP32's logits per window, as the model returned them (float32), computed once and
+        kept in files mapped read-only: a 262k vocabulary's logits over a 1024-token window are
+        1 GB, and a survey measures every recipe against them."""
         if self._fp32_logits is None:
-            self._fp32_logits = [self.fp32.logits(w) for w in self.windows]
+            self._scratch = tempfile.TemporaryDirectory(prefix="cmfdeploy-fp32-logits-")
+            self._fp32_logits = []
+            for index, window in enumerate(self.windows):
+                path = Path(self._scratch.name) / f"{index}.npy"
+                np.save(path, np.asarray(self.fp32.logits(window), np.float32), allow_pickle=False)
+                self._fp32_logits.append(np.load(path, mmap_mode="r", allow_pickle=False))
         return self._fp32_logits
 
     def use_fp32_scores(self, run_dir: Path) -> None:
@@ -98,26 +110,31 @@ def measure_quality(intended, inputs: QualityInputs, budget: Budget, all_figures
     nll = {"fp32": 0.0, "package": 0.0}
     kl_sum = agree = count = positions = nonfinite = 0
     for tokens, logits in zip(inputs.windows, inputs.fp32_logits):
-        log_p = log_softmax(logits)[:-1]
+        package = logits if same else intended.logits(tokens)
+        if not same:
+            nonfinite += int(np.count_nonzero(~np.isfinite(package)))
         positions += len(tokens) - 1  # a row that is not finite agrees with nothing
-        rows, targets = np.arange(len(tokens) - 1), tokens[1:]
-        if same:
-            log_q = log_p
-        else:
-            package_logits = intended.logits(tokens)
-            # A row with an inf or NaN fails the budget whatever else (below); the figures are over
-            # the finite rows, so they stay numbers.
-            finite = np.isfinite(package_logits[:-1]).all(-1)
-            nonfinite += int(np.count_nonzero(~np.isfinite(package_logits)))
-            log_q = log_softmax(package_logits)[:-1][finite]
-            log_p, rows, targets = log_p[finite], np.arange(len(log_q)), targets[finite]
-            if not len(rows):
-                continue
-        nll["fp32"] -= log_p[rows, targets].sum()
-        nll["package"] -= log_q[rows, targets].sum()
-        kl_sum += kl_rows(log_p, log_q).sum()
-        agree += int(np.count_nonzero(log_p.argmax(-1) == log_q.argmax(-1)))
-        count += len(rows)
+        # Rows in blocks: each block's log-softmaxes are its rows' own, and a window's whole
+        # ones would be two more arrays of its logits' size (1 GB each for a 262k vocabulary).
+        step = max(1, QUALITY_BLOCK_BYTES // (logits[0].nbytes or 1))
+        for start in range(0, len(tokens) - 1, step):
+            rows = np.arange(start, min(start + step, len(tokens) - 1))
+            if not same:
+                # A row with an inf or NaN fails the budget whatever else (below); the figures
+                # are over the finite rows, so they stay numbers.
+                rows = rows[np.isfinite(np.asarray(package[rows])).all(-1)]
+                if not len(rows):
+                    continue
+            log_p = log_softmax(np.asarray(logits[rows]))
+            log_q = log_p if same else log_softmax(np.asarray(package[rows]))
+            targets = tokens[rows + 1]
+            at = np.arange(len(rows))
+            nll["fp32"] -= log_p[at, targets].sum()
+            nll["package"] -= log_q[at, targets].sum()
+            kl_sum += kl_rows(log_p, log_q).sum()
+            agree += int(np.count_nonzero(log_p.argmax(-1) == log_q.argmax(-1)))
+            count += len(rows)
+        del package
     if count:
         ppl = {k: float(np.exp(v / count)) for k, v in nll.items()}
         figures = {"ppl_change": ppl["package"] / ppl["fp32"] - 1, "top1_agreement": agree / positions,

@@ -21,7 +21,7 @@ from pipeline.stages.gates.exactness import (
     exactness_one_shot,
 )
 from pipeline.stages.gates.fixtures import ReferenceFixtures
-from pipeline.stages.gates.invariants import GateRun, run_invariants
+from pipeline.stages.gates.invariants import GateRun, PatternsEqualOneShot, run_invariants
 from pipeline.stages.gates.lineage import resolve_lineage
 from pipeline.stages.gates.quality import QualityInputs, measure_quality
 from pipeline.stages.gates.references import intended_references
@@ -56,10 +56,12 @@ def gate_backend(candidate, intended, fixtures: ReferenceFixtures, quality: Qual
     samples, clock = {}, _Clock()
     tolerance, cache_tolerance = exact_tolerances(intended.model, intended.context)
     chunks = getattr(candidate, "chunks", None)
+    fp16_cache = intended.cache_dtype == np.float16
     records, runs = [], None
     if chunks is not None:
-        records, runs = exactness_chunks(chunks, intended, fixtures, patterns, samples, check,
-                                         (tolerance, cache_tolerance))
+        records, runs = exactness_chunks(
+            chunks, intended, fixtures, patterns, samples, check, (tolerance, cache_tolerance),
+            lambda one_shot_run, run: PatternsEqualOneShot.reduce(one_shot_run, run, tolerance, fp16_cache))
         one_shot = {name: runs[name, "one_shot"]["got"] for name in fixtures.cases}
         clock.lap("chunk_patterns")
     else:
@@ -68,8 +70,7 @@ def gate_backend(candidate, intended, fixtures: ReferenceFixtures, quality: Qual
     if frozen or chunks is None:
         records = exactness_one_shot(one_shot, intended, fixtures, frozen, samples, tolerance) + records
     clock.lap("one_shot")
-    invariants = run_invariants(GateRun(candidate, fixtures, one_shot, runs, tolerance,
-                                        intended.cache_dtype == np.float16))
+    invariants = run_invariants(GateRun(candidate, fixtures, one_shot, runs, tolerance, fp16_cache, intended.args))
     clock.lap("branching")
     quality_record, scores = measure_quality(intended, quality, budget, all_figures)
     clock.lap("quality")

@@ -12,6 +12,7 @@ Anything the importer does not map exactly (another architecture, a tensor or ge
 metadata key it does not know, rope scaling, an unknown vocabulary) is refused by name.
 """
 
+import importlib.metadata
 import os
 import re
 from pathlib import Path
@@ -71,6 +72,7 @@ _GEMMA3_KEYS = {f"gemma3.{key}" for key in (
 _GEMMA3_LOCAL_ROPE_BASE = 10000.0
 _GEMMA3_27B_LAYERS = 62
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
+_UNKNOWN_TYPE = re.compile(r"(\d+)\)? is not a valid GGMLQuantizationType")
 
 
 def import_gguf(path: str | os.PathLike, out: str | os.PathLike, *, policy: QuantPolicy = QuantPolicy(),
@@ -79,6 +81,9 @@ def import_gguf(path: str | os.PathLike, out: str | os.PathLike, *, policy: Quan
     try:
         reader = GGUFReader(path)
     except (ValueError, IndexError) as error:  # what gguf-py raises on a cut or corrupt file
+        if unknown := _UNKNOWN_TYPE.search(str(error)):  # a tensor type newer than this gguf package
+            raise UnsupportedModel(f"{path}: a tensor has GGML type code {unknown[1]}, which gguf "
+                                   f"{importlib.metadata.version('gguf')} does not know") from None
         raise UnsupportedModel(f"{path}: not a complete GGUF file ({path.stat().st_size} bytes): {error}") from None
     fields = GgufFields(reader, path)
     architecture = fields.get("general.architecture")
