@@ -22,7 +22,8 @@ Neural Engine's internal accumulator is not documented (public reverse engineeri
 github.com/hollance/neural-engine docs/16-bit.md, finds fp16 storage throughout); every unit
 agrees with this model at op boundaries, where the program's types are, and a gate bound
 derived from fp16's unit roundoff at each boundary plus float32 within an op is what holds for
-the GPU, the documented case.
+the GPU, the documented case. Weight decompression (`constexpr_*`, evaluated once at load) is
+the exception: MIL defines it in its operands' dtype, so it sees them as stored.
 """
 
 from __future__ import annotations
@@ -182,10 +183,14 @@ class Executor:
         lists = OPS[op.type].lists
         static = {k: v for k, v in op.attributes.items() if k != "name"}
         dynamic = []
+        # Decompression (constexpr_*) is defined in its operands' own dtype (an fp16 scale
+        # multiplies in fp16, as coremltools' value inference does): its operands stay as stored.
+        widen = _widened if not op.type.startswith("constexpr_") else (lambda value: value)
         for key, args in op.inputs.items():
             operands = tuple(
-                _Known(_widened(a.value)) if a.name is None else _Known(self._wide(a.name)) if a.name in self.constants
-                else a.name
+                _Known(widen(a.value)) if a.name is None
+                else _Known(self._wide(a.name) if widen is _widened else self.constants[a.name])
+                if a.name in self.constants else a.name
                 for a in args
             )
             if all(isinstance(o, _Known) for o in operands):
