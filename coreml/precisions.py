@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipeline.ground.errors import CmfdeployError
-from pipeline.ground.models.numerics import U32
+from pipeline.ground.models.numerics import U16, U32
 
 # Core ML's compute units (MLComputeUnits): an FP32-typed ML Program runs on the CPU and the GPU
 # only, never on the Neural Engine (coremltools' "Typed Execution" guide:
@@ -122,7 +122,7 @@ FP16 = register_precision(Precision(
     float_dtype="float16",
     compute_units="CPU_AND_NE",
     allowed_compute_units=COMPUTE_UNITS,
-    unit_roundoff=2.0**-11,  # IEEE binary16: 11 significant bits
+    unit_roundoff=U16,
     default_budget="ppl=0.5%,top1=0.99",
     keeps_positional_fp32=True,
 ))
