@@ -153,14 +153,14 @@ class Stateful(PackageKind):
         return paths
 
     def _save_function(self, ref: Reference, block: dict, name: str, dims: dict, path: Path) -> dict | None:
-        from coreml.kinds.export import (CHECK_SCHEDULES, TRACE_LENGTH, convert_traced, describe_model, example_ids,
-                                         position_tensor, trace_module)
+        from coreml.kinds.export import (TRACE_LENGTH, convert_traced, describe_model, example_ids, position_tensor,
+                                         trace_module)
 
         length = min(TRACE_LENGTH, dims["T"][1])
         traced = trace_module(self.graph(ref), (example_ids(ref.args.vocab_size, length, 0), position_tensor(3)))
         errors = None
         if ref.precision.compute_precision != "float32":
-            checks = self.DECODE_CHECKS if dims["T"][1] == 1 else tuple((0, s) for s in CHECK_SCHEDULES)
+            checks = self.DECODE_CHECKS if dims["T"][1] == 1 else tuple((0, s) for s in ref.check_schedules)
             errors = self.check_traced(traced, ref, name, checks)
         mlmodel = convert_traced(traced, block, dims, ref.precision)
         describe_model(mlmodel, block, ref, self.description)

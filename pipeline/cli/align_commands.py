@@ -37,10 +37,10 @@ def _reference_fixtures(args) -> int:
 def add_quality_arguments(p) -> None:
     """--budget, --quality-text, --items and --all-figures: shared by align and survey."""
     p.add_argument("--budget",
-                   help=f"quality budget against FP32: ppl=<max increase>, top1=<min agreement>, optionally "
-                        f"kl=<max mean KL>, items=<max fraction of scoring items whose top-1 changed> "
-                        f"(default: the package precision's, " + "; ".join(
-                            f"{p.name} {p.default_budget}" for p in PRECISIONS.values()).replace('%', '%%') + ")")
+                   help="quality budget against FP32: ppl=<max increase>, top1=<min agreement>, optionally "
+                        "kl=<max mean KL>, items=<max fraction of scoring items whose top-1 changed> "
+                        "(default: the package precision's, " + "; ".join(
+                            f"{unit.name} {unit.default_budget}" for unit in PRECISIONS.values()).replace('%', '%%') + ")")
     p.add_argument("--quality-text", type=Path, default=DEFAULT_QUALITY_TEXT,
                    help="text whose held-out 'quality' lines the quality part reads and whose 'calibration' lines "
                         "calibration-aware recipes see (pipeline.ground.text_roles)")
