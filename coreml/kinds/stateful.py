@@ -177,12 +177,12 @@ class Stateful(PackageKind):
         neighbouring fp16 values), else `ScheduleMismatch`. Returns max |Δ logit| per check."""
         import torch
 
-        from coreml.kinds.export import ScheduleMismatch, clip_schedule, example_ids, position_tensor
+        from coreml.kinds.export import ScheduleMismatch, example_ids, fit_schedule, position_tensor
 
         errors = {}
         for index, (first, schedule) in enumerate(checks):
             first = first % ref.context
-            schedule = clip_schedule(schedule, ref.context - first)
+            schedule = fit_schedule(schedule, ref.context - first)
             ids = example_ids(ref.args.vocab_size, sum(schedule), seed=300 + index)
             eager = self.graph(ref)
             logit_delta, cache_delta, offset = 0.0, 0.0, 0

@@ -34,6 +34,7 @@ def check_release_copies(path: Path, manifest: dict, survey: dict, record: dict)
     report = read_json(path / compressed["gate"]["path"] / gates.REPORT_NAME)
     check_copied(survey_where, f"recipes[{record['name']}].gate", record["gate"],
                  {**report["summary"], "passed": report["passed"], "tolerance": report["tolerance"],
+                  "compute_units": report.get("compute_units", {}).get("claimable"),
                   "quality": {k: report["quality"].get(k) for k in record["gate"].get("quality", {})}},
                  path / compressed["gate"]["path"] / gates.REPORT_NAME,
                  keys=[k for k in record["gate"] if k != "report"])
