@@ -246,6 +246,11 @@ def mitigated_model(model: Decoder, args: ModelArgs, mitigations: Fp16Mitigation
     (clamp_min), the division and a reciprocal (sqrt(eps) / m) per norm."""
     if model.args != args:
         raise Fp16MitigationError(f"mitigated_model: the args given are not the model's ({args.arch_name})")
+    if weights_scaled and mitigations.residual_scale != 1.0 and args.norm_style == "gemma":
+        # alpha moved into Gemma's (1 + w) gains is a plain gain the package stores, which the
+        # (1 + w) form cannot be rebuilt from: refused by name rather than run wrong.
+        raise Fp16MitigationError(f"mitigated_model: {args.arch_name}'s decoded weights carry a residual scale "
+                                  f"{mitigations.residual_scale:g} in its (1 + w) norm gains; rebuilding them is not supported")
     safe = copy.deepcopy(model)
     if mitigations.residual_scale != 1.0:
         _scale_residual(safe, mitigations.residual_scale, weights_scaled)
