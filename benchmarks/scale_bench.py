@@ -19,7 +19,8 @@ Stages, each one CLI process as the Makefile runs it, with make's default job co
 (reference-fixtures) -> align (the FP32 chunk-KV gate, writing FP32's scores) -> survey
 (int8-b32 int4-b32) -> release. The packages take `--context` tokens (default 256, far below
 the 8192 the configs declare, to keep conversion and gates affordable; the fixture takes its
-own 128). A stage not asked for is not run; its output from an earlier run is used.
+own 128). A stage not asked for is not run; its output from an earlier run is used, and
+so is its measurement from <work>/scale_bench.json, with the time that run started.
 
 Each stage runs under `benchmarks/rss.py`'s `TreeSampler`: wall time; total peak RSS (VmHWM
 of its largest process: mapped file pages count) and anonymous peak (RssAnon: private
@@ -168,18 +169,18 @@ def bench_model(name: str, args, results: dict, written) -> None:
     cmf, prepared = model_cmf(name, args.work, args.smollm2_cmf)
     context = 128 if name == "fixture" else args.context
     commands = stage_commands(cmf, out, context)
-    stages = {}
+    stages = dict(results.get(name, {}).get("stages", {}))
     for stage in STAGES:
         if stage not in args.stages:
             continue
         print(f"{name}: {stage} ...", file=sys.stderr, flush=True)
         stages[stage] = run(commands[stage], f"{name} {stage}")
-        stages[stage]["command"] = commands[stage]
+        stages[stage].update(command=commands[stage], started=args.started)
         print(f"{name}: {stage} {stages[stage]['seconds']:.1f} s, peak {stages[stage]['process_rss'] / GB:.2f} GB "
               f"(anonymous {stages[stage]['tree_anon'] / GB:.2f} GB)", file=sys.stderr, flush=True)
         # A long run's figures are on disk as each stage ends.
-        results[name] = {"cmf": str(cmf), "context": context, "fp32_bytes": fp32_bytes(out), "prepared": prepared,
-                         "stages": stages}
+        results[name] = {"cmf": str(cmf), "context": context, "fp32_bytes": fp32_bytes(out),
+                         "prepared": prepared or results.get(name, {}).get("prepared"), "stages": stages}
         written(results)
 
 
@@ -251,7 +252,7 @@ def main() -> int:
         parser.error(f"unknown models or stages: {unknown}")
     args.work = args.work.resolve()
     args.work.mkdir(parents=True, exist_ok=True)
-    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    started = args.started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
 
     def written(results: dict) -> str:
         table = rows(results)
@@ -265,7 +266,10 @@ def main() -> int:
         (args.work / "scale_bench.md").write_text(f"# Scale benchmark ({started}, load {' '.join(load)})\n\n" + page)
         return page
 
-    results: dict = {}
+    # Stages run in separate invocations (a long model's later stages another time) add up in one table;
+    # each measurement keeps the time its invocation started.
+    earlier = args.work / "scale_bench.json"
+    results: dict = json.loads(earlier.read_text())["results"] if earlier.exists() else {}
     for name in models:
         bench_model(name, args, results, written)
     print(written(results))

@@ -322,7 +322,7 @@ def test_reference_fixtures_command_reproduces_the_frozen_fixtures(tmp_path):
 
     text = tmp_path / "held_out.txt"
     text.write_text("\n".join(split_lines(corpus_lines())[1]), encoding="utf-8")
-    assert main(["reference-fixtures", str(FIXTURE_CMF), "-o", str(tmp_path / "ref"), "--text", str(text)]) == 0
+    assert main(["reference-fixtures", str(FIXTURE_CMF), "-o", str(tmp_path / "ref"), "--text", str(text), "--step-logits"]) == 0
     made, frozen = ReferenceFixtures(tmp_path / "ref"), ReferenceFixtures(FIXTURE_REFERENCE)
     assert made.checkpoint_sha256 == frozen.checkpoint_sha256
     # Frozen logits came from another CPU's float32 kernels: equal within two evaluations'
@@ -333,6 +333,20 @@ def test_reference_fixtures_command_reproduces_the_frozen_fixtures(tmp_path):
         assert np.abs(made.cases[name].logits - case.logits).max() <= bound
     with np.load(tmp_path / "ref" / "logits.npz") as a, np.load(FIXTURE_REFERENCE / "logits.npz") as b:
         assert np.abs(a["long_kv_step_logits"] - b["long_kv_step_logits"]).max() <= bound
+
+
+def test_reference_fixtures_leave_out_step_logits_unless_asked(tmp_path):
+    """No gate reads long_kv_step_logits, and on a 262k vocabulary they are a forward per position:
+    another model's fixtures hold the cases alone, and their index says nothing of the steps."""
+    from fixtures.corpus import corpus_lines, split_lines
+
+    text = tmp_path / "held_out.txt"
+    text.write_text("\n".join(split_lines(corpus_lines())[1]), encoding="utf-8")
+    assert main(["reference-fixtures", str(FIXTURE_CMF), "-o", str(tmp_path / "ref"), "--text", str(text)]) == 0
+    with np.load(tmp_path / "ref" / "logits.npz") as npz:
+        assert "long_kv_step_logits" not in npz.files and "long.logits" in npz.files
+    index = json.loads((tmp_path / "ref" / "index.json").read_text())
+    assert "long_kv_step_logits" not in index and "long_kv_step" not in index["computed_with"]
 
 
 def test_the_intended_reference_batches_as_it_runs_one_at_a_time(fixture_packages):

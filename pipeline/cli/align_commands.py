@@ -29,7 +29,8 @@ def _align(args) -> int:
 
 def _reference_fixtures(args) -> int:
     lines = Path(args.text).read_text(encoding="utf-8").splitlines()
-    out = make_reference_fixtures(args.cmf, args.out, lines, context=args.context, force=args.force)
+    out = make_reference_fixtures(args.cmf, args.out, lines, context=args.context,
+                                  step_logits=args.step_logits, force=args.force)
     print(f"wrote {out}")
     return 0
 
@@ -70,5 +71,8 @@ def register(subparsers) -> None:
     p.add_argument("-o", "--out", required=True, help="fixtures directory to create")
     p.add_argument("--text", required=True, help="plain text; cases start at lines 0, 100 and 200")
     p.add_argument("--context", type=int, default=128, help="tokens of the long case (the packages' context)")
+    p.add_argument("--step-logits", action="store_true",
+                   help="also long_kv_step_logits: the long case fed one token at a time through the cached path "
+                        "(no gate reads them; a forward per position)")
     p.add_argument("--force", action="store_true", help="replace an existing directory")
     p.set_defaults(func=_reference_fixtures)

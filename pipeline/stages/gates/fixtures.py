@@ -2,8 +2,10 @@
 
 A fixtures folder holds `logits.npz` (no pickle) with, per case, `{case}.input_ids` int64
 [T], `{case}.logits` float32 [T, vocab] and `{case}.valid_prefix` (leading ids that are
-real tokens, the rest PAD); plus `long_kv_step_logits`, the `long` ids fed one token at a
-time through the cached path. `index.json` records the checkpoint, tokenizer and texts, so
+real tokens, the rest PAD); plus, when asked for (the default fixture, whose tests hold the
+cached path to it), `long_kv_step_logits`, the `long` ids fed one token at a time through the
+cached path. No gate reads them, and they cost a full forward per position: on Gemma 3 at 1024
+positions, 1024 single steps through a 671 MB head. `index.json` records the checkpoint, tokenizer and texts, so
 a gate can refuse fixtures that belong to another model.
 
 Cases: `short` (16 tokens), `long` (the full context), `right_pad` (short right-padded with
@@ -110,7 +112,7 @@ def build_cases(tokenizer, lines: list[str], context: int) -> dict[str, dict]:
     return {name: {"input_ids": i, "valid_prefix": v, "text": tokenizer.decode(i[:v])} for name, (i, v) in cases.items()}
 
 
-def reference_arrays(artifact: Path, cases: dict[str, dict], context: int) -> dict[str, np.ndarray]:
+def reference_arrays(artifact: Path, cases: dict[str, dict], context: int, step_logits: bool) -> dict[str, np.ndarray]:
     import torch
 
     from pipeline.ground.models import KVCache
@@ -123,6 +125,8 @@ def reference_arrays(artifact: Path, cases: dict[str, dict], context: int) -> di
             arrays[f"{name}.input_ids"] = case["input_ids"]
             arrays[f"{name}.logits"] = model(torch.as_tensor(case["input_ids"])).numpy().astype(np.float32, copy=False)
             arrays[f"{name}.valid_prefix"] = np.int64(case["valid_prefix"])
+        if not step_logits:
+            return arrays
         cache = KVCache.empty(args, context)
         # Written row by row: the steps' logits are as large as the long case's (1 GB for a
         # 262k vocabulary at 1024 positions), so no list of them and no joined copy.
@@ -133,8 +137,9 @@ def reference_arrays(artifact: Path, cases: dict[str, dict], context: int) -> di
 
 
 def make_reference_fixtures(artifact: str | Path, out_dir: str | Path, lines: list[str], *, context: int,
-                            force: bool = False) -> Path:
-    """Compute the cases from `lines` of text with the CMF at `artifact`; write `out_dir` atomically."""
+                            step_logits: bool = False, force: bool = False) -> Path:
+    """Compute the cases from `lines` of text with the CMF at `artifact` (and `long_kv_step_logits` when
+    `step_logits`); write `out_dir` atomically."""
     import torch
 
     from pipeline.ground.cmf import open_cmf
@@ -146,18 +151,19 @@ def make_reference_fixtures(artifact: str | Path, out_dir: str | Path, lines: li
     torch.use_deterministic_algorithms(True)
     tokenizer = tokenizer_from_artifact(artifact)
     cases = build_cases(tokenizer, lines, context)
-    arrays = reference_arrays(artifact, cases, context)
+    arrays = reference_arrays(artifact, cases, context, step_logits)
     index = {
         "format": FORMAT,
         "checkpoint": {"file": artifact.name, "sha256": sha256_file(artifact), "format": "cmf", "version": 2},
         "tokenizer": {"sha256": sha256_bytes(open_cmf(artifact).vocab), "pad_id": pad_id(tokenizer)},
-        "computed_with": "pipeline.ground.reference.load_reference, FP32 on CPU: model(ids) per case, "
-                         "forward_cached one token at a time for long_kv_step_logits",
+        "computed_with": "pipeline.ground.reference.load_reference, FP32 on CPU: model(ids) per case"
+                         + (", forward_cached one token at a time for long_kv_step_logits" if step_logits else ""),
         "torch": torch.__version__,
         "cases": {name: {"tokens": len(c["input_ids"]), "valid_prefix": c["valid_prefix"], "text": c["text"]}
                   for name, c in cases.items()},
-        "long_kv_step_logits": {"input_ids": "long.input_ids", "tokens": context},
     }
+    if step_logits:
+        index["long_kv_step_logits"] = {"input_ids": "long.input_ids", "tokens": context}
     with staged_output(out_dir, force) as staging:
         np.savez(staging / "logits.npz", **arrays)
         (staging / "index.json").write_bytes(canonical_json(index))
