@@ -26,7 +26,7 @@ from coremltools.proto import Model_pb2  # noqa: E402
 
 from coreml.convert import _kinds_in_workers  # noqa: E402
 from pipeline.cli import main  # noqa: E402
-from pipeline.ground.ray_engine import FolderNotShared  # noqa: E402
+from pipeline.ground.ray_engine import FolderNotShared, RayUnreachable, refuse_unreachable  # noqa: E402
 from pipeline.ground.workers import Executor, WorkerFailed, run_in_workers, thread_share  # noqa: E402
 from pipeline.stages.survey import load_survey, run_survey  # noqa: E402
 
@@ -126,6 +126,23 @@ def _assert_same_files(local: Path, remote: Path) -> None:
 @pytest.fixture(scope="module")
 def survey(fixture_packages, tmp_path_factory):
     return built_survey(fixture_packages, tmp_path_factory.getbasetemp())
+
+
+def test_an_address_where_no_head_listens_is_refused_by_name_not_waited_on():
+    """ray.init retries an address that never answers for ever; the stage probes the head first. A
+    socket bound and not listening refuses every connection for as long as it is held."""
+    import socket
+
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{closed.getsockname()[1]}"
+        for given in (address, f"ray://{address}"):
+            with pytest.raises(RayUnreachable, match=re.escape(f"survey: no Ray cluster at {given!r}")):
+                refuse_unreachable(given, "survey")
+    for bad in ("127.0.0.1:port", "http://127.0.0.1:6379", ":6379"):
+        with pytest.raises(RayUnreachable, match="is not host:port or ray://host:port"):
+            refuse_unreachable(bad, "survey")
+    refuse_unreachable("auto", "survey")  # Ray's own lookup of a running cluster: nothing to probe
 
 
 def test_a_survey_on_ray_is_the_local_workers_survey(survey):

@@ -29,6 +29,12 @@ from pipeline.ground.errors import CmfdeployError
 from pipeline.ground.workers import STDERR_TAIL, Executor, WorkerFailed, thread_env
 
 INSTALL = "pip install cmfdeploy[cluster]"
+# How long a cluster's head may take to accept a TCP connection. ray.init itself retries an
+# address that never answers for ever (5 s connects, 30 s GCS waits, again and again), so a
+# mistyped address would hang the stage instead of failing it.
+CONNECT_SECONDS = 10.0
+# The ports Ray listens on when an address names none: the GCS's, and the Ray client server's.
+DEFAULT_PORTS = {"": 6379, "ray": 10001}
 
 
 class RayMissing(CmfdeployError):
@@ -75,6 +81,22 @@ def import_ray():
         raise RayMissing(f"the ray executor needs Ray, which is not installed here ({error}): {INSTALL}") from error
 
 
+def refuse_unreachable(address: str, where: object, seconds: float = CONNECT_SECONDS) -> None:
+    """RayUnreachable unless the head at `address` (`host:port`, or `ray://host:port`) accepts a TCP
+    connection within `seconds`; `auto` and `local` name no head to probe (Ray finds or starts one)."""
+    if address in ("auto", "local"):
+        return
+    scheme, _, rest = address.rpartition("://")
+    host, _, port = rest.rpartition(":") if ":" in rest else (rest, "", "")
+    if scheme not in DEFAULT_PORTS or not host or not (port or str(DEFAULT_PORTS[scheme])).isdigit():
+        raise RayUnreachable(f"{where}: Ray address {address!r} is not host:port or ray://host:port")
+    try:
+        socket.create_connection((host.strip("[]"), int(port or DEFAULT_PORTS[scheme])), timeout=seconds).close()
+    except OSError as error:
+        raise RayUnreachable(f"{where}: no Ray cluster at {address!r}: its head does not accept a connection "
+                             f"within {seconds:g} s ({error})") from error
+
+
 def job_slots(nodes: Sequence[float], jobs: int, tasks: int) -> tuple[int, int]:
     """(actors, threads each) for `jobs` workers on nodes of these CPU counts: a 1/`jobs` share of
     the cluster's CPUs, as a local worker gets of the machine's, less while the actors would not
@@ -96,6 +118,8 @@ def run_on_ray(entry: str, setup: dict, tasks: Sequence[Any], jobs: int, *, wher
     ray, address = import_ray(), executor.address
     joined_here = not ray.is_initialized()
     if joined_here:
+        if address or os.environ.get("RAY_ADDRESS"):
+            refuse_unreachable(address or os.environ["RAY_ADDRESS"], where)
         try:
             # The workers' output stays on the cluster, as a local worker's stays in its log.
             ray.init(address=address, log_to_driver=False, include_dashboard=False)
