@@ -248,7 +248,7 @@ def _precision(claims: _Claims, block: dict) -> None:
                 f"the program (fp16 results of {arithmetic})" if arithmetic else "the program (no fp16 arithmetic)")
     unit = package_precision(block, claims.where)
     claims.same("package.precision", unit.compute_precision, block["compute_precision"],
-                f"package.compute_precision, which the program states")
+                "package.compute_precision, which the program states")
     units = block.get("compute_units", unit.compute_units)
     if units not in unit.allowed_compute_units:
         raise IdentityError(f"{claims.where}: field 'package.compute_units' is {units!r}, which a {unit.name} "

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipeline.ground.errors import CmfdeployError
+from pipeline.ground.registry import Registry
 from pipeline.ground.models.numerics import U16, U32
 
 # Core ML's compute units (MLComputeUnits): an FP32-typed ML Program runs on the CPU and the GPU
@@ -94,14 +95,11 @@ def _block_positional(block) -> set[str]:
     return positional_values(ops, constants)
 
 
-PRECISIONS: dict[str, Precision] = {}
+PRECISIONS: Registry[Precision] = Registry("precision", UnknownPrecision)
 
 
 def register_precision(precision: Precision) -> Precision:
-    if precision.name in PRECISIONS:
-        raise ValueError(f"precision {precision.name!r} is registered twice")
-    PRECISIONS[precision.name] = precision
-    return precision
+    return PRECISIONS.add(precision.name, precision)
 
 
 FP32 = register_precision(Precision(
@@ -130,10 +128,7 @@ FP16 = register_precision(Precision(
 
 def precision(name: str, where: object = "--precision") -> Precision:
     """The registered precision `name`; UnknownPrecision naming `where` and the known ones otherwise."""
-    try:
-        return PRECISIONS[name]
-    except KeyError:
-        raise UnknownPrecision(f"{where}: precision {name!r} is not among {list(PRECISIONS)}") from None
+    return PRECISIONS.lookup(name, where)
 
 
 def package_precision(block: dict, where: object = "package") -> Precision:

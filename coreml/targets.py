@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline.ground.errors import CmfdeployError
+from pipeline.ground.registry import Registry
 
 
 class UnknownTarget(CmfdeployError):
@@ -32,14 +33,11 @@ class Target:
     swift_compute_units: str  # MLModelConfiguration.computeUnits
 
 
-TARGETS: dict[str, Target] = {}
+TARGETS: Registry[Target] = Registry("target", UnknownTarget)
 
 
 def register_target(target: Target) -> Target:
-    if target.name in TARGETS:
-        raise ValueError(f"target {target.name!r} is registered twice")
-    TARGETS[target.name] = target
-    return target
+    return TARGETS.add(target.name, target)
 
 
 register_target(Target("cpu", "FP32 on the CPU (the default; no Neural Engine)", "fp32", "cpu", "CPU_ONLY", ".cpuOnly"))
@@ -50,10 +48,7 @@ register_target(Target("ane", "fp16 on the Neural Engine (palettes and per-chann
 
 
 def target(name: str, where: object = "--target") -> Target:
-    try:
-        return TARGETS[name]
-    except KeyError:
-        raise UnknownTarget(f"{where}: target {name!r} is not among {list(TARGETS)}") from None
+    return TARGETS.lookup(name, where)
 
 
 if __name__ == "__main__":  # the Makefile asks a target's precision: `python -m coreml.targets ane` -> fp16

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from pipeline.ground.errors import CmfdeployError
+from pipeline.ground.registry import Registry
 
 if TYPE_CHECKING:
     from torch import nn
@@ -115,20 +116,15 @@ class PackageKind(ABC):
         `inputs` (input_ids set) and leave its outputs in `out`."""
 
 
-KINDS: dict[str, PackageKind] = {}
+KINDS: Registry[PackageKind] = Registry("package kind", UnknownKind)
 
 
 def register_kind(cls: type[PackageKind]) -> type[PackageKind]:
     """Class decorator: one instance of `cls` joins KINDS under `cls.name`."""
-    if cls.name in KINDS:
-        raise ValueError(f"package kind {cls.name!r} is registered twice")
-    KINDS[cls.name] = cls()
+    KINDS.add(cls.name, cls())
     return cls
 
 
 def package_kind(name: str, where: object = "package") -> PackageKind:
     """The registered kind `name`; UnknownKind naming `where` and the known kinds otherwise."""
-    try:
-        return KINDS[name]
-    except KeyError:
-        raise UnknownKind(f"{where}: package kind {name!r} is not among {list(KINDS)}") from None
+    return KINDS.lookup(name, where)

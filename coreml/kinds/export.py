@@ -20,7 +20,7 @@ from torch import nn
 
 from coreml import crosscheck
 from coreml import manifest as package_manifest
-from coreml.mil import load_program
+from coreml.mil import blob_const_digests
 from coreml.precisions import FP32, POSITIONAL_REASON, Precision, precision
 from manifests.identity import Manifest, artifact_source, load_manifest, relative_path, sha256_bytes, sha256_file
 from pipeline.ground.errors import CmfdeployError, UnsupportedModel
@@ -346,13 +346,8 @@ def weight_names(mlpackage: Path, model: nn.Module, dtype: np.dtype = np.dtype(n
     for name, tensor in model.state_dict().items():
         # Hashed in place (a contiguous array is a buffer): a float32 model's tensors are the bundle's map.
         by_bytes.setdefault(sha256_bytes(np.ascontiguousarray(tensor.float().numpy(), dtype)), []).append(name)
-    names = {}
-    for function in load_program(mlpackage).functions.values():
-        for op in function.block.operations:
-            value = op.attributes.get("val") if op.type == "const" else None
-            if isinstance(value, np.ndarray) and value.dtype == dtype and value.ndim:
-                if found := by_bytes.get(sha256_bytes(np.ascontiguousarray(value))):
-                    names[op.outputs[0][0]] = sorted(found)
+    names = {name: sorted(found) for name, const in blob_const_digests(mlpackage).items()
+             if const.dtype == dtype and const.shape and (found := by_bytes.get(const.sha256))}
     return dict(sorted(names.items()))
 
 

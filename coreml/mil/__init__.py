@@ -2,6 +2,6 @@
 
 from coreml.mil.errors import MilError, UnsupportedOp
 from coreml.mil.executor import Executor, State
-from coreml.mil.loader import Program, load_program
+from coreml.mil.loader import Program, blob_const_digests, load_program
 
-__all__ = ["Executor", "MilError", "Program", "State", "UnsupportedOp", "load_program"]
+__all__ = ["Executor", "MilError", "Program", "State", "UnsupportedOp", "blob_const_digests", "load_program"]

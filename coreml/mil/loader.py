@@ -10,6 +10,7 @@ followed by the 64-byte aligned raw data. Sub-byte types are packed LSB first.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import mmap
@@ -396,6 +397,42 @@ def program_spec(package: Path) -> tuple[Path, Model_pb2.Model]:
     if model.WhichOneof("Type") != "mlProgram":
         raise MilError(f"{spec_path}: model type is {model.WhichOneof('Type')}, expected mlProgram")
     return spec_path, model
+
+
+@dataclass(frozen=True)
+class ConstDigest:
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    sha256: str  # of the const's data bytes, as numpy holds them (little-endian, C order)
+
+
+def blob_const_digests(package: str | Path) -> dict[str, ConstDigest]:
+    """Every weight-file const of each function's top-level block, by output name: its dtype, shape
+    and the sha256 of its data, streamed through the map (`BlobStorage.stream`), so a weight file as
+    large as the model is never resident while another copy is (the converter's reference model,
+    a map of the bundle, is). Packed sub-byte consts are left out: no float weight is one."""
+    package = Path(package)
+    spec_path, model = program_spec(package)
+    storages: dict[str, BlobStorage] = {}
+    digests = {}
+    for name, fn in model.mlProgram.functions.items():
+        where = f"{spec_path}: function {name}"
+        for op in fn.block_specializations[fn.opset].operations if fn.opset in fn.block_specializations else ():
+            value = op.attributes["val"] if op.type == "const" and "val" in op.attributes else None
+            if value is None or value.WhichOneof("value") != "blobFileValue":
+                continue
+            spec = tensor_spec(value.type, where)
+            if spec is None or None in spec.shape or spec.dtype.nbits < 8:
+                continue
+            blob = value.blobFileValue
+            if blob.fileName not in storages:
+                storages[blob.fileName] = BlobStorage(blob_file(spec_path.parent, blob.fileName, where))
+            storage = storages[blob.fileName]
+            digest = hashlib.sha256()
+            for chunk in storage.stream(storage.entry(blob.offset, spec.dtype)):
+                digest.update(chunk)
+            digests[op.outputs[0].name] = ConstDigest(spec.dtype.numpy, spec.shape, digest.hexdigest())
+    return digests
 
 
 def load_program(package: str | Path) -> Program:

@@ -23,6 +23,7 @@ import numpy as np
 from coreml import calibration
 from coreml.calibration import Calibration
 from pipeline.ground.errors import CmfdeployError
+from pipeline.ground.registry import Registry
 
 WEIGHT_THRESHOLD = 2048
 EMBEDDING = "model.embed_tokens.weight"
@@ -43,7 +44,7 @@ class UnknownRecipe(CmfdeployError):
 
 
 class RecipeRegistry(CmfdeployError):
-    """The registry is inconsistent: a name registered twice, or an order missing one."""
+    """The recipe order does not list every registered recipe once."""
 
 
 @dataclass(frozen=True)
@@ -239,14 +240,11 @@ class CodeRecipe(StepRecipe):
 
 
 # name -> recipe, in the order surveys list them (`order_recipes`).
-RECIPES: dict[str, Recipe] = {}
+RECIPES: Registry[Recipe] = Registry("recipe", UnknownRecipe)
 
 
 def register_recipe(recipe: Recipe) -> Recipe:
-    if recipe.name in RECIPES:
-        raise RecipeRegistry(f"coreml/recipes: recipe {recipe.name!r} is registered twice")
-    RECIPES[recipe.name] = recipe
-    return recipe
+    return RECIPES.add(recipe.name, recipe)
 
 
 def order_recipes(names: Iterable[str]) -> None:

@@ -24,8 +24,7 @@ from coremltools.optimize.coreml._quantization_passes import linear_quantize_wei
 
 from coreml import calibration, codes
 from coreml import manifest as package_manifest
-from coreml.recipes.base import (RECIPES, WEIGHT_THRESHOLD, Context, Encoder, Recipe, RecipePrecondition, Selected,
-                                 UnknownRecipe, Weight)
+from coreml.recipes.base import RECIPES, WEIGHT_THRESHOLD, Context, Encoder, Recipe, RecipePrecondition, Selected, Weight
 from coreml.recipes.emit import WriteCodes
 from coreml.recipes.mixed import MIXED_BPW
 from manifests.identity import Manifest, artifact_source
@@ -175,9 +174,7 @@ def compress_package(
     `cmf-native` reads the source CMF through the package's identity chain.
     """
     package_dir, out_dir = Path(package_dir), Path(out_dir)
-    if recipe not in RECIPES:
-        raise UnknownRecipe(f"{out_dir}: recipe {recipe!r} is not one of {sorted(RECIPES)}")
-    unit = RECIPES[recipe]
+    unit = RECIPES.lookup(recipe, out_dir)
     refuse_existing(out_dir, force)
     source = package_manifest.verify_package(package_dir)
     mlpackage = package_dir / source["package"]["name"]
