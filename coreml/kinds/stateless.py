@@ -24,8 +24,11 @@ class Stateless(PackageKind):
     runner = None
 
     def graph(self, ref: Reference) -> nn.Module:
-        """`input_ids [1,T]` -> `logits [1,T,vocab]` through the reference model's plain forward."""
+        """`input_ids [1,T]` -> `logits [1,T,vocab]` through the reference model's plain forward
+        (`logits_0, ..` [1,T,part] each where the head is split)."""
         from torch import nn
+
+        from coreml.kinds.export import traced_model
 
         class StatelessGraph(nn.Module):
             def __init__(self, model: nn.Module, vocab: int):
@@ -35,6 +38,8 @@ class Stateless(PackageKind):
             def forward(self, input_ids):
                 return self.model(input_ids).reshape(1, -1, self.vocab)
 
+        if ref.head_rows is not None:
+            return traced_model(ref)  # its forward returns the parts, each [1, T, part]
         return StatelessGraph(ref.model, ref.args.vocab_size)
 
     def export(self, ref: Reference, package_dir: Path, step: Callable[[str], None]) -> Manifest:
