@@ -53,6 +53,19 @@ def position_feature() -> dict:
     )
 
 
+def chunked_prompt_lines(lengths: tuple[int, ...], call: str, after: str = "") -> list[str]:
+    """RELEASE.md's loop feeding the prompt `ids` in the enumerated `lengths`, largest first
+    (1 among them, so every prompt length is reached exactly): `call` predicts on the chunk
+    `ids[position:position + n]` into `out`; `after` (if any) carries what the next chunk reads."""
+    return [f"position, lengths = 0, {sorted(lengths, reverse=True)}  # the enumerated chunk lengths, largest first",
+            "while position < len(ids):",
+            "    n = next(n for n in lengths if n <= len(ids) - position)",
+            "    chunk = np.array([ids[position:position + n]], dtype=np.int32)",
+            f"    out = {call}",
+            *([f"    {after}"] if after else []),
+            "    position += n"]
+
+
 def logits_features(ref: Reference) -> list[dict]:
     """The logits output, or its parts where the reference's head is split (`Reference.head_rows`)."""
     dtype, vocab = ref.precision.float_dtype, ref.args.vocab_size
@@ -129,8 +142,9 @@ class PackageKind(ABC):
 
     @abstractmethod
     def snippet(self, interface: dict) -> list[str]:
-        """RELEASE.md's Python example, this kind's part: the lines that run `model` on
-        `inputs` (input_ids set) and leave its outputs in `out`."""
+        """RELEASE.md's Python example, this kind's part: the lines that run `model` on the
+        prompt `ids` (`inputs` holds input_ids of them) and leave in `out` the outputs whose
+        last row is the last token's (a package of enumerated lengths: fed in those lengths)."""
 
 
 KINDS: Registry[PackageKind] = Registry("package kind", UnknownKind)

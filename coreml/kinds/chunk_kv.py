@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from coreml.kinds.base import CACHE_MEANING, PackageKind, feature, position_feature, register_kind
+from coreml.kinds.base import (CACHE_MEANING, PackageKind, chunked_prompt_lines, feature, position_feature,
+                               register_kind)
+from coreml.layout import enumerated_lengths
 from coreml.kinds.cache_runner import KVSnapshot, CacheRunner, package_features, input_ids_array
 
 if TYPE_CHECKING:
@@ -114,8 +116,12 @@ class ChunkKV(PackageKind):
 
     def snippet(self, interface: dict) -> list[str]:
         cache = next(f for f in interface["inputs"] if f["name"] == "key_cache")
-        return [
-            f"cache = np.zeros({tuple(cache['shape'])}, dtype=np.{cache['dtype']})  # (layer, batch, kv_head, slot, head_dim)",
-            "inputs.update(position=np.array([0], dtype=np.int32), key_cache=cache, value_cache=cache)",
-            "out = model.predict(inputs)  # out['new_key_cache'], out['new_value_cache'] feed the next call",
-        ]
+        zeros = f"cache = np.zeros({tuple(cache['shape'])}, dtype=np.{cache['dtype']})  # (layer, batch, kv_head, slot, head_dim)"
+        lengths = enumerated_lengths(interface)
+        if lengths is None:
+            return [zeros, "inputs.update(position=np.array([0], dtype=np.int32), key_cache=cache, value_cache=cache)",
+                    "out = model.predict(inputs)  # out['new_key_cache'], out['new_value_cache'] feed the next call"]
+        return [zeros, "keys = values = cache",
+                *chunked_prompt_lines(lengths, 'model.predict({"input_ids": chunk, "position": np.array([position], '
+                                               'dtype=np.int32), "key_cache": keys, "value_cache": values})',
+                                      'keys, values = out["new_key_cache"], out["new_value_cache"]')]

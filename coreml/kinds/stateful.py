@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from coreml.kinds.base import CACHE_MEANING, PackageKind, feature, position_feature, register_kind
+from coreml.kinds.base import (CACHE_MEANING, PackageKind, chunked_prompt_lines, feature, position_feature,
+                               register_kind)
+from coreml.layout import enumerated_lengths
 from coreml.kinds.cache_runner import KVSnapshot, CacheRunner, package_features, input_ids_array
 from coreml.package import open_package
 
@@ -283,11 +285,13 @@ class Stateful(PackageKind):
         }
 
     def snippet(self, interface: dict) -> list[str]:
-        return [
-            "state = model.make_state()  # the fp16 K/V cache; the decode function continues from it",
-            'inputs["position"] = np.array([0], dtype=np.int32)',
-            "out = model.predict(inputs, state=state)",
-        ]
+        state = "state = model.make_state()  # the fp16 K/V cache; the decode function continues from it"
+        lengths = enumerated_lengths(interface, "prefill")
+        if lengths is None:
+            return [state, 'inputs["position"] = np.array([0], dtype=np.int32)',
+                    "out = model.predict(inputs, state=state)"]
+        return [state, *chunked_prompt_lines(
+            lengths, 'model.predict({"input_ids": chunk, "position": np.array([position], dtype=np.int32)}, state=state)')]
 
 
 def _beyond_one_fp16_step(a: np.ndarray, b: np.ndarray) -> float:

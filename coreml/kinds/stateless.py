@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from coreml.kinds.base import PackageKind, register_kind
+from coreml.layout import enumerated_lengths
 
 if TYPE_CHECKING:
     from torch import nn
@@ -54,4 +55,10 @@ class Stateless(PackageKind):
         return save_single(ref, package_dir, step, traced, self.interface(ref), self.description, checks, start)
 
     def snippet(self, interface: dict) -> list[str]:
-        return ["out = model.predict(inputs)"]
+        lengths = enumerated_lengths(interface)
+        if lengths is None:
+            return ["out = model.predict(inputs)"]
+        return [f"n = min(n for n in {list(lengths)} if n >= len(ids))  # the next enumerated length: right-pad to it",
+                'inputs["input_ids"] = np.array([ids + [0] * (n - len(ids))], dtype=np.int32)  # any token id pads',
+                "# a causal model's row i reads tokens 0..i only: the padding's rows are dropped, the others are exact",
+                "out = {name: value[:, :len(ids)] for name, value in model.predict(inputs).items()}"]
