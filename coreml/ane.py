@@ -31,9 +31,10 @@ necessary condition, not a promise that Core ML will place an op there:
   (`coreml.layout`: `cmfdeploy coreml --precision fp16` splits it). The token lookup's table
   [vocab, hidden], which the split leaves whole, is a gather's operand, not a matrix one: no
   public source states a limit on a gather's table. It is named in the detail whenever it is
-  past the limits, as the lookup that, like the positional prologue, reads only the token ids,
-  runs once before the first layer, and falls to the CPU where the Neural Engine does not take
-  it; a gather of an over-limit table that reads anything but the token ids fails.
+  past the limits, as the lookup that, like the positional prologue, reads only the token ids
+  (its indices computed from the integer inputs through integer values alone), runs once
+  before the first layer, and falls to the CPU where the Neural Engine does not take it; a
+  gather of an over-limit table whose indices an activation reaches fails.
 - `weight_compression`: the Neural Engine reads palettized weights (`constexpr_lut_to_dense`,
   scalar LUT entries) and per-channel or per-tensor scales (`constexpr_blockwise_shift_scale`
   whose scale has at most one axis, the whole of it; `constexpr_affine_dequantize`, per-channel
@@ -55,13 +56,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from coreml.crosscheck import ProgramFunction, _arithmetic, _positional, read_program
+from coreml.precisions import positional_values
 
 ALL_UNITS = ("cpu", "gpu", "ane")
 NC_LIMIT, HW_LIMIT = 65536, 16384
 WEIGHT_READERS = {"linear": ("weight",), "matmul": ("x", "y"), "conv": ("weight",)}
-# Ops that carry the token ids to the lookup's indices without computing on them.
-INDEX_PLUMBING = frozenset({"slice_by_index", "cast", "reshape", "squeeze", "expand_dims"})
 # Decompression ops and how the Neural Engine takes them (a reason when it does not).
 LUT_OP, SCALE_OP, AFFINE_OP = "constexpr_lut_to_dense", "constexpr_blockwise_shift_scale", "constexpr_affine_dequantize"
 
@@ -105,21 +107,25 @@ def _over_limits(shape: tuple) -> list[str]:
     return over
 
 
-def _reads_token_ids(function: ProgramFunction, var: str) -> bool:
-    """`var` is a function input, or made from one by INDEX_PLUMBING ops alone."""
-    writers = {write: (op, keyed) for op, _, writes, keyed, _ in function.graph for write in writes}
-    while var not in function.inputs:
-        op, keyed = writers.get(var, (None, {}))
-        if op not in INDEX_PLUMBING or not keyed.get("x"):
-            return False
-        var = keyed["x"][0]
-    return True
+def _integer_values(function: ProgramFunction) -> set[str]:
+    """The values computed from the function's integer inputs (token ids, position) and constants
+    through integer and boolean values alone: indices no activation reaches (the token lookup's,
+    with the converter's wrap of negative indices)."""
+    def integral(spec) -> bool:
+        return spec is not None and spec.dtype is not None and spec.dtype.name.startswith(("int", "uint", "bool"))
+
+    inputs = [name for name, spec in function.inputs.items() if spec.dtype is not None
+              and np.issubdtype(spec.dtype.numpy, np.integer)]
+    ops = [step for step in function.graph if all(integral(function.producers[w][1]) for w in step[2])]
+    constants = {var for var, (op, _) in function.producers.items() if op == "const"}
+    return positional_values(ops, constants, inputs)
 
 
 def dimension_limits(function: ProgramFunction) -> dict:
     weights = {name for op, _, _, keyed, _ in function.graph if op in WEIGHT_READERS
                for key in WEIGHT_READERS[op] for name in keyed.get(key, ())}
-    tables = {keyed["x"][0]: _reads_token_ids(function, keyed["indices"][0])
+    integers = _integer_values(function)
+    tables = {keyed["x"][0]: keyed["indices"][0] in integers
               for op, _, _, keyed, _ in function.graph if op == "gather" and keyed.get("x") and keyed.get("indices")}
     failures, lookups = [], []
     for var, (op, spec) in function.producers.items():
@@ -130,7 +136,7 @@ def dimension_limits(function: ProgramFunction) -> dict:
             line = f"{op} -> {var} {list(spec.shape)}: {', '.join(over)}"
             if var in tables and var not in weights:
                 (lookups if tables[var] else failures).append(
-                    line + ("" if tables[var] else " (a gather table whose indices are not the token ids)"))
+                    line + ("" if tables[var] else " (a gather table whose indices an activation reaches)"))
             else:
                 failures.append(line)
     passed = f"every activation and linear/matmul weight within N, C <= {NC_LIMIT} and H, W <= {HW_LIMIT}"
