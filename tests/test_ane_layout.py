@@ -60,6 +60,15 @@ def test_the_layout_is_decided_by_the_precision_and_sized_by_the_context():
     assert pieces(75, None) == [75]
 
 
+def test_a_part_width_below_one_row_is_refused_by_name(fixture_bundle, tmp_path):
+    from coreml.kinds.export import BadConversion
+
+    with pytest.raises(BadConversion, match=r"conversion field 'head_part_width' \(--head-part-width\) is 0, not a "
+                                            r"positive number of rows"):
+        export_coreml(fixture_bundle, tmp_path / "out", kinds=("chunk_kv",), conversion=Conversion("fp16", head_part_width=0))
+    assert not (tmp_path / "out").exists()
+
+
 def test_every_ane_check_passes_and_the_package_claims_the_neural_engine(packages):
     for kind, manifest in packages["split"].items():
         block = manifest["package"]

@@ -51,6 +51,10 @@ class ScheduleMismatch(CmfdeployError):
     """A traced graph disagrees with the reference model on a chunk schedule or a length."""
 
 
+class BadConversion(CmfdeployError):
+    """A conversion parameter (`Conversion`) out of its range."""
+
+
 @dataclass(frozen=True)
 class Conversion:
     """What a conversion builds beyond the bundle, as JSON (it travels to conversion workers).
@@ -98,7 +102,7 @@ class Reference:
     source: dict  # the manifest's `source` record: the bundle, by manifest sha256
     precision: Precision = FP32
     numerics: dict = field(default_factory=dict)  # the manifest's `numerics` record (Conversion.record)
-    head_rows: tuple[tuple[int, int], ...] | None = None  # the head's parts (coreml.kinds.base.head_rows)
+    head_rows: tuple[tuple[int, int], ...] | None = None  # the head's parts (coreml.layout.head_rows)
 
     @property
     def check_schedules(self) -> tuple[tuple[int, ...], ...]:
@@ -146,7 +150,8 @@ def reference_for_export(bundle_dir: Path, context: int | None = None,
     unit = precision(conversion.precision)
     width = conversion.head_part_width
     if isinstance(width, bool) or not isinstance(width, int) or width < 1:
-        raise UnsupportedModel(f"{where}: head part width {width!r} is not a positive number of rows")
+        raise BadConversion(f"{bundle_dir}: conversion field 'head_part_width' (--head-part-width) is {width!r}, "
+                            "not a positive number of rows")
     if conversion.transform is not None:
         module, _, name = conversion.transform.partition(":")
         model = getattr(importlib.import_module(module), name)(model, args, conversion.mitigations)
