@@ -232,3 +232,22 @@ def test_align_gates_the_fp16_package_in_the_neural_engine_layout(packages):
     assert gate.passed, gate.failure()
     assert gate.report["quality"]["nonfinite_logits"] == 0
     assert "ane" in gate.report["compute_units"]["claimable"]
+
+
+def test_a_split_packages_decoded_weights_hold_its_head_as_an_untied_one(packages, fixture_bundle, prompt):
+    """The head's parts carry no HF name (a recipe selecting by name leaves them as they are while
+    it may compress the tied embedding): `decoded_weights` joins them as `lm_head.weight`, and
+    the reference built from them is untied, as the package computes it."""
+    from coreml.decoded import decoded_weights
+
+    decoded = decoded_weights(packages["split"]["chunk_kv"].path)
+    tied = load_reference(fixture_bundle)[0]
+    table = tied.model.embed_tokens.weight.detach().numpy().astype(np.float16).astype(np.float32)
+    assert np.array_equal(decoded["lm_head.weight"], table) and np.array_equal(decoded["model.embed_tokens.weight"], table)
+    untied = load_reference(fixture_bundle, replaced=decoded)[0]
+    assert tied.lm_head is None and np.array_equal(untied.lm_head.weight.detach().numpy(), table)
+    with torch.no_grad():
+        ids = torch.from_numpy(prompt).long()
+        # The same values in both heads (fp16-rounded in both models): the same logits, bit for bit.
+        assert torch.equal(untied(ids), load_reference(fixture_bundle, replaced={
+            k: v for k, v in decoded.items() if k != "lm_head.weight"})[0](ids))
