@@ -83,6 +83,7 @@ class CacheRunner:
     cache_dtype: type
     lengths: tuple[int, ...] | None  # the enumerated chunk lengths (None: a range)
     logit_names: list[str]  # the outputs whose concatenation is the logits
+    vocab: int
 
     def _layout(self, function: str | None = None) -> None:
         block = self.package.manifest["package"]
