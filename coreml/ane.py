@@ -27,7 +27,14 @@ necessary condition, not a promise that Core ML will place an op there:
   parts for this reason, `--lut3` "LM head" conversion in docs/convert_model.md, and Apple's
   "Deploying Transformers on the Apple Neural Engine",
   https://machinelearning.apple.com/research/neural-engine-transformers, keeps the channel axis
-  in C for the same engine). A vocabulary wider than 16384 fails here until its head is split.
+  in C for the same engine). A vocabulary wider than 16384 fails here until its head is split
+  (`coreml.layout`: `cmfdeploy coreml --precision fp16` splits it). The token lookup's table
+  [vocab, hidden], which the split leaves whole, is a gather's operand, not a matrix one: no
+  public source states a limit on a gather's table. It is named in the detail whenever it is
+  past the limits, as the lookup that, like the positional prologue, reads only the token ids
+  (its indices computed from the integer inputs through integer values alone), runs once
+  before the first layer, and falls to the CPU where the Neural Engine does not take it; a
+  gather of an over-limit table whose indices an activation reaches fails.
 - `weight_compression`: the Neural Engine reads palettized weights (`constexpr_lut_to_dense`,
   scalar LUT entries) and per-channel or per-tensor scales (`constexpr_blockwise_shift_scale`
   whose scale has at most one axis, the whole of it; `constexpr_affine_dequantize`, per-channel
@@ -49,7 +56,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from coreml.crosscheck import ProgramFunction, _arithmetic, _positional, read_program
+from coreml.precisions import positional_values
 
 ALL_UNITS = ("cpu", "gpu", "ane")
 NC_LIMIT, HW_LIMIT = 65536, 16384
@@ -97,18 +107,44 @@ def _over_limits(shape: tuple) -> list[str]:
     return over
 
 
+def _integer_values(function: ProgramFunction) -> set[str]:
+    """The values computed from the function's integer inputs (token ids, position) and constants
+    through integer and boolean values alone: indices no activation reaches (the token lookup's,
+    with the converter's wrap of negative indices)."""
+    def integral(spec) -> bool:
+        return spec is not None and spec.dtype is not None and spec.dtype.name.startswith(("int", "uint", "bool"))
+
+    inputs = [name for name, spec in function.inputs.items() if spec.dtype is not None
+              and np.issubdtype(spec.dtype.numpy, np.integer)]
+    ops = [step for step in function.graph if all(integral(function.producers[w][1]) for w in step[2])]
+    constants = {var for var, (op, _) in function.producers.items() if op == "const"}
+    return positional_values(ops, constants, inputs)
+
+
 def dimension_limits(function: ProgramFunction) -> dict:
     weights = {name for op, _, _, keyed, _ in function.graph if op in WEIGHT_READERS
                for key in WEIGHT_READERS[op] for name in keyed.get(key, ())}
-    failures = []
+    integers = _integer_values(function)
+    tables = {keyed["x"][0]: keyed["indices"][0] in integers
+              for op, _, _, keyed, _ in function.graph if op == "gather" and keyed.get("x") and keyed.get("indices")}
+    failures, lookups = [], []
     for var, (op, spec) in function.producers.items():
         is_weight = op == "const" or op.startswith("constexpr_")
-        if spec is None or (is_weight and var not in weights):
+        if spec is None or (is_weight and var not in weights and var not in tables):
             continue
         if over := _over_limits(spec.shape):
-            failures.append(f"{op} -> {var} {list(spec.shape)}: {', '.join(over)}")
-    return _check("dimension_limits", failures,
-                  f"every activation and linear/matmul weight within N, C <= {NC_LIMIT} and H, W <= {HW_LIMIT}")
+            line = f"{op} -> {var} {list(spec.shape)}: {', '.join(over)}"
+            if var in tables and var not in weights:
+                (lookups if tables[var] else failures).append(
+                    line + ("" if tables[var] else " (a gather table whose indices an activation reaches)"))
+            else:
+                failures.append(line)
+    passed = f"every activation and linear/matmul weight within N, C <= {NC_LIMIT} and H, W <= {HW_LIMIT}"
+    if lookups:
+        passed += ("; the token lookup's table is past them (" + "; ".join(lookups) + "): a gather reading only "
+                   "the token ids, once before the first layer, that runs on the CPU where the Neural Engine does "
+                   "not take it")
+    return _check("dimension_limits", failures, passed)
 
 
 def _scale_is_per_channel(data: tuple, scale: tuple) -> bool:

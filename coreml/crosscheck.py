@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from coreml.mil.errors import MilError
+from coreml.layout import logit_outputs
 from coreml.precisions import package_precision, positional_values
 from coreml.mil.loader import (
     BlobStorage,
@@ -52,6 +53,7 @@ class ProgramFunction:
     outputs: dict[str, FeatureSpec]
     states: dict[str, FeatureSpec]
     results: dict[str, TensorSpec | None]  # output name -> type of the variable the block returns
+    returned: dict[str, str] = field(default_factory=dict)  # output name -> the variable the block returns
     producers: dict[str, tuple[str, TensorSpec | None]] = field(default_factory=dict)  # var -> (op type, type)
     ops: Counter = field(default_factory=Counter)
     # (op type, reads, writes, reads by input key, the type of each input key's first argument), in program order
@@ -115,6 +117,7 @@ def read_program(mlpackage: Path) -> Program:
             raise MilError(f"{where}: the block returns {len(block.outputs)} values for {len(outputs)} outputs")
         # Outputs are described in the order the block returns them.
         function.results = {o: function.producers.get(var, (None, None))[1] for o, var in zip(outputs, block.outputs)}
+        function.returned = dict(zip(outputs, block.outputs))
         functions[name] = function
     default = desc.defaultFunctionName or "main"
     return Program(spec_path, functions, default, dict(desc.metadata.userDefined), blobs)
@@ -146,8 +149,10 @@ def _dtype_name(dtype) -> str | None:
     return None if dtype is None else np.dtype(dtype.numpy).name
 
 
-def _claimed_dims(claims: _Claims, field_name: str, shape: list, dims: dict, flexible_as_range: bool) -> list:
-    """A manifest shape with each symbol replaced by its range (`[lo, hi]`, or `lo` when fixed)."""
+def _claimed_dims(claims: _Claims, field_name: str, shape: list, dims: dict, flexible_as_range: bool,
+                  enumerated: dict | None = None) -> list:
+    """A manifest shape with each symbol replaced by its range (`[lo, hi]`, or `lo` when fixed), or
+    by its enumerated sizes (`{"one of": [...]}`) where `enumerated` lists them."""
     out = []
     for d in shape:
         if isinstance(d, str):
@@ -155,20 +160,26 @@ def _claimed_dims(claims: _Claims, field_name: str, shape: list, dims: dict, fle
                 raise IdentityError(f"{claims.where}: field {field_name!r} uses dimension {d!r}, "
                                     f"which 'package.dims' does not define")
             lo, hi = dims[d]
-            out.append(lo if lo == hi else (list(dims[d]) if flexible_as_range else "flexible"))
+            if lo != hi and flexible_as_range and d in (enumerated or {}):
+                out.append({"one of": sorted(enumerated[d])})
+            else:
+                out.append(lo if lo == hi else (list(dims[d]) if flexible_as_range else "flexible"))
         else:
             out.append(d)
     return out
 
 
 def _input_dims(spec: FeatureSpec) -> list:
+    if spec.enumerated is not None:
+        sizes = [sorted({shape[axis] for shape in spec.enumerated}) for axis in range(len(spec.shape))]
+        return [axis[0] if len(axis) == 1 else {"one of": axis} for axis in sizes]
     if spec.ranges is None:
         return list(spec.shape)
     return [lo if lo == hi else [lo, hi] for lo, hi in spec.ranges]
 
 
 def _features(claims: _Claims, kind: str, claimed: list, stated: dict, dims: dict, function: str,
-              results: dict | None = None) -> None:
+              results: dict | None = None, enumerated: dict | None = None) -> None:
     prefix = f"package.{kind}"
     claims.same(f"{prefix} (names, function {function})", [f["name"] for f in claimed], list(stated))
     for feature in claimed:
@@ -179,7 +190,8 @@ def _features(claims: _Claims, kind: str, claimed: list, stated: dict, dims: dic
         dtype = spec.dtype if spec.dtype is not None or result is None else result.dtype
         claims.same(f"{at}.dtype", feature["dtype"], _dtype_name(dtype))
         if results is None:  # inputs and states: the description carries shape and range
-            shape = _claimed_dims(claims, f"{at}.shape", feature["shape"], dims, flexible_as_range=True)
+            shape = _claimed_dims(claims, f"{at}.shape", feature["shape"], dims, flexible_as_range=True,
+                                  enumerated=enumerated)
             claims.same(f"{at}.shape (function {function})", shape, _input_dims(spec))
         else:  # outputs: the returned variable's type; an unknown dimension is the flexible one
             stated_shape = None if result is None else ["flexible" if d is None else d for d in result.shape]
@@ -193,8 +205,10 @@ def _interface(claims: _Claims, block: dict) -> None:
     claims.same("package.functions", claimed_functions, sorted(program.functions))
     claims.same("package.default_function", block.get("default_function", "main"), program.default_function)
     for name, function in program.functions.items():
-        dims = block.get("functions", {}).get(name, {}).get("dims", block.get("dims", {}))
-        _features(claims, "inputs", block["inputs"], function.inputs, dims, name)
+        own = block.get("functions", {}).get(name)
+        dims = (own or {}).get("dims", block.get("dims", {}))
+        enumerated = own.get("enumerated", {}) if own is not None else block.get("enumerated", {})
+        _features(claims, "inputs", block["inputs"], function.inputs, dims, name, enumerated=enumerated)
         _features(claims, "outputs", block["outputs"], function.outputs, dims, name, function.results)
         _features(claims, "states", block.get("states", []), function.states, dims, name)
 
@@ -204,8 +218,11 @@ def _context(claims: _Claims, block: dict, architecture: dict) -> None:
     program = claims.program
     tops = [hi for f in program.functions.values() for spec in f.inputs.values() for lo, hi in spec.ranges or ()
             if lo != hi]
+    tops += [max(sizes) for f in program.functions.values() for spec in f.inputs.values() if spec.enumerated
+             for sizes in zip(*spec.enumerated) if len(set(sizes)) > 1]
     if tops:
-        claims.same("package.context", block["context"], max(tops), "the largest flexible input range of the program")
+        claims.same("package.context", block["context"], max(tops),
+                    "the largest flexible input range or enumerated size of the program")
     expected = [architecture.get("num_layers"), 1, architecture.get("num_kv_heads"), block["context"],
                 architecture.get("head_dim")]
     for function in program.functions.values():
@@ -213,10 +230,42 @@ def _context(claims: _Claims, block: dict, architecture: dict) -> None:
             if name in CACHE_FEATURES:
                 claims.same("cache shape [architecture.num_layers, 1, architecture.num_kv_heads, package.context, "
                             f"architecture.head_dim] of {name}", expected, list(spec.shape))
-        logits = function.results.get("logits")
-        if logits is not None and logits.shape:
-            claims.same("architecture.vocab_size", architecture.get("vocab_size"), logits.shape[-1],
-                        "the program's logits")
+        parts = [function.results.get(name) for name in logit_outputs(block)]
+        if all(part is not None and part.shape for part in parts):
+            claims.same("architecture.vocab_size", architecture.get("vocab_size"), sum(p.shape[-1] for p in parts),
+                        f"the program's logits ({' + '.join(logit_outputs(block))})")
+
+
+def _head_split(claims: _Claims, block: dict, architecture: dict) -> None:
+    """A split head (`package.head_split`): its parts are the logit outputs, in order, tiling the
+    vocabulary in rows of at most the part width, each the result of a linear whose weight is
+    a [rows, hidden] constant of its own (never a slice of a wider one), and their bytes are
+    what those rows hold at the float dtype."""
+    split = block.get("head_split")
+    if split is None:
+        return
+    outputs = [f["name"] for f in block["outputs"] if f["name"] == "logits" or f["name"].startswith("logits_")]
+    claims.same("package.head_split.parts[].output", [p["output"] for p in split["parts"]], outputs,
+                "package.outputs")
+    rows = [tuple(p["rows"]) for p in split["parts"]]
+    vocab, width = architecture.get("vocab_size"), split["part_width"]
+    tiled = [(start, min(start + width, vocab)) for start in range(0, vocab, width)]
+    claims.same("package.head_split.parts[].rows", rows, tiled,
+                f"the vocabulary {vocab} tiled in rows of package.head_split.part_width {width}")
+    hidden, itemsize = architecture.get("hidden_size"), np.dtype(package_precision(block, claims.where).float_dtype).itemsize
+    claims.same("package.head_split.bytes", split["bytes"], vocab * hidden * itemsize,
+                f"{vocab} rows of {hidden} at {itemsize} bytes")
+    for name, function in claims.program.functions.items():
+        for part, (start, stop) in zip(split["parts"], rows):
+            var = function.returned[part["output"]]
+            op, reads = next(((o, keyed) for o, _, writes, keyed, _ in function.graph if var in writes), (None, {}))
+            weight = (reads.get("weight") or [None])[0]
+            producer, spec = function.producers.get(weight, (None, None))
+            stated = (op, producer == "const" or str(producer).startswith("constexpr_"),
+                      list(spec.shape) if spec is not None else None)
+            claims.same(f"package.head_split.parts[{part['output']}] (function {name})",
+                        ("linear", True, [stop - start, hidden]), stated,
+                        f"the program's producer of {var} (op, weight constant, weight shape)")
 
 
 def _arithmetic(function: ProgramFunction, dtype: str) -> dict[str, str]:
@@ -337,6 +386,7 @@ def check_package(package_dir: Path, manifest: dict, from_bundle: bool) -> None:
     _metadata(claims, manifest, from_bundle)
     _interface(claims, block)
     _context(claims, block, manifest["architecture"])
+    _head_split(claims, block, manifest["architecture"])
     _precision(claims, block)
     _weights(claims, manifest)
     _histogram(claims, manifest["op_histogram"])

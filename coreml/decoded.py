@@ -20,6 +20,7 @@ import numpy as np
 from coreml.mil.errors import MilError
 from coreml.mil.loader import Operation, load_program
 from manifests.identity import load_manifest
+from pipeline.ground.reference import UNTIED_HEAD
 
 
 def weight_vars(manifest: dict) -> dict[str, tuple[str, ...]]:
@@ -62,6 +63,7 @@ class StoredProgram:
         function = program.functions[program.default_function]
         self.where = f"{program.path}: function {function.name}"
         self.producers = {name: op for op in function.block.operations for name, _ in op.outputs}
+        self.returned = dict(zip((f.name for f in function.spec_outputs), function.block.outputs))
 
     def _op(self, var: str) -> Operation:
         op = self.producers.get(var)
@@ -82,15 +84,29 @@ class StoredProgram:
 
 
 def decoded_weights(package_dir: str | Path) -> dict[str, np.ndarray]:
-    """HF name -> the weight as the package's program defines it, float32, decoded by coremltools."""
+    """HF name -> the weight as the package's program defines it, float32, decoded by coremltools.
+    A split head's parts (`package.head_split`) are read from the linears that make them and
+    joined in row order as `lm_head.weight`: constants of their own, apart from a tied embedding
+    a recipe may have compressed, so the reference built from them is untied as the package is
+    (`pipeline.ground.reference.load_reference` takes that name on a tied bundle)."""
     program = StoredProgram(package_dir)
     out: dict[str, np.ndarray] = {}
+
+    def put(name: str, value: np.ndarray, var: str) -> None:
+        if name in out and not np.array_equal(out[name], value):
+            raise MilError(f"{program.where}: weight {name} is stored twice with different values "
+                           f"({var} and another constant); one PyTorch reference cannot hold both")
+        out[name] = value
+
     for var, hf_names in weight_vars(program.manifest).items():
         value = program.value(var).astype(np.float32)
         for name in hf_names:
-            if name in out and not np.array_equal(out[name], value):
-                raise MilError(f"{program.where}: weight {name} is stored twice with different values "
-                               f"({var} and another constant); one PyTorch reference cannot hold both")
-            out[name] = value
+            put(name, value, var)
+    split = program.manifest["package"].get("head_split")
+    if split is not None:
+        weights = [program.producers[program.returned[part["output"]]].inputs["weight"][0].name
+                   for part in split["parts"]]
+        put(UNTIED_HEAD, np.concatenate([program.value(w).astype(np.float32) for w in weights]),
+            f"the head's parts {', '.join(weights)}")
     return out
 

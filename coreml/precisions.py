@@ -60,6 +60,10 @@ class Precision:
     unit_roundoff: float  # of the arithmetic the gates' exactness bound is derived from
     default_budget: str  # the gates' quality budget when the user declares none
     keeps_positional_fp32: bool  # the positional subgraph stays float32 (POSITIONAL_REASON)
+    # The Neural Engine's layout (docs/FP16.md "Neural Engine layout"): token counts enumerated
+    # (`chunk_lengths`, never a range) and a head wider than coreml.ane.HW_LIMIT split into parts.
+    # False for a precision whose programs never run there (an FP32 program runs on CPU and GPU).
+    neural_engine_layout: bool = False
 
     @property
     def numpy_dtype(self) -> np.dtype:
@@ -123,6 +127,7 @@ FP16 = register_precision(Precision(
     unit_roundoff=U16,
     default_budget="ppl=0.5%,top1=0.99",
     keeps_positional_fp32=True,
+    neural_engine_layout=True,
 ))
 
 

@@ -4,7 +4,8 @@ the kind's runner (`coreml.kinds`, `PackageKind.runner`) where it carries a cach
 import numpy as np
 
 from coreml.kinds import KINDS
-from coreml.kinds.cache_runner import KVSnapshot, PackageInterfaceError, input_ids_array
+from coreml.layout import enumerated_lengths, logit_outputs
+from coreml.kinds.cache_runner import KVSnapshot, PackageInterfaceError, input_ids_array, joined_logits
 from coreml.package import open_package
 
 
@@ -15,6 +16,9 @@ class PackageBackend:
     and returns the suffix's logits; chunk-KV and stateful packages run the prefix once
     and branch from its snapshot, and offer their runner as `chunks` (the ChunkSchedule
     capability of the protocol). `prefill_batch`/`extend_batch` batch chunk-KV predictions.
+    A stateless package of enumerated lengths runs n tokens right-padded to the next length it
+    takes and returns the first n rows: a causal model's row i reads tokens 0..i only, so the
+    padding changes none of them (the gates' padding/future invariant holds the package to it).
     """
 
     def __init__(self, package, chunk: int | None = None):
@@ -27,7 +31,9 @@ class PackageBackend:
             cached = " or ".join(name for name, unit in KINDS.items() if unit.runner)
             raise PackageInterfaceError(f"{package.path}: --chunk needs a {cached} package, not {kind}")
         self.chunk = chunk
-        self.context = self.kv.context if self.kv else package.manifest["package"]["context"]
+        block = package.manifest["package"]
+        self.context = self.kv.context if self.kv else block["context"]
+        self.lengths, self.logit_names = enumerated_lengths(block), logit_outputs(block)
         # One prediction per branch (no chunking) of a package without states: a batch of
         # them shares its weight reads (`ChunkKVRunner.run_batch`); other kinds run one by one.
         self._batches = hasattr(self.kv, "run_batch") and not chunk
@@ -48,8 +54,26 @@ class PackageBackend:
     def prefill(self, ids):
         ids = np.asarray(ids)
         if not self.kv:
-            return np.asarray(self.package.predict({"input_ids": input_ids_array(ids)})["logits"])[0], ids
+            return self._stateless(ids), ids
         return self._feed(self.kv.empty(), ids)
+
+    def _stateless(self, ids: np.ndarray) -> np.ndarray:
+        """One forward of a stateless package: logits [T, vocab], padded to an enumerated length."""
+        count = len(ids)
+        if self.lengths is not None:
+            fits = [n for n in self.lengths if n >= count]
+            if not fits:
+                raise PackageInterfaceError(f"{self.package.path}: {count} tokens exceed the longest enumerated "
+                                            f"length {max(self.lengths)}")
+            ids = np.concatenate([ids, np.full(min(fits) - count, self._pad_id(), dtype=ids.dtype)])
+        out = self.package.predict({"input_ids": input_ids_array(ids)})
+        return joined_logits(out, self.logit_names)[:count]
+
+    def _pad_id(self) -> int:
+        """PAD, else the first EOS, else id 0: padding only has to be a real token id."""
+        tokens = self.package.manifest.get("special_tokens", {})
+        pad = tokens.get("pad_token_id")
+        return pad if pad is not None else (tokens.get("eos_token_ids") or [0])[0]
 
     def extend(self, snapshot, ids) -> np.ndarray:
         return self.advance(snapshot, ids)[0]

@@ -132,3 +132,27 @@ def test_an_input_returned_as_an_output_fails(tmp_path):
     path = _save(prog, tmp_path, "alias")
     check = _checks(path)[0]["no_input_output_alias"]
     assert check["verdict"] == "fail" and "is input 'y' itself" in check["detail"], check
+
+
+def _lookup(computed_indices: bool):
+    """A gather of a [HW_LIMIT + 8, 8] table: by the int input itself (the token lookup), or by
+    indices computed from a float input's values."""
+    table = np.random.default_rng(1).standard_normal((HW_LIMIT + 8, 8)).astype(np.float32)
+
+    @mb.program(input_specs=[mb.TensorSpec(shape=(1, 4), dtype=types.int32), mb.TensorSpec(shape=(1, 4, 8))],
+                opset_version=ct.target.iOS18)
+    def prog(ids, x):
+        indices = mb.reduce_argmax(x=x, axis=-1) if computed_indices else mb.slice_by_index(x=ids, begin=[0, 0], end=[1, 4])
+        return mb.add(x=mb.gather(x=table, indices=indices, axis=0), y=x)
+
+    return prog
+
+
+def test_the_token_lookups_wide_table_is_named_and_any_other_wide_gather_fails(tmp_path):
+    check = _checks(_save(_lookup(False), tmp_path, "lookup"))[0]["dimension_limits"]
+    assert check["verdict"] == "pass", check
+    assert f"the token lookup's table is past them (const -> " in check["detail"]
+    assert f"[{HW_LIMIT + 8}, 8]: axis 0 = {HW_LIMIT + 8} > {HW_LIMIT} (H))" in check["detail"]
+    check = _checks(_save(_lookup(True), tmp_path, "computed"))[0]["dimension_limits"]
+    assert check["verdict"] == "fail", check
+    assert "(a gather table whose indices an activation reaches)" in check["detail"]

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from coreml.layout import chunk_lengths
 from pipeline.ground.errors import CmfdeployError
 from pipeline.ground.registry import Registry
 
@@ -52,6 +53,30 @@ def position_feature() -> dict:
     )
 
 
+def chunked_prompt_lines(lengths: tuple[int, ...], call: str, after: str = "") -> list[str]:
+    """RELEASE.md's loop feeding the prompt `ids` in the enumerated `lengths`, largest first
+    (1 among them, so every prompt length is reached exactly): `call` predicts on the chunk
+    `ids[position:position + n]` into `out`; `after` (if any) carries what the next chunk reads."""
+    return [f"position, lengths = 0, {sorted(lengths, reverse=True)}  # the enumerated chunk lengths, largest first",
+            "while position < len(ids):",
+            "    n = next(n for n in lengths if n <= len(ids) - position)",
+            "    chunk = np.array([ids[position:position + n]], dtype=np.int32)",
+            f"    out = {call}",
+            *([f"    {after}"] if after else []),
+            "    position += n"]
+
+
+def logits_features(ref: Reference) -> list[dict]:
+    """The logits output, or its parts where the reference's head is split (`Reference.head_rows`)."""
+    dtype, vocab = ref.precision.float_dtype, ref.args.vocab_size
+    if ref.head_rows is None:
+        return [feature("logits", dtype, [1, "T", vocab], "next-token logits at each input position")]
+    return [feature(f"logits_{i}", dtype, [1, "T", stop - start],
+                    f"next-token logits of token ids {start}..{stop - 1} at each input position; logits_0.."
+                    f"logits_{len(ref.head_rows) - 1} concatenated on the last axis are the logits [1, T, {vocab}]")
+            for i, (start, stop) in enumerate(ref.head_rows)]
+
+
 class PackageKind(ABC):
     """What every stage asks of a package kind; subclasses set the attributes and methods."""
 
@@ -76,13 +101,16 @@ class PackageKind(ABC):
         """The manifest's `package` block: features by name, dtype, shape and meaning.
 
         `"T"` in a shape is the flexible token count, with its range under `dims` (and per
-        function for a kind whose functions fix it). Kinds with more features extend this block.
+        function for a kind whose functions fix it); at a precision of the Neural Engine's layout
+        the counts it takes are listed under `enumerated` (no others), and a head wider than the
+        conversion's part width is split into outputs `logits_0..` (`head_split`, written with
+        the manifest). Kinds with more features extend this block.
         Float features are in the precision's float dtype; `compute_units` is the package's
         intended target (what the ANE check, `coreml.ane`, grants is a separate verdict).
         """
         from coreml.manifest import MODEL_NAME
 
-        return {
+        block = {
             "name": MODEL_NAME,
             "kind": self.name,
             "context": ref.context,
@@ -93,9 +121,11 @@ class PackageKind(ABC):
             "minimum_deployment_target": "iOS18",
             "dims": {"T": [1, ref.context]},
             "inputs": [feature("input_ids", "int32", [1, "T"], "token ids")],
-            "outputs": [feature("logits", ref.precision.float_dtype, [1, "T", ref.args.vocab_size],
-                                "next-token logits at each input position")],
+            "outputs": logits_features(ref),
         }
+        if ref.precision.neural_engine_layout:
+            block["enumerated"] = {"T": list(chunk_lengths(ref.context))}
+        return block
 
     def description_for(self, precision: Precision) -> str:
         """The package's Core ML description at `precision` (FP32's is `description` unchanged)."""
@@ -112,8 +142,9 @@ class PackageKind(ABC):
 
     @abstractmethod
     def snippet(self, interface: dict) -> list[str]:
-        """RELEASE.md's Python example, this kind's part: the lines that run `model` on
-        `inputs` (input_ids set) and leave its outputs in `out`."""
+        """RELEASE.md's Python example, this kind's part: the lines that run `model` on the
+        prompt `ids` (`inputs` holds input_ids of them) and leave in `out` the outputs whose
+        last row is the last token's (a package of enumerated lengths: fed in those lengths)."""
 
 
 KINDS: Registry[PackageKind] = Registry("package kind", UnknownKind)

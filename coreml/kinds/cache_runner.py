@@ -6,12 +6,18 @@ its caches in Core ML state; its runner copies a snapshot into a fresh state bef
 call and copies the state out after it, so both kinds look alike from outside. Snapshots
 are frozen numpy arrays, so branching from one (scoring candidates, rollback, the gates'
 A/B/A check) can never mutate it by accident.
+
+A package of the Neural Engine's layout takes only its enumerated chunk lengths and may return
+its logits in parts (coreml.layout: `enumerated_lengths`, `logit_outputs`): a runner splits
+a chunk into enumerated lengths greedily (`pieces`) and concatenates the parts (`joined_logits`),
+so every Backend user still sees any chunk's logits [T, vocab].
 """
 
 from dataclasses import dataclass
 
 import numpy as np
 
+from coreml.layout import enumerated_lengths, logit_outputs
 from pipeline.ground.errors import CmfdeployError
 
 
@@ -36,6 +42,26 @@ def input_ids_array(ids) -> np.ndarray:
     return np.asarray(ids, dtype=np.int32).reshape(1, -1)
 
 
+def pieces(count: int, lengths: tuple[int, ...] | None) -> list[int]:
+    """`count` tokens as calls of enumerated `lengths`, largest first (None: one call of any
+    length). 1 is always among the lengths, so the pieces add up to `count` exactly, with no
+    padding: 75 over (1, 8, 64, 128) is 64, 8, 1, 1, 1."""
+    if lengths is None:
+        return [count]
+    out = []
+    for length in sorted(lengths, reverse=True):
+        take, count = divmod(count, length)
+        out += [length] * take
+    if count:
+        raise PackageInterfaceError(f"{count} tokens cannot be split into the enumerated lengths {sorted(lengths)}")
+    return out
+
+
+def joined_logits(out: dict, names: list[str]) -> np.ndarray:
+    """float32 logits [T, vocab] of one prediction: its logit outputs concatenated in order."""
+    return np.concatenate([np.asarray(out[name], dtype=np.float32)[0] for name in names], axis=-1)
+
+
 def package_features(package, section: str, kind: str) -> dict[str, dict]:
     """The manifest's `package.<section>` features by name, checked to be the `kind` interface."""
     block = (package.manifest or {}).get("package", {})
@@ -48,12 +74,32 @@ def package_features(package, section: str, kind: str) -> dict[str, dict]:
 
 
 class CacheRunner:
-    """What the cache-carrying kinds share: snapshots, the context check and chunk schedules.
-    Subclasses set `package`, `cache_shape` and `cache_dtype`, and implement `run`."""
+    """What the cache-carrying kinds share: snapshots, the context check, chunk schedules and
+    the Neural Engine layout's pieces and logit parts. Subclasses set `package`, `cache_shape`
+    and `cache_dtype`, call `_layout` once, and implement `run`."""
 
     package: object
     cache_shape: tuple[int, ...]
     cache_dtype: type
+    lengths: tuple[int, ...] | None  # the enumerated chunk lengths (None: a range)
+    logit_names: list[str]  # the outputs whose concatenation is the logits
+    vocab: int
+
+    def _layout(self, function: str | None = None) -> None:
+        block = self.package.manifest["package"]
+        self.lengths, self.logit_names = enumerated_lengths(block, function), logit_outputs(block)
+        self.vocab = self.package.manifest["architecture"]["vocab_size"]
+
+    def _pieces(self, ids: np.ndarray) -> list[np.ndarray]:
+        """`ids` [1, T] as the calls the package takes (`pieces`)."""
+        sizes = pieces(ids.shape[1], self.lengths)
+        return [ids[:, end - size:end] for size, end in zip(sizes, np.cumsum(sizes))]
+
+    def _logits(self, outs: list[dict]) -> np.ndarray:
+        """float32 logits [T, vocab] of the predictions of one chunk's pieces, in order."""
+        if not outs:
+            return np.zeros((0, self.vocab), np.float32)
+        return np.concatenate([joined_logits(out, self.logit_names) for out in outs])
 
     @property
     def context(self) -> int:

@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from coreml.kinds.base import CACHE_MEANING, PackageKind, feature, position_feature, register_kind
+from coreml.kinds.base import (CACHE_MEANING, PackageKind, chunked_prompt_lines, feature, position_feature,
+                               register_kind)
+from coreml.layout import enumerated_lengths
 from coreml.kinds.cache_runner import KVSnapshot, CacheRunner, package_features, input_ids_array
 
 if TYPE_CHECKING:
@@ -27,31 +29,42 @@ if TYPE_CHECKING:
 
 class ChunkKVRunner(CacheRunner):
     """Feeds a chunk-KV package: `run(snapshot, ids)` returns logits and the next snapshot, with
-    caches in the dtype the package's interface declares (float32, or float16 at fp16)."""
+    caches in the dtype the package's interface declares (float32, or float16 at fp16). A chunk
+    runs as the package's enumerated lengths where it has them (`CacheRunner._pieces`), each
+    piece from the cache the one before wrote."""
 
     def __init__(self, package):
         cache = package_features(package, "inputs", "chunk_kv")["key_cache"]
         self.package = package
         self.cache_shape = tuple(cache["shape"])
         self.cache_dtype = np.dtype(cache["dtype"]).type
+        self._layout()
 
     def run(self, snapshot: KVSnapshot, ids) -> tuple[np.ndarray, KVSnapshot]:
-        feed, end = self._feed(snapshot, ids)
-        return self._result(self.package.predict(feed), end)
+        return self._rounds([(snapshot, ids)], lambda feeds: [self.package.predict(feed) for feed in feeds])[0]
 
     def run_batch(self, branches) -> list[tuple[np.ndarray, KVSnapshot]]:
-        """`run` of each (snapshot, ids) in one batch prediction (`predict_batch`)."""
-        feeds, ends = zip(*(self._feed(snapshot, ids) for snapshot, ids in branches))
-        return [self._result(out, end) for out, end in zip(self.package.predict_batch(list(feeds)), ends)]
+        """`run` of each (snapshot, ids) in batch predictions (`predict_batch`): one batch per
+        round of pieces, each branch's i-th piece in round i."""
+        return self._rounds(branches, self.package.predict_batch)
+
+    def _rounds(self, branches, predict) -> list[tuple[np.ndarray, KVSnapshot]]:
+        ids = [input_ids_array(chunk) for _, chunk in branches]
+        for (snapshot, _), chunk in zip(branches, ids):
+            self._end(snapshot, chunk)  # the whole chunk checked before any piece runs
+        split = [self._pieces(chunk) for chunk in ids]
+        snapshots, outs = [snapshot for snapshot, _ in branches], [[] for _ in branches]
+        for round_ in range(max(map(len, split), default=0)):
+            active = [i for i, chunks in enumerate(split) if round_ < len(chunks)]
+            feeds = [self._feed(snapshots[i], split[i][round_]) for i in active]
+            for i, out, (_, end) in zip(active, predict([feed for feed, _ in feeds]), feeds):
+                outs[i].append(out)
+                snapshots[i] = self._snapshot(out["new_key_cache"], out["new_value_cache"], end)
+        return [(self._logits(out), snapshot) for out, snapshot in zip(outs, snapshots)]
 
     def _feed(self, snapshot: KVSnapshot, ids) -> tuple[dict, int]:
-        ids = input_ids_array(ids)
         return {"input_ids": ids, "position": np.array([snapshot.position], dtype=np.int32),
                 "key_cache": snapshot.key_cache, "value_cache": snapshot.value_cache}, self._end(snapshot, ids)
-
-    def _result(self, out: dict, end: int) -> tuple[np.ndarray, KVSnapshot]:
-        next_snapshot = self._snapshot(out["new_key_cache"], out["new_value_cache"], end)
-        return np.asarray(out["logits"], dtype=np.float32)[0], next_snapshot
 
 
 @register_kind
@@ -78,10 +91,12 @@ class ChunkKV(PackageKind):
         return block
 
     def graph(self, ref: Reference) -> nn.Module:
-        """The reference model's own cached step: `(ids, position, k, v) -> (logits, k', v')`."""
+        """The reference model's own cached step: `(ids, position, k, v) -> (logits, k', v')`, the
+        logits in parts where the head is split (`(logits_0, .., k', v')`)."""
+        from coreml.kinds.export import SplitHeadStep
         from pipeline.ground.models import CachedStep
 
-        return CachedStep(ref.model)
+        return CachedStep(ref.model) if ref.head_rows is None else SplitHeadStep(ref.model, ref.head_rows).eval()
 
     def export(self, ref: Reference, package_dir: Path, step: Callable[[str], None]) -> Manifest:
         import torch
@@ -101,8 +116,12 @@ class ChunkKV(PackageKind):
 
     def snippet(self, interface: dict) -> list[str]:
         cache = next(f for f in interface["inputs"] if f["name"] == "key_cache")
-        return [
-            f"cache = np.zeros({tuple(cache['shape'])}, dtype=np.{cache['dtype']})  # (layer, batch, kv_head, slot, head_dim)",
-            "inputs.update(position=np.array([0], dtype=np.int32), key_cache=cache, value_cache=cache)",
-            "out = model.predict(inputs)  # out['new_key_cache'], out['new_value_cache'] feed the next call",
-        ]
+        zeros = f"cache = np.zeros({tuple(cache['shape'])}, dtype=np.{cache['dtype']})  # (layer, batch, kv_head, slot, head_dim)"
+        lengths = enumerated_lengths(interface)
+        if lengths is None:
+            return [zeros, "inputs.update(position=np.array([0], dtype=np.int32), key_cache=cache, value_cache=cache)",
+                    "out = model.predict(inputs)  # out['new_key_cache'], out['new_value_cache'] feed the next call"]
+        return [zeros, "keys = values = cache",
+                *chunked_prompt_lines(lengths, 'model.predict({"input_ids": chunk, "position": np.array([position], '
+                                               'dtype=np.int32), "key_cache": keys, "value_cache": values})',
+                                      'keys, values = out["new_key_cache"], out["new_value_cache"]')]

@@ -20,6 +20,8 @@ from torch import nn
 
 from coreml import crosscheck
 from coreml import manifest as package_manifest
+from coreml.ane import HW_LIMIT
+from coreml.layout import HEAD_SPLIT_REASON, head_rows
 from coreml.mil import blob_const_digests
 from coreml.precisions import FP32, POSITIONAL_REASON, Precision, precision
 from manifests.identity import Manifest, artifact_source, load_manifest, relative_path, sha256_bytes, sha256_file
@@ -49,6 +51,10 @@ class ScheduleMismatch(CmfdeployError):
     """A traced graph disagrees with the reference model on a chunk schedule or a length."""
 
 
+class BadConversion(CmfdeployError):
+    """A conversion parameter (`Conversion`) out of its range."""
+
+
 @dataclass(frozen=True)
 class Conversion:
     """What a conversion builds beyond the bundle, as JSON (it travels to conversion workers).
@@ -57,13 +63,16 @@ class Conversion:
     `function(model, args, mitigations) -> nn.Module`: the model every kind traces instead of the
     reference itself (the fp16 preflight's mitigations, keeping the FP32 function); None traces
     the reference. `mitigations` is the record handed to it and written to each manifest;
-    `preflight` the report that chose them, bound by sha256.
+    `preflight` the report that chose them, bound by sha256. `head_part_width`: at a precision
+    of the Neural Engine's layout, a head wider than this many rows is split into parts of at
+    most this many (`HeadParts`; the default is the Neural Engine's H/W limit).
     """
 
     precision: str = "fp32"
     transform: str | None = None
     mitigations: dict | None = None
     preflight: str | None = None
+    head_part_width: int = HW_LIMIT
 
     def record(self, package_dir: Path) -> dict:
         """The manifest's `numerics` record for a package whose final folder is `package_dir`
@@ -93,6 +102,7 @@ class Reference:
     source: dict  # the manifest's `source` record: the bundle, by manifest sha256
     precision: Precision = FP32
     numerics: dict = field(default_factory=dict)  # the manifest's `numerics` record (Conversion.record)
+    head_rows: tuple[tuple[int, int], ...] | None = None  # the head's parts (coreml.layout.head_rows)
 
     @property
     def check_schedules(self) -> tuple[tuple[int, ...], ...]:
@@ -138,11 +148,71 @@ def reference_for_export(bundle_dir: Path, context: int | None = None,
             f"{where}: context {context} is outside 1..arch.max_position_embeddings {args.max_position_embeddings}"
         )
     unit = precision(conversion.precision)
+    width = conversion.head_part_width
+    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+        raise BadConversion(f"{bundle_dir}: conversion field 'head_part_width' (--head-part-width) is {width!r}, "
+                            "not a positive number of rows")
     if conversion.transform is not None:
         module, _, name = conversion.transform.partition(":")
         model = getattr(importlib.import_module(module), name)(model, args, conversion.mitigations)
     return Reference(bundle_dir, args, model.eval(), context, load_manifest(bundle_dir), artifact_source(bundle_dir),
-                     unit)
+                     unit, head_rows=head_rows(args.vocab_size, width) if unit.neural_engine_layout else None)
+
+
+# --- the head in parts -----------------------------------------------------------------
+
+
+class HeadParts(nn.Module):
+    """The head as one linear per part over its own copy of the head weight's rows (a constant
+    of its own in the program, so no linear reads a weight wider than a part)."""
+
+    def __init__(self, model: nn.Module, rows: tuple[tuple[int, int], ...]):
+        super().__init__()
+        weight = model.head.weight.detach()
+        self.parts = nn.ParameterList([nn.Parameter(weight[start:stop].clone(), requires_grad=False)
+                                       for start, stop in rows])
+
+    def forward(self, hidden) -> tuple:
+        return tuple(torch.nn.functional.linear(hidden, part) for part in self.parts)
+
+
+class SplitHeadModel(nn.Module):
+    """The model with its head in parts, behind the two entries the kinds trace: the cached step
+    (`forward_with_cache_tensors`: the parts as a tuple, then the caches) and the plain forward
+    from position 0 (`forward`: the parts)."""
+
+    def __init__(self, model: nn.Module, rows: tuple[tuple[int, int], ...]):
+        super().__init__()
+        self.model, self.head = model, HeadParts(model, rows)
+
+    def forward_with_cache_tensors(self, ids, position, key_cache, value_cache):
+        hidden, keys, values = self.model.hidden_with_cache_tensors(ids, position, key_cache, value_cache)
+        return self.head(hidden), torch.stack(keys), torch.stack(values)
+
+    def forward(self, ids):
+        ids = ids.reshape(1, -1)
+        cache = KVCache.empty(self.model.args, ids.shape[1])
+        position = torch.zeros(1, dtype=torch.int64)
+        return self.forward_with_cache_tensors(ids, position, cache.keys, cache.values)[0]
+
+
+class SplitHeadStep(SplitHeadModel):
+    """`CachedStep` with the head in parts: `(ids, position, k, v) -> (logits_0, .., k', v')`
+    (the model under the same attribute as CachedStep's, so its constants keep their names)."""
+
+    def forward(self, ids, position, key_cache, value_cache):
+        parts, keys, values = self.forward_with_cache_tensors(ids, position, key_cache, value_cache)
+        return (*parts, keys, values)
+
+
+def traced_model(ref: Reference) -> nn.Module:
+    """What a kind's graph runs: the reference model, or it with its head in parts."""
+    return ref.model if ref.head_rows is None else SplitHeadModel(ref.model, ref.head_rows)
+
+
+def joined(logits) -> torch.Tensor:
+    """A graph's logits: the tensor, or its head's parts concatenated in vocabulary order."""
+    return torch.cat(logits, -1) if isinstance(logits, (tuple, list)) else logits
 
 
 # --- tracing ---------------------------------------------------------------------------
@@ -237,8 +307,8 @@ def check_chunk_schedules(
             full = ref.model(ids).reshape(-1, ref.args.vocab_size)
             for size in schedule:
                 chunk = ids[:, position : position + size]
-                logits, key_cache, value_cache = graph(chunk, position_tensor(position), key_cache, value_cache)
-                logits = logits.reshape(-1, ref.args.vocab_size)
+                *logits, key_cache, value_cache = graph(chunk, position_tensor(position), key_cache, value_cache)
+                logits = joined(logits).reshape(-1, ref.args.vocab_size)
                 cached = ref.model.forward_cached(chunk, cache).reshape(-1, ref.args.vocab_size)
                 delta = worst(delta, max_abs_delta(logits, full[position : position + size]),
                               max_abs_delta(logits, cached))
@@ -261,7 +331,7 @@ def check_stateless(graph: Callable, ref: Reference) -> dict[str, float]:
     for length in stateless_check_lengths(ref.args, ref.context):
         ids = example_ids(ref.args.vocab_size, length, seed=100 + length)
         with torch.no_grad():
-            delta = max_abs_delta(graph(ids).reshape(length, -1), ref.model(ids).reshape(length, -1))
+            delta = max_abs_delta(joined(graph(ids)).reshape(length, -1), ref.model(ids).reshape(length, -1))
         errors[f"T={length}"] = delta
         if not delta <= tolerance:
             raise ScheduleMismatch(
@@ -274,15 +344,26 @@ def check_stateless(graph: Callable, ref: Reference) -> dict[str, float]:
 # --- conversion, metadata and manifest -------------------------------------------------
 
 
-def _ct_inputs(block: dict, dims: dict) -> list:
+def _ct_inputs(block: dict, function: dict) -> list:
+    """The inputs of a function (`function`: its `dims`, and `enumerated` lengths where it has them):
+    a symbol with enumerated lengths becomes Core ML's enumerated shapes, one with a range a RangeDim."""
+    dims, enumerated = function["dims"], function.get("enumerated", {})
+
     def dim(d):
         if isinstance(d, int):
             return d
         low, high = dims[d]
         return low if low == high else ct.RangeDim(lower_bound=low, upper_bound=high, default=low)
 
-    return [ct.TensorType(name=f["name"], shape=tuple(dim(d) for d in f["shape"]), dtype=np.dtype(f["dtype"]).type)
-            for f in block["inputs"]]
+    def shape(f):
+        symbols = [d for d in f["shape"] if d in enumerated]
+        if not symbols:
+            return tuple(dim(d) for d in f["shape"])
+        (symbol,) = symbols  # one enumerated symbol per input (T)
+        shapes = [tuple(n if d == symbol else dim(d) for d in f["shape"]) for n in enumerated[symbol]]
+        return ct.EnumeratedShapes(shapes=shapes, default=shapes[0])
+
+    return [ct.TensorType(name=f["name"], shape=shape(f), dtype=np.dtype(f["dtype"]).type) for f in block["inputs"]]
 
 
 def _ct_output(feature: dict):
@@ -293,12 +374,12 @@ def _ct_output(feature: dict):
     return ct.TensorType(name=feature["name"])
 
 
-def convert_traced(traced, block: dict, dims: dict, unit: Precision):
+def convert_traced(traced, block: dict, function: dict, unit: Precision):
     states = [ct.StateType(wrapped_type=ct.TensorType(shape=tuple(f["shape"]), dtype=np.float16), name=f["name"])
               for f in block.get("states", [])]
     return ct.convert(
         traced,
-        inputs=_ct_inputs(block, dims),
+        inputs=_ct_inputs(block, function),
         outputs=[_ct_output(f) for f in block["outputs"]],
         states=states or None,
         convert_to="mlprogram",
@@ -362,6 +443,8 @@ def finish_package(package_dir: Path, ref: Reference, block: dict, checks: dict,
     mlpackage = package_dir / package_manifest.MODEL_NAME
     block = {**block, "weights": weight_names(mlpackage, ref.model, ref.precision.numpy_dtype),
              "fp32_ops": kept_fp32_record(mlpackage)}
+    if ref.head_rows is not None:
+        block["head_split"] = head_split_record(ref)
     if "SlidingAttention" in ref.args.layer_types:
         checks = {**checks, "sliding_window": sliding_window_record(ref.args)}
     numerics = ref.numerics
@@ -380,6 +463,18 @@ def finish_package(package_dir: Path, ref: Reference, block: dict, checks: dict,
             "conversion": {"seconds": round(seconds, 2), "code": package_manifest.source_digest(_source_files())},
         },
     )
+
+
+def head_split_record(ref: Reference) -> dict:
+    """The manifest's `package.head_split`: the part width, each part's output and rows of the head
+    weight, the bytes the parts store beside the embedding table, and why
+    (`coreml.crosscheck` checks each part's linear and weight shape against the program)."""
+    hidden, itemsize = ref.args.hidden_size, ref.precision.numpy_dtype.itemsize
+    return {"part_width": max(stop - start for start, stop in ref.head_rows),
+            "weight": ref.model.head_name,
+            "parts": [{"output": f"logits_{i}", "rows": [start, stop]} for i, (start, stop) in enumerate(ref.head_rows)],
+            "bytes": ref.args.vocab_size * hidden * itemsize,
+            "why": HEAD_SPLIT_REASON}
 
 
 def traced_check_record(unit: Precision) -> dict:
@@ -409,7 +504,7 @@ def save_single(ref: Reference, package_dir: Path, step: Callable[[str], None], 
     """A single-function package: `traced` converted with interface `block`, described and
     saved with its manifest (`start`: when its export began, by time.perf_counter)."""
     step(f"{block['kind']}: convert")
-    mlmodel = convert_traced(traced, block, block["dims"], ref.precision)
+    mlmodel = convert_traced(traced, block, block, ref.precision)
     describe_model(mlmodel, block, ref, description)
     step(f"{block['kind']}: save")
     package_dir.mkdir(parents=True)

@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from coreml.kinds.base import CACHE_MEANING, PackageKind, feature, position_feature, register_kind
+from coreml.kinds.base import (CACHE_MEANING, PackageKind, chunked_prompt_lines, feature, position_feature,
+                               register_kind)
+from coreml.layout import enumerated_lengths
 from coreml.kinds.cache_runner import KVSnapshot, CacheRunner, package_features, input_ids_array
 from coreml.package import open_package
 
@@ -45,18 +47,23 @@ class StatefulRunner(CacheRunner):
         self.cache_shape = tuple(states["key_cache"]["shape"])
         self.functions = {name: package if package.function_name == name else package.function(name)
                           for name in self.FUNCTIONS}
+        self._layout("prefill")
 
     def run(self, snapshot: KVSnapshot, ids) -> tuple[np.ndarray, KVSnapshot]:
         ids = input_ids_array(ids)
         end = self._end(snapshot, ids)
-        function = self.functions["decode" if ids.shape[1] == 1 else "prefill"]
-        state = function.make_state()
-        state.write_state("key_cache", snapshot.key_cache)
-        state.write_state("value_cache", snapshot.value_cache)
-        out = function.predict({"input_ids": ids, "position": np.array([snapshot.position], dtype=np.int32)},
-                               state=state)
-        next_snapshot = self._snapshot(state.read_state("key_cache"), state.read_state("value_cache"), end)
-        return np.asarray(out["logits"], dtype=np.float32)[0], next_snapshot
+        keys, values, position, outs = snapshot.key_cache, snapshot.value_cache, snapshot.position, []
+        for piece in self._pieces(ids):  # the prefill's enumerated lengths where it has them
+            # A state of the function that runs the piece (Core ML binds a state to the model
+            # that made it), holding what the piece before wrote.
+            function = self.functions["decode" if piece.shape[1] == 1 else "prefill"]
+            state = function.make_state()
+            state.write_state("key_cache", keys)
+            state.write_state("value_cache", values)
+            outs.append(function.predict({"input_ids": piece, "position": np.array([position], dtype=np.int32)},
+                                         state=state))
+            keys, values, position = state.read_state("key_cache"), state.read_state("value_cache"), position + piece.shape[1]
+        return self._logits(outs), self._snapshot(keys, values, end)
 
 
 @register_kind
@@ -80,6 +87,8 @@ class Stateful(PackageKind):
         block["states"] = [feature("key_cache", "float16", cache, f"keys {CACHE_MEANING}"),
                            feature("value_cache", "float16", cache, f"values {CACHE_MEANING}")]
         block["functions"] = {"prefill": {"dims": {"T": [1, ref.context]}}, "decode": {"dims": {"T": [1, 1]}}}
+        if "enumerated" in block:  # prefill takes the enumerated lengths; decode stays fixed at 1
+            block["functions"]["prefill"]["enumerated"] = block["enumerated"]
         block["default_function"] = "decode"
         return block
 
@@ -107,7 +116,9 @@ class Stateful(PackageKind):
                 self.value_cache[:] = new_v.half()
                 return logits
 
-        return StatefulGraph(ref.model, ref.cache_shape)
+        from coreml.kinds.export import traced_model
+
+        return StatefulGraph(traced_model(ref), ref.cache_shape)
 
     def export(self, ref: Reference, package_dir: Path, step: Callable[[str], None]) -> Manifest:
         from coreml.kinds.export import describe_model, finish_package
@@ -147,22 +158,23 @@ class Stateful(PackageKind):
             paths[name] = folder / f"{name}.mlpackage"
             # In a function of its own, so the traced graph and converted program are freed
             # before the next function is traced.
-            errors = self._save_function(ref, block, name, function["dims"], paths[name])
+            errors = self._save_function(ref, block, name, function, paths[name])
             if traced_errors is not None and errors is not None:
                 traced_errors[name] = errors
         return paths
 
-    def _save_function(self, ref: Reference, block: dict, name: str, dims: dict, path: Path) -> dict | None:
+    def _save_function(self, ref: Reference, block: dict, name: str, function: dict, path: Path) -> dict | None:
         from coreml.kinds.export import (TRACE_LENGTH, convert_traced, describe_model, example_ids, position_tensor,
                                          trace_module)
 
+        dims = function["dims"]
         length = min(TRACE_LENGTH, dims["T"][1])
         traced = trace_module(self.graph(ref), (example_ids(ref.args.vocab_size, length, 0), position_tensor(3)))
         errors = None
         if ref.precision.compute_precision != "float32":
             checks = self.DECODE_CHECKS if dims["T"][1] == 1 else tuple((0, s) for s in ref.check_schedules)
             errors = self.check_traced(traced, ref, name, checks)
-        mlmodel = convert_traced(traced, block, dims, ref.precision)
+        mlmodel = convert_traced(traced, block, function, ref.precision)
         describe_model(mlmodel, block, ref, self.description)
         mlmodel.save(str(path))
         return errors
@@ -177,7 +189,7 @@ class Stateful(PackageKind):
         neighbouring fp16 values), else `ScheduleMismatch`. Returns max |Δ logit| per check."""
         import torch
 
-        from coreml.kinds.export import ScheduleMismatch, example_ids, fit_schedule, position_tensor
+        from coreml.kinds.export import ScheduleMismatch, example_ids, fit_schedule, joined, position_tensor
 
         errors = {}
         for index, (first, schedule) in enumerate(checks):
@@ -191,7 +203,7 @@ class Stateful(PackageKind):
                     chunk, at = ids[:, offset:offset + size], position_tensor(first + offset)
                     for buffer in ("key_cache", "value_cache"):
                         getattr(traced, buffer).copy_(getattr(eager, buffer))
-                    got, want = traced(chunk, at), eager(chunk, at)
+                    got, want = joined(traced(chunk, at)), joined(eager(chunk, at))
                     logit_delta = max(logit_delta, float((got - want).abs().max()))
                     for buffer in ("key_cache", "value_cache"):
                         cache_delta = max(cache_delta, _beyond_one_fp16_step(getattr(traced, buffer).numpy(),
@@ -273,11 +285,13 @@ class Stateful(PackageKind):
         }
 
     def snippet(self, interface: dict) -> list[str]:
-        return [
-            "state = model.make_state()  # the fp16 K/V cache; the decode function continues from it",
-            'inputs["position"] = np.array([0], dtype=np.int32)',
-            "out = model.predict(inputs, state=state)",
-        ]
+        state = "state = model.make_state()  # the fp16 K/V cache; the decode function continues from it"
+        lengths = enumerated_lengths(interface, "prefill")
+        if lengths is None:
+            return [state, 'inputs["position"] = np.array([0], dtype=np.int32)',
+                    "out = model.predict(inputs, state=state)"]
+        return [state, *chunked_prompt_lines(
+            lengths, 'model.predict({"input_ids": chunk, "position": np.array([position], dtype=np.int32)}, state=state)')]
 
 
 def _beyond_one_fp16_step(a: np.ndarray, b: np.ndarray) -> float:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from coreml.kinds.base import PackageKind, register_kind
+from coreml.layout import enumerated_lengths
 
 if TYPE_CHECKING:
     from torch import nn
@@ -24,8 +25,11 @@ class Stateless(PackageKind):
     runner = None
 
     def graph(self, ref: Reference) -> nn.Module:
-        """`input_ids [1,T]` -> `logits [1,T,vocab]` through the reference model's plain forward."""
+        """`input_ids [1,T]` -> `logits [1,T,vocab]` through the reference model's plain forward
+        (`logits_0, ..` [1,T,part] each where the head is split)."""
         from torch import nn
+
+        from coreml.kinds.export import traced_model
 
         class StatelessGraph(nn.Module):
             def __init__(self, model: nn.Module, vocab: int):
@@ -35,6 +39,8 @@ class Stateless(PackageKind):
             def forward(self, input_ids):
                 return self.model(input_ids).reshape(1, -1, self.vocab)
 
+        if ref.head_rows is not None:
+            return traced_model(ref)  # its forward returns the parts, each [1, T, part]
         return StatelessGraph(ref.model, ref.args.vocab_size)
 
     def export(self, ref: Reference, package_dir: Path, step: Callable[[str], None]) -> Manifest:
@@ -49,4 +55,10 @@ class Stateless(PackageKind):
         return save_single(ref, package_dir, step, traced, self.interface(ref), self.description, checks, start)
 
     def snippet(self, interface: dict) -> list[str]:
-        return ["out = model.predict(inputs)"]
+        lengths = enumerated_lengths(interface)
+        if lengths is None:
+            return ["out = model.predict(inputs)"]
+        return [f"n = min(n for n in {list(lengths)} if n >= len(ids))  # the next enumerated length: right-pad to it",
+                'inputs["input_ids"] = np.array([ids + [0] * (n - len(ids))], dtype=np.int32)  # any token id pads',
+                "# a causal model's row i reads tokens 0..i only: the padding's rows are dropped, the others are exact",
+                "out = {name: value[:, :len(ids)] for name, value in model.predict(inputs).items()}"]

@@ -27,6 +27,10 @@ def register(subparsers) -> None:
     convert.add_argument("--preflight", metavar="DIR",
                          help="fp16: the preflight report whose mitigations the conversion applies (default: "
                               "OUT/../preflight, made first by `cmfdeploy preflight` when absent)")
+    convert.add_argument("--head-part-width", type=int, metavar="ROWS",
+                         help="a precision of the Neural Engine's layout (fp16): a head wider than this many rows is "
+                              "split into logits_0.. outputs of at most this many (default: the Neural Engine's "
+                              "H/W limit, 16384)")
     add_executor_arguments(convert)
     convert.add_argument("--force", action="store_true", help="replace an existing output")
     convert.set_defaults(func=_coreml)
@@ -52,12 +56,16 @@ def executor_of(args: argparse.Namespace) -> Executor:
 
 
 def _coreml(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
     from coreml.convert import export_coreml, export_steps
     from coreml.kinds.export import Conversion
 
     kinds, executor = args.kinds or tuple(KINDS), executor_of(args)
     fp16 = precision(args.precision).compute_precision == "float16"  # an unknown name is refused by name here
     conversion = _fp16_conversion(args) if fp16 else Conversion(args.precision)
+    if args.head_part_width is not None:
+        conversion = replace(conversion, head_part_width=args.head_part_width)
     # disable=False explicitly: the quiet CLI disables tqdm's default to silence coremltools' bars.
     with tqdm(total=export_steps(kinds, args.jobs, executor), unit="stage", disable=False) as bar:
 

@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # torch loads only when a decoder is built (the MLX runtime r
     from pipeline.ground.models.base import Decoder
 
 BUNDLE_CONFIG = "config.json"
+UNTIED_HEAD = "lm_head.weight"
 BUNDLE_TOKENIZER = "tokenizer.json"
 
 
@@ -109,7 +110,9 @@ def load_reference(artifact: str | Path, task: str | int | None = None, skill: s
 
     `replaced` (bundles only) gives some of the bundle's tensors other values (a package's
     decoded weights); names the bundle does not hold are ignored, as a non-strict
-    `load_state_dict` would, so a tied head stays the embedding.
+    `load_state_dict` would, so a tied head stays the embedding, except `lm_head.weight`
+    (UNTIED_HEAD): a package that stores its head apart from a tied embedding (coreml.layout's
+    head split) computes an untied model, and the reference then is one.
     """
     path = Path(artifact)
     if path.is_dir():
@@ -134,7 +137,7 @@ def _load_bundle(path: Path, replaced: Mapping[str, np.ndarray] | None) -> tuple
     args = ModelArgs.from_header(config, source=str(path / BUNDLE_CONFIG))
     # The model's parameters are the map's pages (`mapped_weights`), not a copy of them.
     weights = mapped_weights(path / WEIGHTS_NAME)
-    weights.update((name, value) for name, value in (replaced or {}).items() if name in weights)
+    weights.update((name, value) for name, value in (replaced or {}).items() if name in weights or name == UNTIED_HEAD)
     model = build_model(args, weights, source=str(path / WEIGHTS_NAME))
     tokenizer = path / BUNDLE_TOKENIZER
     return model, args, tokenizer.read_bytes() if tokenizer.exists() else None

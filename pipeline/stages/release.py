@@ -30,6 +30,7 @@ from pathlib import Path
 
 from coreml import manifest as package_manifest
 from coreml.kinds import package_kind
+from coreml.layout import enumerated_lengths, logit_outputs
 from pipeline.stages.survey import REPORT_NAME as SURVEY_NAME
 from pipeline.stages.survey import load_survey, passed_gate_of
 from manifests.chain import upstream_path
@@ -349,9 +350,19 @@ def _python_snippet(manifest: dict) -> str:
         '    ids = [config["bos_token_id"]] + ids',
         'inputs = {"input_ids": np.array([ids], dtype=np.int32)}',
     ]
-    lines += kind.snippet(interface)
-    lines += ['next_id = int(out["logits"][0, -1].argmax())', "print(tokenizer.decode(ids + [next_id]))"]
+    lines += prediction_lines(interface)
+    lines += ["print(tokenizer.decode(ids + [next_id]))"]
     return "\n".join(lines)
+
+
+def prediction_lines(interface: dict) -> list[str]:
+    """The Python example's prediction: the kind's lines on the prompt `ids` (`PackageKind.snippet`),
+    the logits (a split head's parts concatenated in vocabulary order), the next token's id."""
+    names = logit_outputs(interface)
+    joined = (['logits = out["logits"]'] if names == ["logits"] else
+              [f"logits = np.concatenate([out[name] for name in {names}], axis=-1)  # the head's parts, in vocabulary order"])
+    return [*package_kind(interface["kind"], "the release's interface").snippet(interface), *joined,
+            "next_id = int(logits[0, -1].argmax())"]
 
 
 def release_target(manifest: dict):
@@ -363,6 +374,15 @@ def release_target(manifest: dict):
 
 def _swift_sketch(manifest: dict) -> str:
     release, recipe = f"dist/{manifest['model']}-{manifest['recipe']}", manifest["recipe"]
+    interface = manifest["interface"]
+    lengths, names = enumerated_lengths(interface, "prefill"), logit_outputs(interface)
+    head = (['let logits = out.featureValue(for: "logits")!.multiArrayValue!  // [1, T, vocab]: argmax of the last row']
+            if names == ["logits"] else
+            [f"// the head in parts: {', '.join(names)}, concatenated in this order on the last axis, are the logits",
+             f"let parts = {json.dumps(names)}.map {{ out.featureValue(for: $0)!.multiArrayValue! }}  // [1, T, rows] each"])
+    chunks = [] if lengths is None else [
+        f"// input_ids takes the enumerated lengths {list(lengths)} only: feed the prompt in chunks of those, largest "
+        "first, each from the cache the one before wrote"]
     return "\n".join([
         "import CoreML",
         "import Tokenizers  // swift-transformers",
@@ -376,9 +396,10 @@ def _swift_sketch(manifest: dict) -> str:
         'let ids = tokenizer.encode(text: "I was sent to")',
         "let inputIds = try MLMultiArray(shape: [1, NSNumber(value: ids.count)], dataType: .int32)",
         "for (i, id) in ids.enumerated() { inputIds[i] = NSNumber(value: id) }",
+        *chunks,
         "// + the other inputs of the Interface table below (position, caches), zero-filled for a first call",
         'let out = try await model.prediction(from: MLDictionaryFeatureProvider(dictionary: ["input_ids": inputIds]))',
-        'let logits = out.featureValue(for: "logits")!.multiArrayValue!  // [1, T, vocab]: argmax of the last row',
+        *head,
     ])
 
 
@@ -413,6 +434,18 @@ def usage_markdown(manifest: dict) -> list[str]:
     ]
 
 
+def _token_count_note(interface: dict) -> str:
+    """What `T` takes, and how a split head's parts make the logits."""
+    lengths = enumerated_lengths(interface, "prefill")
+    note = (f"`T` is the flexible token count, {interface['dims']['T'][0]}..{interface['dims']['T'][1]}. "
+            if lengths is None else f"`T` is the token count, one of the enumerated lengths "
+            f"{', '.join(map(str, lengths))} (no others). ")
+    if "head_split" in interface:
+        note += (f"The logits are the outputs {', '.join(logit_outputs(interface))} concatenated in this order (the "
+                 f"head split in parts of at most {interface['head_split']['part_width']} rows for the Neural Engine). ")
+    return note
+
+
 def release_markdown(manifest: dict, survey: dict) -> str:
     from pipeline.stages.report import md_table
 
@@ -439,7 +472,7 @@ def release_markdown(manifest: dict, survey: dict) -> str:
         "## Interface",
         "",
         md_table(["", "name", "dtype", "shape", "meaning"], features),
-        f"`T` is the flexible token count, {interface['dims']['T'][0]}..{interface['dims']['T'][1]}. "
+        _token_count_note(interface) +
         f"Special tokens: BOS {tokens['bos_token_id']}, EOS {tokens['eos_token_ids']}, PAD {tokens['pad_token_id']}.",
         "",
         "## Packages and their gates",

@@ -332,9 +332,18 @@ class Decoder(nn.Module):
             new_values.append(values)
         return self.model.norm(h), new_keys, new_values
 
+    @property
+    def head(self) -> Linear:
+        """The LM head: the embedding table where tied, else `lm_head`."""
+        return self.model.embed_tokens if self.lm_head is None else self.lm_head
+
+    @property
+    def head_name(self) -> str:
+        """The HF name of the head's weight."""
+        return "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
+
     def logits_of(self, hidden):
-        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return head(hidden)
+        return self.head(hidden)
 
     def forward_branches(self, suffixes: list[torch.Tensor], positions: list[int], key_caches, value_caches,
                          last_only: bool = False):

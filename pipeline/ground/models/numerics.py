@@ -115,7 +115,7 @@ def model_logits_bound(model, tokens: int, fp16_cache: bool = False, weight_rtol
     rel = weight_rtol * (MATRICES_PER_LAYER * a.num_layers + 1)
     if fp16_cache:
         rel += 2 * a.num_layers * 2.0**-11
-    head = model.model.embed_tokens if model.lm_head is None else model.lm_head
+    head = model.head
     return logits_bound(_chain(model, tokens), a.hidden_size, _gain(model.model.norm), _weight(head),
                         rel, probable)
 
@@ -227,7 +227,7 @@ def fp16_logits_bound(model, tokens: int, probable: bool = False, against_fp32: 
     applied: its weights rounded to fp16 are what both evaluate), attending over at most
     `tokens` positions; with `against_fp32`, between one fp16 evaluation and the FP32 model.
     The scale is `logits_bound`'s (sqrt(D) max|final gain| max|head row|_2)."""
-    head = model.model.embed_tokens if model.lm_head is None else model.lm_head
+    head = model.head
     return logits_bound(0, model.args.hidden_size, _gain(model.model.norm), _weight(head),
                         _fp16_rel(model, tokens, probable, against_fp32))
 

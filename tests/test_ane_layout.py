@@ -1,0 +1,253 @@
+"""fp16 packages in the Neural Engine's layout (coreml.layout; docs/FP16.md "Neural Engine
+layout"): enumerated chunk lengths instead of a range, and a head wider than the part width
+split into `logits_0..` outputs. The default fixture's vocabulary (1024) is narrower than the
+Neural Engine's 16384, so these packages are converted with a part width of 384: three parts of
+384, 384 and 256 rows. Every check of `coreml.ane` passes on them, the runners keep the Backend
+protocol (chunks split greedily into enumerated lengths, a stateless call right-padded), their
+logits are the unsplit fp16 package's within the fp16 bound, and `align` gates them."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from conftest import FIXTURE_REFERENCE, ROOT
+
+from coreml.ane import HW_LIMIT, ane_report
+from coreml.convert import export_coreml
+from coreml.kinds.export import Conversion
+from coreml.kinds.cache_runner import pieces
+from coreml.layout import chunk_lengths, head_rows
+from coreml.manifest import verify_package
+from coreml.mil import MilError
+from coreml.package import open_package
+from coreml.runner import open_package_backend
+from pipeline.ground.errors import IdentityError
+from pipeline.ground.models.fp16 import fp16_reference
+from pipeline.ground.models.numerics import fp16_logits_bound
+from pipeline.ground.reference import load_reference
+from pipeline.stages.release import prediction_lines, usage_markdown
+
+KINDS = ("stateless", "chunk_kv", "stateful")
+WIDTH = 384
+LENGTHS = [1, 8, 64, 128]  # chunk_lengths of the fixture's 128-token context
+PARTS = [["logits_0", [0, 384]], ["logits_1", [384, 768]], ["logits_2", [768, 1024]]]
+
+
+@pytest.fixture(scope="module")
+def packages(fixture_bundle, tmp_path_factory):
+    """The fixture's three kinds at fp16 with the head in parts ("split"), and its chunk-KV
+    package at fp16 with the default part width, wider than its vocabulary ("whole")."""
+    root = tmp_path_factory.mktemp("ane-layout")
+    split = export_coreml(fixture_bundle, root / "split", kinds=KINDS, conversion=Conversion("fp16", head_part_width=WIDTH))
+    whole = export_coreml(fixture_bundle, root / "whole", kinds=("chunk_kv",), conversion=Conversion("fp16"))
+    return {"split": split, "whole": whole["chunk_kv"], "root": root}
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    """75 token ids: 64 + 8 + 1 + 1 + 1 in enumerated lengths."""
+    return (np.arange(75, dtype=np.int32) * 37 + 11) % 1024
+
+
+def test_the_layout_is_decided_by_the_precision_and_sized_by_the_context():
+    assert chunk_lengths(128) == tuple(LENGTHS) and chunk_lengths(32) == (1, 8, 32) and chunk_lengths(1) == (1,)
+    assert head_rows(1024, WIDTH) == ((0, 384), (384, 768), (768, 1024))
+    assert head_rows(49152, HW_LIMIT) == ((0, 16384), (16384, 32768), (32768, 49152))
+    assert head_rows(1024, HW_LIMIT) is None
+    assert pieces(75, tuple(LENGTHS)) == [64, 8, 1, 1, 1] and pieces(128, tuple(LENGTHS)) == [128]
+    assert pieces(75, None) == [75]
+
+
+def test_a_part_width_below_one_row_is_refused_by_name(fixture_bundle, tmp_path):
+    from coreml.kinds.export import BadConversion
+
+    with pytest.raises(BadConversion, match=r"conversion field 'head_part_width' \(--head-part-width\) is 0, not a "
+                                            r"positive number of rows"):
+        export_coreml(fixture_bundle, tmp_path / "out", kinds=("chunk_kv",), conversion=Conversion("fp16", head_part_width=0))
+    assert not (tmp_path / "out").exists()
+
+
+def test_every_ane_check_passes_and_the_package_claims_the_neural_engine(packages):
+    for kind, manifest in packages["split"].items():
+        block = manifest["package"]
+        assert block["enumerated"] == {"T": LENGTHS}
+        assert [[p["output"], p["rows"]] for p in block["head_split"]["parts"]] == PARTS
+        assert block["head_split"]["weight"] == "model.embed_tokens.weight"  # the fixture's head is tied
+        assert block["head_split"]["bytes"] == 1024 * 128 * 2
+        assert [f["shape"] for f in block["outputs"][:3]] == [[1, "T", 384], [1, "T", 384], [1, "T", 256]]
+        report = ane_report(manifest.path / "model.mlpackage")
+        for function in report["functions"].values():
+            assert {c["check"]: c["verdict"] for c in function["checks"]} == dict.fromkeys(
+                ("fp16_compute", "fixed_shapes", "dimension_limits", "weight_compression", "no_input_output_alias"),
+                "pass"), (kind, function["checks"])
+        assert report["compute_units"] == ["cpu", "gpu", "ane"], kind
+        verify_package(manifest.path)
+    stateful = packages["split"]["stateful"]["package"]["functions"]
+    assert stateful == {"prefill": {"dims": {"T": [1, 128]}, "enumerated": {"T": LENGTHS}},
+                        "decode": {"dims": {"T": [1, 1]}}}
+    whole = packages["whole"]["package"]
+    assert "head_split" not in whole and [f["name"] for f in whole["outputs"]][0] == "logits"
+
+
+def test_an_fp32_package_keeps_its_range_and_whole_head(fixture_packages):
+    block = json.loads((fixture_packages / "chunk_kv" / "manifest.json").read_text())["package"]
+    assert "enumerated" not in block and "head_split" not in block and block["dims"] == {"T": [1, 128]}
+    check = {c["check"]: c for c in ane_report(fixture_packages / "chunk_kv" / "model.mlpackage")
+             ["functions"]["main"]["checks"]}["fixed_shapes"]
+    assert check["verdict"] == "fail" and check["detail"] == "input 'input_ids' takes a range [[1, 128]]"
+
+
+def _bound(fixture_bundle, tokens):
+    """Two fp16 evaluations of the fixture's model (numerics.fp16_logits_bound, the gates' form)."""
+    return fp16_logits_bound(load_reference(fixture_bundle)[0], tokens, probable=True)
+
+
+def test_split_logits_through_the_runner_are_the_unsplit_packages_within_the_fp16_bound(packages, fixture_bundle,
+                                                                                      prompt):
+    whole = open_package_backend(packages["whole"].path, backend="executor").logits(prompt)
+    bound = _bound(fixture_bundle, len(prompt))
+    for kind, manifest in packages["split"].items():
+        logits = open_package_backend(manifest.path, backend="executor").logits(prompt)
+        assert logits.shape == (75, 1024) and logits.dtype == np.float32 and np.isfinite(logits).all()
+        assert np.abs(logits - whole).max() <= bound, kind
+    # Against the fp16 reference (torch, the gates' intended numerics), within the same bound.
+    with torch.no_grad():
+        reference = fp16_reference(load_reference(fixture_bundle)[0])(torch.from_numpy(prompt).long()).numpy()
+    assert np.abs(whole - reference).max() <= bound
+
+
+def test_a_length_that_is_not_enumerated_is_refused_by_name(packages):
+    chunk_kv = open_package(packages["split"]["chunk_kv"].path, backend="executor")
+    cache = np.zeros(chunk_kv.spec_inputs["key_cache"].shape, np.float16)
+    with pytest.raises(MilError, match=r"input 'input_ids': shape \(1, 5\) is not one of the enumerated shapes "
+                                       r"\[\(1, 1\), \(1, 8\), \(1, 64\), \(1, 128\)\]"):
+        chunk_kv.predict({"input_ids": np.zeros((1, 5), np.int32), "position": np.array([0], np.int32),
+                          "key_cache": cache, "value_cache": cache})
+    prefill = open_package(packages["split"]["stateful"].path, backend="executor", function_name="prefill")
+    with pytest.raises(MilError, match=r"function prefill: input 'input_ids': shape \(1, 65\) is not one of"):
+        prefill.predict({"input_ids": np.zeros((1, 65), np.int32), "position": np.array([0], np.int32)},
+                        state=prefill.make_state())
+    decode = prefill.function("decode")
+    with pytest.raises(MilError, match=r"function decode: input 'input_ids': shape \(1, 8\) outside the declared"):
+        decode.predict({"input_ids": np.zeros((1, 8), np.int32), "position": np.array([0], np.int32)},
+                       state=decode.make_state())
+
+
+class _Recorded:
+    """A package whose predictions record the token count of each call."""
+
+    def __init__(self, package):
+        self.package, self.calls = package, []
+
+    def __getattr__(self, name):
+        return getattr(self.package, name)
+
+    def predict(self, inputs, state=None):
+        self.calls.append(np.asarray(inputs["input_ids"]).shape[1])
+        return self.package.predict(inputs, state) if state is not None else self.package.predict(inputs)
+
+    def function(self, name):
+        return _Recorded(self.package.function(name))
+
+
+def test_a_chunk_of_75_tokens_runs_as_64_8_1_1_1_and_its_logits_are_one_calls(packages, prompt):
+    backend = open_package_backend(packages["split"]["chunk_kv"].path, backend="executor")
+    recorded = backend.kv.package = _Recorded(backend.kv.package)
+    logits, snapshot = backend.kv.run(backend.kv.empty(), prompt)
+    assert recorded.calls == [64, 8, 1, 1, 1] and snapshot.position == 75
+    # The same calls made by hand, each from the cache the one before wrote: the very same logits.
+    cache = np.zeros(backend.kv.cache_shape, np.float16)
+    keys, values, rows, position = cache, cache, [], 0
+    for size in (64, 8, 1, 1, 1):
+        out = recorded.package.predict({"input_ids": prompt[None, position:position + size],
+                                        "position": np.array([position], np.int32),
+                                        "key_cache": keys, "value_cache": values})
+        rows.append(np.concatenate([out[f"logits_{i}"][0] for i in range(3)], axis=-1).astype(np.float32))
+        keys, values, position = out["new_key_cache"], out["new_value_cache"], position + size
+    assert np.array_equal(logits, np.concatenate(rows))
+    assert np.array_equal(snapshot.key_cache, keys) and np.array_equal(snapshot.value_cache, values)
+    # The stateful runner splits the same way (decode for the single tokens, prefill for the rest).
+    stateful = open_package_backend(packages["split"]["stateful"].path, backend="executor")
+    for name, function in stateful.kv.functions.items():
+        stateful.kv.functions[name] = _Recorded(function)
+    stateful.logits(prompt)
+    assert stateful.kv.functions["prefill"].calls == [64, 8] and stateful.kv.functions["decode"].calls == [1, 1, 1]
+
+
+def test_a_stateless_call_is_right_padded_to_the_next_length_and_cut_back(packages, prompt, fixture_bundle):
+    backend = open_package_backend(packages["split"]["stateless"].path, backend="executor")
+    recorded = backend.package = _Recorded(backend.package)
+    logits = backend.logits(prompt)
+    assert recorded.calls == [128] and logits.shape == (75, 1024)
+    # By causality the padding changes no row: the first 75 rows of the 128-token call on the
+    # prompt and any other tail are the same bits.
+    tail = np.concatenate([prompt, np.full(53, 7, np.int32)])
+    out = recorded.package.predict({"input_ids": tail[None]})
+    other = np.concatenate([out[f"logits_{i}"][0] for i in range(3)], axis=-1)[:75].astype(np.float32)
+    assert np.array_equal(logits, other)
+
+
+@pytest.mark.parametrize("lie, message", [
+    (lambda b: b["head_split"]["parts"][1].update(rows=[384, 700]),
+     r"field 'package.head_split.parts\[\].rows' is \[\(0, 384\), \(384, 700\), \(768, 1024\)\], but the vocabulary"),
+    (lambda b: b["head_split"].update(bytes=1),
+     r"field 'package.head_split.bytes' is 1, but 1024 rows of 128 at 2 bytes"),
+    (lambda b: b.update(enumerated={"T": [1, 8, 128]}),
+     r"field 'package.inputs\[input_ids\].shape \(function main\)' is \[1, \{'one of': \[1, 8, 128\]\}\]"),
+], ids=["rows", "bytes", "lengths"])
+def test_verify_refuses_a_manifest_that_lies_about_the_layout(packages, tmp_path, lie, message):
+    package = tmp_path / "chunk_kv"
+    shutil.copytree(packages["split"]["chunk_kv"].path, package)
+    data = json.loads((package / "manifest.json").read_text())
+    lie(data["package"])
+    (package / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(IdentityError, match=message):
+        verify_package(package, hashes=False)
+
+
+def test_the_release_snippet_concatenates_the_parts_and_feeds_enumerated_lengths(packages, prompt):
+    ids = [int(i) for i in prompt]
+    for kind, manifest in packages["split"].items():
+        interface = manifest["package"]
+        release = {"interface": interface, "model": "botchan-llama-1m", "recipe": "fp16", "survey": {"target": "ane"}}
+        text = "\n".join(usage_markdown(release))
+        assert "logits_0" in text and "logits_2" in text and "computeUnits = .cpuAndNeuralEngine" in text
+        # The Python lines run as written, on the executor standing in for Core ML.
+        model = open_package(manifest.path, backend="executor", function_name="prefill" if kind == "stateful" else None)
+        scope = {"np": np, "model": model, "ids": list(ids), "inputs": {"input_ids": np.array([ids], dtype=np.int32)}}
+        exec("\n".join(prediction_lines(interface)), scope)
+        expected = open_package_backend(manifest.path, backend="executor").logits(prompt)[-1]
+        assert np.array_equal(scope["logits"][0, -1].astype(np.float32), expected), kind
+        assert scope["next_id"] == int(expected.argmax())
+
+
+def test_align_gates_the_fp16_package_in_the_neural_engine_layout(packages):
+    from pipeline.stages.gates import align_package
+
+    items = packages["root"] / "items.jsonl"
+    items.write_text("".join((ROOT / "fixtures" / "scoring" / "cloze.jsonl").read_text().splitlines(True)[:8]))
+    gate = align_package(packages["split"]["chunk_kv"].path, FIXTURE_REFERENCE, packages["root"] / "gate", items=items)
+    assert gate.passed, gate.failure()
+    assert gate.report["quality"]["nonfinite_logits"] == 0
+    assert "ane" in gate.report["compute_units"]["claimable"]
+
+
+def test_a_split_packages_decoded_weights_hold_its_head_as_an_untied_one(packages, fixture_bundle, prompt):
+    """The head's parts carry no HF name (a recipe selecting by name leaves them as they are while
+    it may compress the tied embedding): `decoded_weights` joins them as `lm_head.weight`, and
+    the reference built from them is untied, as the package computes it."""
+    from coreml.decoded import decoded_weights
+
+    decoded = decoded_weights(packages["split"]["chunk_kv"].path)
+    tied = load_reference(fixture_bundle)[0]
+    table = tied.model.embed_tokens.weight.detach().numpy().astype(np.float16).astype(np.float32)
+    assert np.array_equal(decoded["lm_head.weight"], table) and np.array_equal(decoded["model.embed_tokens.weight"], table)
+    untied = load_reference(fixture_bundle, replaced=decoded)[0]
+    assert tied.lm_head is None and np.array_equal(untied.lm_head.weight.detach().numpy(), table)
+    with torch.no_grad():
+        ids = torch.from_numpy(prompt).long()
+        # The same values in both heads (fp16-rounded in both models): the same logits, bit for bit.
+        assert torch.equal(untied(ids), load_reference(fixture_bundle, replaced={
+            k: v for k, v in decoded.items() if k != "lm_head.weight"})[0](ids))
