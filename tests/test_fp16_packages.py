@@ -191,3 +191,28 @@ def test_the_stateful_trace_check_refuses_a_function_that_ignores_position(fixtu
     with pytest.raises(ScheduleMismatch, match=r"traced stateful prefill on prefill@0\[1,3,4\] differs from the "
                                                r"fp16-cache torch graph by max \|Δ logit\| "):
         kind.check_traced(ForgetsPosition(), ref, "prefill", ((0, (1, 3, 4)),))
+
+
+@pytest.mark.parametrize("recipe, claims_ane", [("int4-b32", False), ("palette4-int8lut", True), ("palette6-gc32", True)])
+def test_an_fp16_package_compresses_to_fp16_weights_and_stays_exact(fp16_packages, tmp_path, recipe, claims_ane):
+    """A recipe's codes decode to the constant they replace, in its dtype: in an fp16 program an fp16
+    weight (every linear reads its weight and bias in one dtype; an fp32 decode broke the program),
+    an fp32 LUT rounded to fp16 where it is written. The gate's exactness part holds the compressed
+    package to the fp16 reference of its own decoded weights, and per-block scales are the GPU's."""
+    from conftest import FIXTURE_REFERENCE
+
+    from coreml.ane import ane_report
+    from coreml.recipes import compress_package
+    from pipeline.stages.gates import align_package
+
+    packages, _, _ = fp16_packages
+    out = tmp_path / recipe
+    compress_package(packages / "chunk_kv", recipe, out)
+    verify_package(out)
+    operations = load_program(out / "model.mlpackage").functions["main"].block.operations
+    dtype_of = {name: spec.dtype.name for op in operations for name, spec in op.outputs if spec is not None}
+    weights = {dtype_of[op.inputs["weight"][0].name] for op in operations if op.type == "linear"}
+    assert weights == {"fp16"}
+    assert ("ane" in ane_report(out / "model.mlpackage")["compute_units"]) == claims_ane
+    gate = align_package(out, FIXTURE_REFERENCE, tmp_path / "gate", budget="ppl=1000%,top1=0")
+    assert gate.report["summary"]["exact"], gate.report["summary"]

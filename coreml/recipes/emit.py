@@ -1,6 +1,8 @@
-"""Codes written into a MIL program as iOS18 constexpr ops that decode them to float32."""
+"""Codes written into a MIL program as iOS18 constexpr ops that decode them to the replaced
+constant's dtype (float32, or fp16 in an fp16 program)."""
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 import numpy as np
 from coremltools.converters.mil.mil import Builder as mb
@@ -19,34 +21,60 @@ def _subbyte(values: np.ndarray, nbits: int, signed: bool) -> np.ndarray:
     return values.astype(types.np_int4_dtype if signed else getattr(types, f"np_uint{nbits}_dtype"))
 
 
-def emit_code(code, before_op) -> "mb.Var":
-    """The constexpr op(s) that decode `code` to float32, placed before `before_op`.
+def _parameters_in_fp16(code):
+    """`code` with its float parameters (scale, float offset, LUT) in fp16."""
+    def fp16(array):
+        return array.astype(np.float16) if array is not None and array.dtype.kind == "f" else array
 
-    fp16 parameters decode to fp16 (a constexpr op's output dtype is its scale's or LUT's),
-    then iOS18 `constexpr_cast` (whose operands are inputs, so it may read another
-    constexpr op's output) widens to the fp32 the program computes in.
+    if isinstance(code, codes.ShiftScale):
+        return replace(code, scale=fp16(code.scale), offset=fp16(code.offset))
+    if isinstance(code, codes.Palette):
+        return replace(code, lut=fp16(code.lut))
+    return code
+
+
+# MIL's name of each float dtype a constant can have (coremltools' constexpr_cast `output_dtype`).
+MIL_FLOAT = {np.dtype(np.float32): "fp32", np.dtype(np.float16): "fp16"}
+
+
+def emit_code(code, before_op, dtype: np.dtype = np.dtype(np.float32)) -> "mb.Var":
+    """The constexpr op(s) that decode `code` to `dtype`, the replaced constant's own (float32 in
+    an FP32 program, fp16 in an fp16 one: its ops read their operands in one dtype), placed before
+    `before_op`.
+
+    A constexpr op's output dtype is its scale's or LUT's. fp16 parameters of an FP32 program
+    widen to fp32 through iOS18 `constexpr_cast` (whose operands are inputs, so it may read
+    another constexpr op's output), exactly; fp32 parameters of an fp16 program (palette4-int8lut's
+    LUT) are rounded to fp16 where they are written, as the converter rounds every constant of an
+    fp16 program (`constexpr_cast` only widens). The package's decoded weights are read back from
+    the program (`coreml.decoded`), so the gates see the rounded values.
     """
+    if dtype == np.float16:
+        code = _parameters_in_fp16(code)
     if isinstance(code, codes.ShiftScale):
         offset = code.offset
         if offset is not None and offset.dtype.kind in "iu":  # an integer offset has the data's own dtype
             offset = _subbyte(offset, code.nbits, code.signed)
         out = mb.constexpr_blockwise_shift_scale(data=_subbyte(code.data, code.nbits, code.signed),
                                                  scale=code.scale, offset=offset, before_op=before_op)
-        dtype = code.scale.dtype
+        decoded = code.scale.dtype
     elif isinstance(code, codes.Palette):
         out = mb.constexpr_lut_to_dense(indices=_subbyte(code.indices, code.nbits, False),
                                         lut=code.lut[..., None], before_op=before_op)
-        dtype = code.lut.dtype
+        decoded = code.lut.dtype
+    elif dtype == np.float16:  # a float16 array in an fp16 program: the constant as it already was
+        return mb.const(val=code.astype(np.float16), before_op=before_op)
     else:  # a float16 array: the weight itself, stored at half size
-        out, dtype = code.astype(np.float16), np.float16
-        return mb.constexpr_cast(source_val=out, output_dtype="fp32", before_op=before_op)
-    if dtype == np.float16:
-        out = mb.constexpr_cast(source_val=out, output_dtype="fp32", before_op=before_op)
+        out, decoded = code.astype(np.float16), np.float16
+        return mb.constexpr_cast(source_val=out, output_dtype=MIL_FLOAT[np.dtype(dtype)], before_op=before_op)
+    if np.dtype(decoded) != np.dtype(dtype):
+        out = mb.constexpr_cast(source_val=out, output_dtype=MIL_FLOAT[np.dtype(dtype)], before_op=before_op)
     return out
 
 
 class WriteCodes(AbstractGraphPass):
-    """Replace each named fp32 constant by the constexpr ops of the code `encode(value)` gives."""
+    """Replace each named float constant by the constexpr ops of the code `encode(value)` gives
+    (`value` widened to float32 exactly), decoding to the constant's own dtype."""
 
     def __init__(self, encoders: Mapping[str, Encoder]):
         super().__init__()
@@ -58,7 +86,7 @@ class WriteCodes(AbstractGraphPass):
                 if op.op_type == "const" and op.name in self.encoders:
                     code = self.encoders[op.name](np.asarray(op.val.val, dtype=np.float32))
                     with function:
-                        new = emit_code(code, before_op=op)
+                        new = emit_code(code, before_op=op, dtype=np.dtype(types.nptype_from_builtin(op.outputs[0].dtype)))
                         op.enclosing_block.replace_uses_of_var_after_op(
                             anchor_op=op, old_var=op.outputs[0], new_var=new, no_check_var_types=True)
                         function.remove_ops([op])

@@ -227,7 +227,8 @@ def survey_markdown(survey: dict) -> str:
     deployed = survey["deployed"]["recipe"]
     measured = [r for r in survey["recipes"] if r["status"] == "measured"]
     unmet = [r for r in survey["recipes"] if r["status"] != "measured"]
-    rows = [["fp32 (source)", fp32["package"]["bits_per_weight"], fp32["package"]["size_bytes"], 1.0, "exact",
+    source = target_unit(survey["target"]).precision if survey.get("target") else "fp32"
+    rows = [[f"{source} (source)", fp32["package"]["bits_per_weight"], fp32["package"]["size_bytes"], 1.0, "exact",
              0.0, 1.0, 0.0, 0.0, "within", True, fp32["scoring"]["top1_accuracy"], "", ""]]
     rows += [[r["name"], r["package"]["bits_per_weight"], r["package"]["size_bytes"], r["package"]["bytes_vs_fp32"],
               _exactness_cell(r["gate"]), _ppl_cell(r["gate"]["quality"]["ppl_change"]),
@@ -251,7 +252,7 @@ def survey_markdown(survey: dict) -> str:
         "",
         "Exact but over budget is a result of the recipe on this model; not exact is a conversion or runtime bug.",
         "",
-        md_table(["recipe", "bits/weight", "bytes", "× FP32", "exactness", "ppl change", "top-1 agreement",
+        md_table(["recipe", "bits/weight", "bytes", "× source", "exactness", "ppl change", "top-1 agreement",
                   "KL mean", "items top-1 changed", "budget", "invariants", "cloze accuracy", "can run on", ""], rows),
     ]
     if any("not_measured" in r["scoring"] for r in measured):
