@@ -40,8 +40,8 @@ SCORE_RUN := $(OUT)/scores/$(if $(FP16),$(TARGET),fp32)-chunk_kv
 # deploys nothing there that cannot claim it anyway), the GPU per-block scales too.
 RECIPES_cpu := int8-b32 int8-b32-fp16scale int4-b32 int4-b32-emb8 gptq-int4-b32 gptq-int4-b64 gptq-int4-b64-emb8 \
   palette6-gc32 palette4-gc32 int8-b32-embfp16 palette4-int8lut mixed
-RECIPES_gpu := int8-b32 int4-b32 int4-b32-emb8 gptq-int4-b32 palette6-gc32 palette4-gc32
-RECIPES_ane := palette6-gc32 palette4-gc32 palette4-int8lut
+RECIPES_gpu := int8-b32 int8-pc int4-b32 int4-b32-emb8 gptq-int4-b32 palette6-gc32 palette4-gc32
+RECIPES_ane := int8-pc palette6-gc32 palette4-gc32 palette4-int8lut
 RECIPES ?= $(RECIPES_$(TARGET))
 ITEMS ?= fixtures/scoring/cloze.jsonl
 # How far from FP32 a package's numerics may go (the gates' quality part): perplexity change

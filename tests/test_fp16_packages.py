@@ -193,7 +193,8 @@ def test_the_stateful_trace_check_refuses_a_function_that_ignores_position(fixtu
         kind.check_traced(ForgetsPosition(), ref, "prefill", ((0, (1, 3, 4)),))
 
 
-@pytest.mark.parametrize("recipe, claims_ane", [("int4-b32", False), ("palette4-int8lut", True), ("palette6-gc32", True)])
+@pytest.mark.parametrize("recipe, claims_ane", [("int4-b32", False), ("palette4-int8lut", True), ("palette6-gc32", True),
+                                               ("int8-pc", True)])
 def test_an_fp16_package_compresses_to_fp16_weights_and_stays_exact(fp16_packages, tmp_path, recipe, claims_ane):
     """A recipe's codes decode to the constant they replace, in its dtype: in an fp16 program an fp16
     weight (every linear reads its weight and bias in one dtype; an fp32 decode broke the program),

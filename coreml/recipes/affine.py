@@ -1,5 +1,6 @@
 """Affine and symmetric block codes (`coreml.codes`), one fp16 scale (and offset) per block
-of input columns: int4-b32 (mlx-lm's `q4 g32` grid) and int4-b32-emb8."""
+of input columns: int4-b32 (mlx-lm's `q4 g32` grid) and int4-b32-emb8; and per output channel
+(the whole input axis one block): int8-pc, a code the Neural Engine reads."""
 
 from dataclasses import dataclass
 
@@ -32,6 +33,27 @@ class Affine(Code):
         return fit(value, self.nbits, self.block_size, STORAGE[self.dtype])
 
 
+@dataclass(frozen=True)
+class PerChannel(Affine):
+    """Codes with one fp16 scale (and offset) per output channel: the whole input axis is one
+    block. The Neural Engine reads per-channel scales (`coreml.ane.weight_compression`), where
+    per-block ones are the GPU's."""
+
+    block_size: int = 0  # unused: the block is each weight's own input axis
+
+    def record(self) -> dict:
+        return {"kind": "symmetric" if self.symmetric else "affine", "nbits": self.nbits, "per": "output channel",
+                "dtype": self.dtype}
+
+    def bits(self, shape: tuple[int, ...]) -> float:
+        n, width = int(np.prod(shape)), 16 if self.dtype == "fp16" else 32
+        return n * self.nbits + shape[0] * (1 if self.symmetric else 2) * width
+
+    def encode(self, value: np.ndarray) -> codes.ShiftScale:
+        fit = codes.symmetric_blocks if self.symmetric else codes.affine_blocks
+        return fit(value, self.nbits, value.shape[1], STORAGE[self.dtype])
+
+
 register_recipe(CodeRecipe("int4-b32", Affine(4)))
 # The grid a Q4_1/Q8_0 GGUF import carries: the layers' affine uint4 per 32 (fp16 scale
 # and offset, as Q4_1 stores them) and the tied embedding/head's int8 per 32 with an fp16
@@ -44,3 +66,6 @@ register_recipe(CodeRecipe("int4-b32-emb8", Affine(4), embedding=Affine(8, symme
 # the op's fp16 product q * scale then rounds each value once (2^-11 relative), as
 # int4-b32-emb8's embedding does.
 register_recipe(CodeRecipe("int8-b32-fp16scale", Affine(8, symmetric=True)))
+# int8 with one fp16 scale per output channel, symmetric: 8 bits per weight and the scales,
+# for the Neural Engine (TARGET=ane), whose per-channel scales it reads; the embedding/head too.
+register_recipe(CodeRecipe("int8-pc", PerChannel(8, symmetric=True)))
