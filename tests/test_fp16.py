@@ -139,8 +139,6 @@ def mitigation_bound(model, mitigated, tokens: int) -> float:
 @pytest.mark.parametrize("name", sorted(MITIGATIONS))
 def test_each_mitigation_keeps_the_fp32_function(family_model, name):
     family, model, args, ids = family_model
-    if family.startswith("qwen2-moe") and name != "all":
-        pytest.skip("the MoE family is checked with every mitigation at once")
     mitigated = mitigated_model(model, args, MITIGATIONS[name])
     with torch.no_grad():
         want, got = model(ids), mitigated(ids)
@@ -203,8 +201,6 @@ def test_weight_only_mitigations_add_no_op_kind_to_the_traced_graph(family_model
     """Residual scale and finite mask change weights and constants only; the max-scaled norm
     adds exactly |x|, its max, the floor and the divisions (sqrt(eps) / m traces as a reciprocal)."""
     family, model, args, _ = family_model
-    if family.startswith("qwen2-moe"):
-        pytest.skip("the dense families cover the rewrite")
     original = _op_kinds(model, args)
     weight_only = Fp16Mitigations(residual_scale=2.0**-3, mask_value=-FP16_MAX)
     assert _op_kinds(mitigated_model(model, args, weight_only), args) <= original
