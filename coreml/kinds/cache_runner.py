@@ -58,8 +58,10 @@ def pieces(count: int, lengths: tuple[int, ...] | None) -> list[int]:
 
 
 def joined_logits(out: dict, names: list[str]) -> np.ndarray:
-    """float32 logits [T, vocab] of one prediction: its logit outputs concatenated in order."""
-    return np.concatenate([np.asarray(out[name], dtype=np.float32)[0] for name in names], axis=-1)
+    """float32 logits [T, vocab] of one prediction: its logit outputs concatenated in order (one
+    output is returned as it is, not copied: a 262k vocabulary's logits at 1024 positions are 1 GB)."""
+    parts = [np.asarray(out[name], dtype=np.float32)[0] for name in names]
+    return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
 
 
 def package_features(package, section: str, kind: str) -> dict[str, dict]:
@@ -99,7 +101,8 @@ class CacheRunner:
         """float32 logits [T, vocab] of the predictions of one chunk's pieces, in order."""
         if not outs:
             return np.zeros((0, self.vocab), np.float32)
-        return np.concatenate([joined_logits(out, self.logit_names) for out in outs])
+        logits = [joined_logits(out, self.logit_names) for out in outs]
+        return logits[0] if len(logits) == 1 else np.concatenate(logits)
 
     @property
     def context(self) -> int:
