@@ -297,6 +297,28 @@ def test_compare_counts_nonfinite_outputs_as_outside():
     assert record["outside"] == 1 and not record["passed"]
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_cache_outside_counts_as_its_rule_over_every_entry(dtype):
+    """The cache check runs its rule (bound plus one step of the cache dtype; every non-finite
+    entry outside) only on the entries beyond `atol`: the count is the rule's over them all."""
+    from pipeline.stages.gates.exactness import cache_outside
+
+    rng = np.random.default_rng(1)
+    want = (rng.standard_normal((3, 1, 2, 64, 8)) * 50).astype(dtype)
+    got = (want.astype(np.float32) + rng.standard_normal(want.shape).astype(np.float32) * 0.02).astype(dtype)
+    got.flat[[5, 77, 300]] = [np.nan, np.inf, -np.inf]
+    want.flat[301] = np.inf
+    tol = Tolerance(0.03, 1e-4, None, None, "any")
+    got32, want32 = got.astype(np.float32), want.astype(np.float32)
+    step = np.spacing(np.maximum(np.abs(got), np.abs(want))).astype(np.float32)
+    with np.errstate(invalid="ignore"):
+        rule = int(np.count_nonzero(np.abs(got32 - want32) > tol.atol + tol.rtol * np.abs(want32) + step)
+                   + np.count_nonzero(~np.isfinite(got32)))
+    with np.errstate(invalid="ignore"):
+        assert cache_outside(got, want, tol) == rule >= 3
+    assert cache_outside(want, want.copy(), tol) == int(np.count_nonzero(~np.isfinite(want)))
+
+
 def test_compare_in_row_blocks_gives_the_whole_arrays_figures(monkeypatch):
     """A 262k vocabulary's logits go through in blocks of rows; every figure is the one the
     whole arrays give (the blocks change no sum but |Δ|'s, taken whole)."""
