@@ -80,6 +80,8 @@ class _Step:
     dynamic: tuple[tuple[str, tuple, bool], ...]
     # A `linear` whose weight is a constant: `run_batch` applies it to every input's rows at once
     rows_at_once: bool = False
+    # fp16 operands widen to float32 (the accumulation model above); not for ops that only move values
+    widens: bool = True
 
 
 @dataclass(frozen=True)
@@ -184,8 +186,10 @@ class Executor:
         static = {k: v for k, v in op.attributes.items() if k != "name"}
         dynamic = []
         # Decompression (constexpr_*) is defined in its operands' own dtype (an fp16 scale
-        # multiplies in fp16, as coremltools' value inference does): its operands stay as stored.
-        widen = _widened if not op.type.startswith("constexpr_") else (lambda value: value)
+        # multiplies in fp16, as coremltools' value inference does), and an op that only moves
+        # values (`OpDef.moves`) is exact in any: their operands stay as stored.
+        widens = not (op.type.startswith("constexpr_") or OPS[op.type].moves)
+        widen = _widened if widens else (lambda value: value)
         for key, args in op.inputs.items():
             operands = tuple(
                 _Known(widen(a.value)) if a.name is None
@@ -199,7 +203,7 @@ class Executor:
             else:
                 dynamic.append((key, operands, key in lists))
         rows_at_once = op.type == "linear" and [key for key, _, _ in dynamic] == ["x"]
-        return _Step(op, OPS[op.type].fn, where, static, tuple(dynamic), rows_at_once)
+        return _Step(op, OPS[op.type].fn, where, static, tuple(dynamic), rows_at_once, widens)
 
     def _wide(self, name: str):
         """Constant `name` as the ops see it (fp16 widened to float32), made once per constant."""
@@ -230,7 +234,8 @@ class Executor:
         kwargs = dict(step.static)
         for key, operands, is_list in step.dynamic:
             try:
-                values = tuple(o.value if isinstance(o, _Known) else _widened(env[o]) for o in operands)
+                values = tuple(o.value if isinstance(o, _Known) else _widened(env[o]) if step.widens else env[o]
+                               for o in operands)
             except KeyError as exc:
                 raise MilError(f"{step.where}: operand {exc.args[0]!r} is not defined before its use") from None
             kwargs[key] = values if is_list else values[0]

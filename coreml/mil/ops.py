@@ -24,15 +24,20 @@ from coreml.mil.loader import DTYPE_BY_NAME, unpack_subbyte
 class OpDef:
     fn: Callable
     lists: frozenset[str]  # inputs that bind a variadic list of values (concat's `values`)
+    # The op only moves values (slices, reshapes, joins, picks): it computes nothing, so an fp16
+    # operand needs no widening and its result no rounding, and the executor passes it as stored
+    # (a single-token step of an fp16 chunk-KV program otherwise widens the whole stacked cache
+    # once per layer's slice: SmolLM2's 30 layers, 40 % of a step).
+    moves: bool = False
 
 
 OPS: dict[str, OpDef] = {}
 
 
-def op(*names: str, lists: tuple[str, ...] = ()):
+def op(*names: str, lists: tuple[str, ...] = (), moves: bool = False):
     def register(fn):
         for name in names:
-            OPS[name] = OpDef(fn, frozenset(lists))
+            OPS[name] = OpDef(fn, frozenset(lists), moves)
         return fn
 
     return register
@@ -90,7 +95,7 @@ op("silu")(lambda x: x / (1.0 + np.exp(-x)))
 op("softplus")(lambda x: np.logaddexp(0, x))
 op("clip")(lambda x, alpha, beta: np.minimum(np.maximum(x, alpha), beta))
 op("erf")(lambda x: _erf(x))
-op("identity")(lambda x: x)
+op("identity", moves=True)(lambda x: x)
 
 
 def _erf(x):
@@ -215,8 +220,8 @@ def band_part(x, lower=-1, upper=-1):
 
 # ---- shape and layout ------------------------------------------------------------------------
 op("shape")(lambda x: np.array(np.shape(x), dtype=np.int32))
-op("transpose")(lambda x, perm: np.transpose(x, [int(p) for p in perm]))
-op("tile")(lambda x, reps: np.tile(x, [int(r) for r in reps]))
+op("transpose", moves=True)(lambda x, perm: np.transpose(x, [int(p) for p in perm]))
+op("tile", moves=True)(lambda x, reps: np.tile(x, [int(r) for r in reps]))
 op("fill")(lambda shape, value=0.0: np.full([int(s) for s in shape], value))
 op("fill_like")(lambda ref_tensor, value=0.0: np.full(np.shape(ref_tensor), value))
 
@@ -226,7 +231,7 @@ def range_1d(end, start, step):
     return np.arange(start, end, step)
 
 
-@op("reshape")
+@op("reshape", moves=True)
 def reshape(x, shape):
     shape = [int(s) for s in shape]
     if len(shape) == x.ndim:  # 0 copies the input dimension only when ranks agree
@@ -234,18 +239,18 @@ def reshape(x, shape):
     return np.reshape(x, shape)
 
 
-@op("expand_dims")
+@op("expand_dims", moves=True)
 def expand_dims(x, axes):
     out_rank = x.ndim + len(axes)
     return np.expand_dims(x, tuple(int(a) % out_rank for a in axes))
 
 
-@op("squeeze")
+@op("squeeze", moves=True)
 def squeeze(x, axes=None):
     return np.squeeze(x, axis=_axes(axes, x.ndim))
 
 
-@op("concat", lists=("values",))
+@op("concat", lists=("values",), moves=True)
 def concat(values, axis, interleave=False):
     # Saved programs concatenate rank-0 shape scalars into shape vectors; treat them as [1].
     values = [np.atleast_1d(v) for v in values]
@@ -258,12 +263,12 @@ def concat(values, axis, interleave=False):
     return stacked.reshape(shape)
 
 
-@op("stack", lists=("values",))
+@op("stack", lists=("values",), moves=True)
 def stack(values, axis):
     return np.stack(values, axis=int(axis))
 
 
-@op("split")
+@op("split", moves=True)
 def split(x, axis, num_splits=None, split_sizes=None):
     axis = int(axis)
     if split_sizes is None:
@@ -291,13 +296,13 @@ def _index_slices(shape, begin, end, stride, begin_mask, end_mask, squeeze_mask)
     return tuple(slices), squeeze_axes
 
 
-@op("slice_by_index")
+@op("slice_by_index", moves=True)
 def slice_by_index(x, begin, end, stride=None, begin_mask=None, end_mask=None, squeeze_mask=None):
     slices, squeeze_axes = _index_slices(x.shape, begin, end, stride, begin_mask, end_mask, squeeze_mask)
     return np.squeeze(x[slices], axis=squeeze_axes)
 
 
-@op("slice_update")
+@op("slice_update", moves=True)
 def slice_update(x, update, begin, end, stride=None, begin_mask=None, end_mask=None, squeeze_mask=None):
     slices, _ = _index_slices(x.shape, begin, end, stride, begin_mask, end_mask, squeeze_mask)
     out = x.copy()
@@ -306,7 +311,7 @@ def slice_update(x, update, begin, end, stride=None, begin_mask=None, end_mask=N
     return out
 
 
-@op("slice_by_size")
+@op("slice_by_size", moves=True)
 def slice_by_size(x, begin, size):
     return x[tuple(slice(int(b), None if s == -1 else int(b) + int(s)) for b, s in zip(begin, size))]
 
@@ -318,7 +323,7 @@ def _wrap(indices, size):
     return np.where(indices < 0, indices + size, indices)
 
 
-@op("gather")
+@op("gather", moves=True)
 def gather(x, indices, axis=0, batch_dims=0, validate_indices=False):
     axis, b = int(axis) % x.ndim, int(batch_dims)
     indices = _wrap(indices, x.shape[axis])
@@ -338,13 +343,13 @@ def gather(x, indices, axis=0, batch_dims=0, validate_indices=False):
     return out.reshape(batch + out.shape[1:])
 
 
-@op("gather_along_axis")
+@op("gather_along_axis", moves=True)
 def gather_along_axis(x, indices, axis=0, validate_indices=False):
     axis = int(axis) % x.ndim
     return np.take_along_axis(x, _wrap(indices, x.shape[axis]), axis=axis)
 
 
-@op("gather_nd")
+@op("gather_nd", moves=True)
 def gather_nd(x, indices, batch_dims=0, validate_indices=False):
     b = int(batch_dims)
     k = indices.shape[-1]
