@@ -2,7 +2,7 @@
 of input columns: int4-b32 (mlx-lm's `q4 g32` grid) and int4-b32-emb8; and per output channel
 (the whole input axis one block): int8-pc, a code the Neural Engine reads."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -19,10 +19,22 @@ class Affine(Code):
     block_size: int = 32
     dtype: str = "fp16"
     symmetric: bool = False
+    # The block is the smallest divisor of each weight's input axis that is at least
+    # `block_size` (the whole axis where it is shorter): a bits-per-weight ceiling that holds
+    # on any width, where a fixed block refuses the widths it does not divide.
+    at_least: bool = False
 
     def record(self) -> dict:
         return {"kind": "symmetric" if self.symmetric else "affine", "nbits": self.nbits,
-                "block_size": self.block_size, "dtype": self.dtype}
+                **({"block_size_at_least": self.block_size} if self.at_least else {"block_size": self.block_size}),
+                "dtype": self.dtype}
+
+    def for_shape(self, shape: tuple[int, ...]) -> "Affine":
+        if not self.at_least or len(shape) != 2:
+            return self
+        width = shape[1]
+        block = next((b for b in range(self.block_size, width + 1) if width % b == 0), width)
+        return replace(self, block_size=block, at_least=False)
 
     def bits(self, shape: tuple[int, ...]) -> float:
         n, width = int(np.prod(shape)), 16 if self.dtype == "fp16" else 32

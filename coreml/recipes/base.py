@@ -88,6 +88,10 @@ class Step(ABC):
         """What the step stores for `value`: a `coreml.codes` code or a float16 array (for
         coremltools' quantizer, the values its step decodes to)."""
 
+    def for_shape(self, shape: tuple[int, ...]) -> "Step":
+        """The step as it applies to a weight of `shape` (itself, unless its params follow the shape)."""
+        return self
+
 
 class Code(Step):
     """A step whose codes are computed in numpy and written as constexpr ops."""
@@ -235,8 +239,8 @@ class CodeRecipe(StepRecipe):
 
     def steps(self, weight: Weight) -> dict[str, Step]:
         if self.embedding is not None and EMBEDDING in weight.hf_names:
-            return {"code": self.embedding}
-        return {"code": self.code}
+            return {"code": self.embedding.for_shape(weight.shape)}
+        return {"code": self.code.for_shape(weight.shape)}
 
 
 # name -> recipe, in the order surveys list them (`order_recipes`).

@@ -49,9 +49,10 @@ class GptqRecipe(CodeRecipe):
 
 
 register_recipe(GptqRecipe("gptq-int4-b32", GptqAffine(4)))
-# b64 stores 4 + 32/64 bits, the embedding's b96 4 + 32/96, so that with the fp32 norms the
-# whole model stays within 4.5 bits per weight.
-register_recipe(GptqRecipe("gptq-int4-b64", GptqAffine(4, 64), embedding=GptqAffine(4, 96)))
+# b64 stores 4 + 32/64 bits, the embedding's block of at least 96 at most 4 + 32/96, so that
+# with the fp32 norms the whole model stays within 4.5 bits per weight (SmolLM2's 576-wide
+# embedding per 96, Gemma 3's 640-wide per 128).
+register_recipe(GptqRecipe("gptq-int4-b64", GptqAffine(4, 64), embedding=GptqAffine(4, 96, at_least=True)))
 # The layers as gptq-int4-b64, the tied embedding/head at Q8_0's 8.5 bits (symmetric int8 per
 # 32, fp16 scale): a higher width for the head alone, which is where a 4-bit model's top-1
 # agreement goes (docs/COMPRESSION.md).
