@@ -45,8 +45,9 @@ RECIPES_ane := int8-pc palette6-gc32 palette4-gc32 palette4-int8lut
 RECIPES ?= $(RECIPES_$(TARGET))
 ITEMS ?= fixtures/scoring/cloze.jsonl
 # How far from FP32 a package's numerics may go (the gates' quality part): perplexity change
-# on held-out text at most, pooled top-1 agreement at least; optionally kl=, items=. Empty: the
-# package precision's (coreml.precisions: fp32 ppl=2%,top1=0.95; fp16 ppl=0.5%,top1=0.99).
+# on held-out text at most, pooled top-1 agreement at least; optionally kl=, items=. Empty: a
+# compressed package's ppl=2%,top1=0.95 on every target, an uncompressed one's precision's
+# (coreml.precisions: fp32 ppl=2%,top1=0.95; fp16 ppl=0.5%,top1=0.99).
 BUDGET ?=
 # ALL_FIGURES=1: score the scoring set for every package, not only those within budget on the
 # held-out text (over budget there, no item can change the verdict; it costs ~100 s a gate on SmolLM2).

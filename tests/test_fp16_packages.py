@@ -217,3 +217,18 @@ def test_an_fp16_package_compresses_to_fp16_weights_and_stays_exact(fp16_package
     assert ("ane" in ane_report(out / "model.mlpackage")["compute_units"]) == claims_ane
     gate = align_package(out, FIXTURE_REFERENCE, tmp_path / "gate", budget="ppl=1000%,top1=0")
     assert gate.report["summary"]["exact"], gate.report["summary"]
+
+
+def test_a_compressed_fp16_package_is_held_to_the_compression_budget(fp16_packages, tmp_path):
+    """fp16's default budget bounds fp16 rounding, which the uncompressed package answers for; a
+    recipe's loss is held to the compression budget on every target (what an fp16 survey uses)."""
+    from coreml.recipes import compress_package
+    from manifests.identity import load_manifest
+    from pipeline.stages.gates import default_budget
+    from pipeline.stages.gates.budget import COMPRESSED_BUDGET
+
+    packages, _, _ = fp16_packages
+    compress_package(packages / "chunk_kv", "int8-pc", tmp_path / "int8-pc")
+    assert default_budget(load_manifest(packages / "chunk_kv")) == "ppl=0.5%,top1=0.99"
+    assert default_budget(load_manifest(tmp_path / "int8-pc")) == COMPRESSED_BUDGET == "ppl=2%,top1=0.95"
+    assert default_budget(load_manifest(packages / "chunk_kv"), compressed=True) == COMPRESSED_BUDGET

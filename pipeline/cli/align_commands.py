@@ -3,6 +3,7 @@
 from pathlib import Path
 
 from coreml.precisions import PRECISIONS
+from pipeline.stages.gates.budget import COMPRESSED_BUDGET
 from pipeline.stages.gates import (
     DEFAULT_ITEMS,
     DEFAULT_QUALITY_TEXT,
@@ -40,7 +41,8 @@ def add_quality_arguments(p) -> None:
     p.add_argument("--budget",
                    help="quality budget against FP32: ppl=<max increase>, top1=<min agreement>, optionally "
                         "kl=<max mean KL>, items=<max fraction of scoring items whose top-1 changed> "
-                        "(default: the package precision's, " + "; ".join(
+                        "(default: a compressed package's " + COMPRESSED_BUDGET.replace('%', '%%') +
+                        "; an uncompressed one's precision's, " + "; ".join(
                             f"{unit.name} {unit.default_budget}" for unit in PRECISIONS.values()).replace('%', '%%') + ")")
     p.add_argument("--quality-text", type=Path, default=DEFAULT_QUALITY_TEXT,
                    help="text whose held-out 'quality' lines the quality part reads and whose 'calibration' lines "

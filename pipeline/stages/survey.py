@@ -367,7 +367,8 @@ def run_survey(
     `jobs` > 1 surveys that many recipes at a time, each in its own process (`_recipes_in_workers`);
     `executor` says where those run (a Ray executor surveys even one job's recipes on the cluster).
     `target` (`coreml.targets`): the package must be of the target's precision, and only a
-    package that can claim the target's unit deploys. `budget` None: the precision's.
+    package that can claim the target's unit deploys. `budget` None: a compressed package's
+    (`pipeline.stages.gates.budget.COMPRESSED_BUDGET`), on every target.
     `fp32_scores`: FP32's scoring run of the same scoring set and bundle (the FP32 gate's
     `scores_out`), read instead of scored again (`QualityInputs.use_fp32_scores` checks it).
     """
@@ -388,7 +389,7 @@ def run_survey(
         raise SurveyError(f"{package_dir / MANIFEST_NAME}: field 'package.precision' is "
                           f"{source['package'].get('precision', 'fp32')!r}; target {aim.name!r} surveys a "
                           f"{aim.precision} package")
-    budget = budget or gates.default_budget(source.data)
+    budget = budget or gates.default_budget(source.data, compressed=True)
     gate = fp32_gate(package_dir, Path(fp32_alignment_dir), out_dir)
     settings = {"package_dir": str(package_dir), "fixtures_dir": str(fixtures_dir), "budget": budget,
                 "backend": backend, "quality_text": str(quality_text), "items": str(items_path),

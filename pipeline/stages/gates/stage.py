@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from manifests.identity import portable_name, sha256_file
-from pipeline.stages.gates.budget import Budget, parse_budget
+from pipeline.stages.gates.budget import COMPRESSED_BUDGET, Budget, parse_budget
 from pipeline.stages.gates.exactness import (
     ALL_PATTERNS,
     COMPRESSED_PATTERNS,
@@ -95,11 +95,15 @@ def gate_backend(candidate, intended, fixtures: ReferenceFixtures, quality: Qual
     }
 
 
-def default_budget(manifest: dict) -> str:
-    """The quality budget a package is held to when the user declares none: its precision's."""
+def default_budget(manifest: dict, compressed: bool | None = None) -> str:
+    """The quality budget a package is held to when the user declares none: a compressed
+    package's is `COMPRESSED_BUDGET`, an uncompressed one's its precision's. `compressed`
+    None: as the manifest's recipe says (a survey asks for its recipes before they exist)."""
     from coreml.precisions import package_precision
 
-    return package_precision(manifest["package"]).default_budget
+    if compressed is None:
+        compressed = "recipe" in manifest
+    return COMPRESSED_BUDGET if compressed else package_precision(manifest["package"]).default_budget
 
 
 @dataclass(frozen=True)
