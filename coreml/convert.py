@@ -10,7 +10,8 @@ from coreml.kinds import KINDS, UnknownKind
 from coreml.kinds.export import Conversion, Reference, reference_for_export
 from manifests.identity import Manifest, artifact_source, load_manifest
 from manifests.output import refuse_existing, staged_output
-from pipeline.ground.workers import LOCAL, Executor, run_in_workers
+from pipeline.ground.bundle_format import WEIGHTS_NAME
+from pipeline.ground.workers import LOCAL, Executor, job_memory, run_in_workers
 
 
 def in_workers(kinds: tuple[str, ...], jobs: int, executor: Executor) -> bool:
@@ -84,7 +85,8 @@ def _kinds_in_workers(kinds: tuple[str, ...], bundle_dir: Path, staging: Path, o
              "conversion": asdict(conversion)}
     longest_first = sorted(kinds, key=lambda kind: -KINDS[kind].steps)
     run_in_workers("coreml.convert:conversion_worker", setup, longest_first, jobs, where=out_dir, shared=(staging,),
-                   executor=executor, done=lambda kind, _: step(f"{kind}: converted"))
+                   executor=executor, done=lambda kind, _: step(f"{kind}: converted"),
+                   memory_per_job=job_memory((bundle_dir / WEIGHTS_NAME).stat().st_size))
 
 
 def conversion_worker(setup: dict) -> Callable[[str], str]:

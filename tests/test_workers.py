@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from pipeline.ground.ray_engine import INSTALL, RayMissing, job_slots
-from pipeline.ground.workers import Executor, UnknownExecutor, WorkerFailed, run_in_workers, thread_share_env
+from pipeline.ground import workers
+from pipeline.ground.workers import (Executor, UnknownExecutor, WorkerFailed, affordable_jobs, job_memory,
+                                      run_in_workers, thread_share_env)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,6 +32,24 @@ def test_results_come_back_in_the_order_asked_from_at_most_jobs_workers():
     assert len({r["pid"] for r in results}) <= 2
     assert {r["setups"] for r in results} == {1}  # a worker builds its setup once, for all its tasks
     assert {r["threads"] for r in results} == {thread_share_env(2)["OMP_NUM_THREADS"]}
+
+
+def test_local_workers_are_as_many_as_fit_in_the_memory_available(monkeypatch, capsys):
+    """A 1.7B model's workers are let 10 GiB each (1.25x its 6.85 GB of FP32 weights + 1.5 GiB):
+    two of them do not fit beside what a 24 GB machine has left, so one runs, and it says so."""
+    gib = 2**30
+    monkeypatch.setattr(workers, "available_memory", lambda: 18 * gib)
+    assert job_memory(int(6.85e9)) == int(1.25 * 6.85e9 + 1.5 * gib)
+    assert affordable_jobs(2, job_memory(int(6.85e9)), "x") == 1
+    assert affordable_jobs(2, job_memory(int(0.54e9)), "x") == 2  # SmolLM2-135M: 2.1 GiB each
+    assert affordable_jobs(3, 20 * gib, "x") == 1  # never fewer than one
+    assert affordable_jobs(2, None, "x") == 2
+    capsys.readouterr()
+    results = run_in_workers("tests._worker_jobs:arithmetic", {"factor": 2}, [1, 2, 3], jobs=2, where="fitted",
+                             memory_per_job=10 * gib)
+    assert [r["value"] for r in results] == [2, 4, 6] and len({r["pid"] for r in results}) == 1
+    assert {r["threads"] for r in results} == {thread_share_env(1)["OMP_NUM_THREADS"]}  # the lone worker's share
+    assert "fitted: 2 workers of up to 10.0 GiB each exceed the 18.0 GiB available; running 1" in capsys.readouterr().err
 
 
 def test_thread_share_is_a_fraction_of_the_cores_and_never_zero():

@@ -93,9 +93,40 @@ def thread_share_env(jobs: int) -> dict[str, str]:
     return {**os.environ, **thread_env(thread_share(jobs))}
 
 
+def job_memory(weight_bytes: int) -> int:
+    """What one worker over a model of `weight_bytes` FP32 weight bytes is let to hold: the
+    private-memory bound every stage keeps to (docs/MEMORY.md), 1.25x the weights + 1.5 GiB."""
+    return int(1.25 * weight_bytes + 1.5 * 2**30)
+
+
+def available_memory() -> int | None:
+    """Bytes this machine can give new processes without swapping (Linux MemAvailable); None elsewhere."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def affordable_jobs(jobs: int, memory_per_job: int | None, where: object) -> int:
+    """`jobs`, or fewer where that many workers of `memory_per_job` bytes each would not fit in
+    the memory available now (at least one: a single job runs whatever it needs). Says so on
+    stderr: a 1.7B model's two conversion workers would want 20 GB of a 24 GB machine."""
+    available = available_memory()
+    if memory_per_job is None or available is None or jobs * memory_per_job <= available:
+        return jobs
+    fitting = max(1, available // memory_per_job)
+    print(f"{where}: {jobs} workers of up to {memory_per_job / 2**30:.1f} GiB each exceed the "
+          f"{available / 2**30:.1f} GiB available; running {fitting}", file=sys.stderr)
+    return fitting
+
+
 def run_in_workers(entry: str, setup: dict, tasks: Sequence[Any], jobs: int, *, where: object,
                    shared: Sequence[str | Path] = (), executor: Executor = LOCAL,
-                   done: Callable[[Any, Any], None] | None = None) -> list[Any]:
+                   done: Callable[[Any, Any], None] | None = None, memory_per_job: int | None = None) -> list[Any]:
     """The result of every task, in the order of `tasks`, from at most `jobs` workers of `entry`.
 
     Tasks start in the order given (put the longest first, so no worker runs alone at the
@@ -103,7 +134,11 @@ def run_in_workers(entry: str, setup: dict, tasks: Sequence[Any], jobs: int, *, 
     raises WorkerFailed naming `where` and its task; the other workers are then killed,
     since their work is lost with the caller's staging folder anyway. `shared`: the folders
     the workers read and write (a staging folder), which a Ray worker checks it sees.
+    `memory_per_job` (`job_memory`): local workers are as many as fit in this machine's
+    available memory (`affordable_jobs`); a cluster's actors are Ray's to place.
     """
+    if executor.engine == "local":
+        jobs = affordable_jobs(jobs, memory_per_job, where)
     module, _, runner = ENGINES[executor.engine].partition(":")
     return getattr(importlib.import_module(module), runner)(entry, setup, tasks, jobs, where=where, shared=shared,
                                                             executor=executor, done=done)

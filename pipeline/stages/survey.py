@@ -52,7 +52,8 @@ from pipeline.stages import gates, scoring
 from pipeline.ground.errors import CmfdeployError
 from pipeline.stages.report import md_table, scatter_plot
 from pipeline.ground.text_roles import text_roles
-from pipeline.ground.workers import LOCAL, Executor, run_in_workers
+from pipeline.ground.bundle_format import WEIGHTS_NAME
+from pipeline.ground.workers import LOCAL, Executor, job_memory, run_in_workers
 
 FORMAT = "cmfdeploy.survey/1"
 FOLDER_FORMAT = "cmfdeploy.survey_folder/1"
@@ -314,7 +315,7 @@ def survey_context(settings: dict, manifest: dict | None = None) -> dict:
 
 
 def _recipes_in_workers(recipes: tuple[str, ...], staging: Path, settings: dict, jobs: int, bar,
-                        executor: Executor) -> list[dict]:
+                        executor: Executor, memory_per_job: int) -> list[dict]:
     """Each recipe's record from `jobs` worker processes (`pipeline.ground.workers`), each with
     an equal share of the cores for its BLAS threads: two 1-thread processes get through
     ~1.2x the items of one 2-thread process on two cores, and overlap each other's
@@ -327,7 +328,8 @@ def _recipes_in_workers(recipes: tuple[str, ...], staging: Path, settings: dict,
     # running alone at the end. Records come back in the order asked.
     longest_first = sorted(recipes, key=lambda name: not RECIPES[name].calibration)
     records = run_in_workers("pipeline.stages.survey:survey_worker", setup, longest_first, jobs, where=staging,
-                             shared=(staging,), executor=executor, done=lambda recipe, record: bar.update())
+                             shared=(staging,), executor=executor, done=lambda recipe, record: bar.update(),
+                             memory_per_job=memory_per_job)
     by_recipe = dict(zip(longest_first, records))
     return [by_recipe[name] for name in recipes]
 
@@ -408,7 +410,8 @@ def run_survey(
                 records.append(survey_recipe(name, package_dir, staging, context))
                 bar.update()
         else:
-            records = _recipes_in_workers(recipes, staging, settings, jobs, bar, executor)
+            records = _recipes_in_workers(recipes, staging, settings, jobs, bar, executor,
+                                          job_memory((quality.bundle / WEIGHTS_NAME).stat().st_size))
         bar.close()
         fp32_summary = scoring.summarize(quality.fp32_scores)
         survey = {
