@@ -151,17 +151,26 @@ $(PACKAGES): $(OUT)/bundle/manifest.json $(if $(FP16),$(OUT)/preflight/manifest.
 $(OUT)/reference/index.json: $(OUT)/bundle/manifest.json
 	$(CLI) reference-fixtures $(CMF) -o $(OUT)/reference --text fixtures/botchan.txt --context $(CONTEXT) --force
 
-# The FP32 chunk_kv gate also writes FP32's scores of the scoring set (FP32_SCORES), which the
-# stateful gate and the survey read instead of scoring them again (~100 s each on SmolLM2). An
-# fp16 gate's scoring run holds the package's own scores, so fp16 gates score FP32 themselves.
+# FP32's scores of the scoring set (FP32_SCORES) are made once and read by the other gates and
+# the survey instead of scoring them again (~100 s each on SmolLM2): the FP32 chunk_kv gate
+# writes them; an fp16 build, with no FP32 gate, scores the bundle itself (the same reference).
 FP32_SCORES := $(OUT)/scores/fp32-reference
 ifeq ($(FP16),)
 GATE_FLAGS_chunk_kv = --scores-out $(FP32_SCORES)
 GATE_FLAGS_stateful = --fp32-scores $(FP32_SCORES)
 SURVEY_SCORES = --fp32-scores $(FP32_SCORES)
+else
+GATE_FLAGS_stateless = --fp32-scores $(FP32_SCORES)
+GATE_FLAGS_chunk_kv = --fp32-scores $(FP32_SCORES)
+GATE_FLAGS_stateful = --fp32-scores $(FP32_SCORES)
+SURVEY_SCORES = --fp32-scores $(FP32_SCORES)
+FP32_BASELINE := $(FP32_SCORES)/manifest.json
 endif
 
-$(ALIGN)/%.passed: $(PACKAGES) $(REFERENCE)/index.json $(ITEMS)
+$(FP32_SCORES)/manifest.json: $(OUT)/bundle/manifest.json $(ITEMS)
+	$(CLI) score $(OUT)/bundle $(ITEMS) -o $(FP32_SCORES) --force
+
+$(ALIGN)/%.passed: $(PACKAGES) $(REFERENCE)/index.json $(ITEMS) $(FP32_BASELINE)
 	rm -f $@
 	$(CLI) align $(PKG)/$* --fixtures $(REFERENCE) -o $(ALIGN)/$* $(QUALITY_FLAGS) $(GATE_FLAGS_$*) --force
 	touch $@

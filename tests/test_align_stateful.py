@@ -181,3 +181,19 @@ def test_the_stateful_gate_reads_fp32_scores_of_its_bundle_and_refuses_others(
                      "--fp32-scores", str(run)]) == 1
         err = capsys.readouterr().err
         assert err.startswith("GateFailed: ") and f"field '{field}'" in err and "not the FP32 baseline" in err
+
+
+def test_a_gate_reads_fp32_scores_scored_on_the_bundle_itself(gate, fixture_stateful, items, tmp_path):
+    """An fp16 build has no FP32 gate to write FP32's scores, so make scores the bundle once
+    (`cmfdeploy score BUNDLE`) and every gate and the survey read that run: it is the same
+    FP32 reference, so the verdict is the one a gate that scores FP32 itself reaches."""
+    from pipeline.stages.gates.lineage import resolve_lineage
+
+    bundle, run = resolve_lineage(fixture_stateful).bundle, tmp_path / "bundle-scores"
+    common = ["--fixtures", str(FIXTURE_REFERENCE), "--items", str(items)]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["score", str(bundle), str(items), "-o", str(run)]) == 0
+        assert main(["align", str(fixture_stateful), "-o", str(tmp_path / "gated"), *common,
+                     "--fp32-scores", str(run)]) == 0
+    quality, scored_itself = read_json(tmp_path / "gated" / "alignment.json")["quality"], gate[1]["quality"]
+    assert quality["items_top1_changed"] == scored_itself["items_top1_changed"]

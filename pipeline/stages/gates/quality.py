@@ -62,16 +62,20 @@ class QualityInputs:
         one of another scoring set, backend or bundle is refused, naming the field."""
         from manifests.chain import upstream_path
         from manifests.identity import load_manifest
+        from pipeline.ground.bundle_format import FORMAT as BUNDLE_FORMAT
         from pipeline.stages.scoring import read_run, verify_scores
 
         run_dir = Path(run_dir)
         manifest = verify_scores(run_dir).data
         scored = upstream_path(run_dir, manifest["source"])
+        scored_manifest = load_manifest(scored)
+        # Scored on the bundle itself (`cmfdeploy score BUNDLE`: an fp16 build's FP32 baseline,
+        # which no FP32 gate writes), or on a package of it (the FP32 chunk-KV gate's run).
+        bundle = scored if scored_manifest["format"] == BUNDLE_FORMAT else upstream_of(scored, scored_manifest)[2]
         expected = {"scoring_set.sha256": (manifest["scoring_set"]["sha256"], sha256_file(self.items_path)),
                     "backend": (manifest["backend"], self.fp32.name),
                     "source (its bundle's manifest sha256)": (
-                        sha256_file(upstream_of(scored, load_manifest(scored))[2] / "manifest.json"),
-                        sha256_file(self.bundle / "manifest.json"))}
+                        sha256_file(bundle / "manifest.json"), sha256_file(self.bundle / "manifest.json"))}
         for field, (got, want) in expected.items():
             if got != want:
                 raise GateFailed(f"{run_dir / 'manifest.json'}: field {field!r} is {got!r}, not {want!r}: not the "
