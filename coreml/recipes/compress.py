@@ -114,7 +114,9 @@ def apply_recipe(mlmodel, program, recipe: Recipe, steps: dict[str, dict], encod
 def _bind_compressed(mlpackage: Path, weights: list[Weight], selection: dict, recipe: str) -> None:
     """Record under each selected weight the variable that now feeds its consumers, and check
     that a decompression op produces it (coremltools skips a weight with only a warning) and
-    that every other constant is still a plain const (nothing compressed beyond the plan)."""
+    that every other constant is still a plain const (nothing compressed beyond the plan).
+    Errors name the package file alone: the staging folder they are raised in is gone by the
+    time a survey's record of them ships."""
     spec = ct.utils.load_spec(str(mlpackage))
     producers, inputs, producer_op = {}, {}, {}
     for function in spec.mlProgram.functions.values():
@@ -131,14 +133,14 @@ def _bind_compressed(mlpackage: Path, weights: list[Weight], selection: dict, re
         if not entry["compressed"]:
             if producers.get(weight.name) != "const":
                 raise RecipePrecondition(
-                    f"{mlpackage}: recipe {recipe} changed {weight.name}, which it was not meant to compress"
+                    f"{mlpackage.name}: recipe {recipe} changed {weight.name}, which it was not meant to compress"
                 )
             continue
         fed = sorted({inputs.get(op, {}).get(param, ["absent"])[0] for op, param in weight.uses})
         kinds = [producers.get(var, "absent") for var in fed]
         if len(fed) != 1 or not kinds[0].startswith("constexpr_"):
             raise RecipePrecondition(
-                f"{mlpackage}: recipe {recipe} left {weight.name} uncompressed (its consumers now read "
+                f"{mlpackage.name}: recipe {recipe} left {weight.name} uncompressed (its consumers now read "
                 f"{fed} from {kinds}); coremltools declined it, see its warning"
             )
         entry.update(compressed_as=fed[0], op=kinds[0], chain=_constexpr_chain(fed[0], producers, producer_op, inputs))
