@@ -15,7 +15,8 @@ class PackageBackend:
     Stateless packages have no cache, so `extend` recomputes prefix + suffix in one call
     and returns the suffix's logits; chunk-KV and stateful packages run the prefix once
     and branch from its snapshot, and offer their runner as `chunks` (the ChunkSchedule
-    capability of the protocol). `prefill_batch`/`extend_batch` batch chunk-KV predictions.
+    capability of the protocol). `prefill_batch`/`extend_batch` batch chunk-KV predictions,
+    a chunk's last piece right-padded to an enumerated length (`ChunkKVRunner.run_batch`).
     A stateless package of enumerated lengths runs n tokens right-padded to the next length it
     takes and returns the first n rows: a causal model's row i reads tokens 0..i only, so the
     padding changes none of them (the gates' padding/future invariant holds the package to it).
@@ -42,14 +43,15 @@ class PackageBackend:
         return self.prefill(ids)[0]
 
     def prefill_batch(self, prefixes) -> list:
-        prefilled = (self.kv.run_batch([(self.kv.empty(), np.asarray(ids)) for ids in prefixes]) if self._batches
-                     else [self.prefill(ids) for ids in prefixes])
+        prefilled = (self.kv.run_batch([(self.kv.empty(), np.asarray(ids)) for ids in prefixes], self._pad_id())
+                     if self._batches else [self.prefill(ids) for ids in prefixes])
         return [(logits[-1:], snapshot) for logits, snapshot in prefilled]
 
     def extend_batch(self, branches) -> list[np.ndarray]:
         if not self._batches:
             return [self.extend(snapshot, ids) for snapshot, ids in branches]
-        return [logits for logits, _ in self.kv.run_batch([(snapshot, np.asarray(ids)) for snapshot, ids in branches])]
+        return [logits for logits, _ in self.kv.run_batch([(snapshot, np.asarray(ids)) for snapshot, ids in branches],
+                                                          self._pad_id())]
 
     def prefill(self, ids):
         ids = np.asarray(ids)

@@ -17,7 +17,7 @@ from conftest import FIXTURE_REFERENCE, ROOT
 from coreml.ane import HW_LIMIT, ane_report
 from coreml.convert import export_coreml
 from coreml.kinds.export import Conversion
-from coreml.kinds.cache_runner import pieces
+from coreml.kinds.cache_runner import padded_pieces, pieces
 from coreml.layout import chunk_lengths, head_rows
 from coreml.manifest import verify_package
 from coreml.mil import MilError
@@ -148,6 +148,10 @@ class _Recorded:
         self.calls.append(np.asarray(inputs["input_ids"]).shape[1])
         return self.package.predict(inputs, state) if state is not None else self.package.predict(inputs)
 
+    def predict_batch(self, batch):
+        self.calls.extend(np.asarray(inputs["input_ids"]).shape[1] for inputs in batch)
+        return self.package.predict_batch(batch)
+
     def function(self, name):
         return _Recorded(self.package.function(name))
 
@@ -174,6 +178,37 @@ def test_a_chunk_of_75_tokens_runs_as_64_8_1_1_1_and_its_logits_are_one_calls(pa
         stateful.kv.functions[name] = _Recorded(function)
     stateful.logits(prompt)
     assert stateful.kv.functions["prefill"].calls == [64, 8] and stateful.kv.functions["decode"].calls == [1, 1, 1]
+
+
+def test_scoring_batches_pad_a_chunks_last_piece_and_the_padding_changes_no_real_row(packages, prompt):
+    """Scoring's batches (`prefill_batch`, `extend_batch`) right-pad a chunk's last piece to an
+    enumerated length where the cache has room: 45 tokens are one call of 64, not ten calls.
+    By causality no real row reads the padding, and its K/V lie past the snapshot's position,
+    where every later query masks them until a later chunk writes over them: the same bits
+    whatever the padding holds."""
+    assert padded_pieces(45, tuple(LENGTHS), 128) == [64] and padded_pieces(45, tuple(LENGTHS), 50) == [8] * 6
+    assert padded_pieces(128, tuple(LENGTHS), 128) == [128] and padded_pieces(0, tuple(LENGTHS), 128) == []
+    backend = open_package_backend(packages["split"]["chunk_kv"].path, backend="executor")
+    recorded = backend.kv.package = _Recorded(backend.kv.package)
+    ((last, snapshot),) = backend.prefill_batch([prompt[:45]])
+    assert recorded.calls == [64] and snapshot.position == 45 and last.shape == (1, 1024)
+
+    def joined(out):
+        return np.concatenate([out[f"logits_{i}"][0] for i in range(3)], axis=-1).astype(np.float32)
+
+    cache = np.zeros(backend.kv.cache_shape, np.float16)
+    other_tail = np.concatenate([prompt[:45], np.full(19, 7, prompt.dtype)])
+    by_hand = recorded.package.predict({"input_ids": other_tail[None], "position": np.array([0], np.int32),
+                                        "key_cache": cache, "value_cache": cache})
+    assert np.array_equal(last, joined(by_hand)[44:45])
+    (extended,) = backend.extend_batch([(snapshot, prompt[45:48])])
+    assert recorded.calls[1:] == [8] and extended.shape == (3, 1024)
+    # The padding's K/V in slots 45..63 of the snapshot are never read: zeroed, the same bits.
+    clean = [np.array(c) for c in (snapshot.key_cache, snapshot.value_cache)]
+    for c in clean:
+        c[..., 45:, :] = 0
+    (again,) = backend.extend_batch([(backend.kv._snapshot(*clean, 45), prompt[45:48])])
+    assert np.array_equal(extended, again)
 
 
 def test_a_stateless_call_is_right_padded_to_the_next_length_and_cut_back(packages, prompt, fixture_bundle):

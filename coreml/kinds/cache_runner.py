@@ -57,6 +57,21 @@ def pieces(count: int, lengths: tuple[int, ...] | None) -> list[int]:
     return out
 
 
+def padded_pieces(count: int, lengths: tuple[int, ...], room: int) -> list[int]:
+    """`count` tokens as calls of enumerated `lengths` where the last may be right-padded:
+    the shortest length that holds what is left, where the cache has `room` for it, else the
+    longest that the tokens fill (`pieces`' step). 45 over (1, 8, 64, 128) with room is one
+    call of 64 (`pieces`: 8, 8, 8, 8, 8, 1, 1, 1, 1, 1)."""
+    out = []
+    while count:
+        fits = [n for n in lengths if count <= n <= room]
+        if fits:
+            return out + [min(fits)]
+        take = max(n for n in lengths if n <= count)
+        out, count, room = out + [take], count - take, room - take
+    return out
+
+
 def joined_logits(out: dict, names: list[str]) -> np.ndarray:
     """float32 logits [T, vocab] of one prediction: its logit outputs concatenated in order (one
     output is returned as it is, not copied: a 262k vocabulary's logits at 1024 positions are 1 GB)."""
@@ -96,6 +111,19 @@ class CacheRunner:
         """`ids` [1, T] as the calls the package takes (`pieces`)."""
         sizes = pieces(ids.shape[1], self.lengths)
         return [ids[:, end - size:end] for size, end in zip(sizes, np.cumsum(sizes))]
+
+    def _padded_pieces(self, ids: np.ndarray, position: int, pad_id: int) -> list[tuple[np.ndarray, int]]:
+        """`ids` [1, T] from `position` as (call, its real tokens) pairs (`padded_pieces`): the
+        last call right-padded with `pad_id` where the cache has room for it."""
+        if self.lengths is None:
+            return [(ids, ids.shape[1])]
+        sizes, calls, start = padded_pieces(ids.shape[1], self.lengths, self.context - position), [], 0
+        for size in sizes:
+            real = ids[:, start:start + size]
+            pad = np.full((1, size - real.shape[1]), pad_id, dtype=ids.dtype)
+            calls.append((np.concatenate([real, pad], axis=1) if pad.size else real, real.shape[1]))
+            start += real.shape[1]
+        return calls
 
     def _logits(self, outs: list[dict]) -> np.ndarray:
         """float32 logits [T, vocab] of the predictions of one chunk's pieces, in order."""

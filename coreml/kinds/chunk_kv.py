@@ -17,7 +17,7 @@ import numpy as np
 from coreml.kinds.base import (CACHE_MEANING, PackageKind, chunked_prompt_lines, feature, position_feature,
                                register_kind)
 from coreml.layout import enumerated_lengths
-from coreml.kinds.cache_runner import KVSnapshot, CacheRunner, package_features, input_ids_array
+from coreml.kinds.cache_runner import KVSnapshot, CacheRunner, input_ids_array, joined_logits, package_features
 
 if TYPE_CHECKING:
     from torch import nn
@@ -43,28 +43,47 @@ class ChunkKVRunner(CacheRunner):
     def run(self, snapshot: KVSnapshot, ids) -> tuple[np.ndarray, KVSnapshot]:
         return self._rounds([(snapshot, ids)], lambda feeds: [self.package.predict(feed) for feed in feeds])[0]
 
-    def run_batch(self, branches) -> list[tuple[np.ndarray, KVSnapshot]]:
+    def run_batch(self, branches, pad_id: int | None = None) -> list[tuple[np.ndarray, KVSnapshot]]:
         """`run` of each (snapshot, ids) in batch predictions (`predict_batch`): one batch per
-        round of pieces, each branch's i-th piece in round i."""
-        return self._rounds(branches, self.package.predict_batch)
+        round of pieces, each branch's i-th piece in round i.
 
-    def _rounds(self, branches, predict) -> list[tuple[np.ndarray, KVSnapshot]]:
+        `pad_id`: each chunk's last piece is right-padded to an enumerated length where the
+        cache has room (`_padded_pieces`), so a 45-token prefix is one call of 64, not ten.
+        The real rows are `run`'s: a row reads the tokens before it only. The padding's K/V
+        land past the snapshot's position, where every later query masks them until a later
+        chunk writes over them: the dirty-tail invariant every chunk-KV gate checks. Scoring
+        takes it (`PackageBackend`); the gates' chunk patterns run unpadded, since they
+        compare every slot of the caches a chunk writes."""
+        return self._rounds(branches, self.package.predict_batch, pad_id)
+
+    def _rounds(self, branches, predict, pad_id: int | None = None) -> list[tuple[np.ndarray, KVSnapshot]]:
         ids = [input_ids_array(chunk) for _, chunk in branches]
         for (snapshot, _), chunk in zip(branches, ids):
             self._end(snapshot, chunk)  # the whole chunk checked before any piece runs
-        split = [self._pieces(chunk) for chunk in ids]
+        split = [[(piece, piece.shape[1]) for piece in self._pieces(chunk)] if pad_id is None
+                 else self._padded_pieces(chunk, snapshot.position, pad_id)
+                 for (snapshot, _), chunk in zip(branches, ids)]
         snapshots, outs = [snapshot for snapshot, _ in branches], [[] for _ in branches]
         for round_ in range(max(map(len, split), default=0)):
             active = [i for i, chunks in enumerate(split) if round_ < len(chunks)]
-            feeds = [self._feed(snapshots[i], split[i][round_]) for i in active]
-            for i, out, (_, end) in zip(active, predict([feed for feed, _ in feeds]), feeds):
-                outs[i].append(out)
-                snapshots[i] = self._snapshot(out["new_key_cache"], out["new_value_cache"], end)
-        return [(self._logits(out), snapshot) for out, snapshot in zip(outs, snapshots)]
+            feeds = [self._feed(snapshots[i], split[i][round_][0]) for i in active]
+            for i, out in zip(active, predict(feeds)):
+                piece, real = split[i][round_]
+                outs[i].append((out, piece.shape[1], real))
+                snapshots[i] = self._snapshot(out["new_key_cache"], out["new_value_cache"],
+                                              snapshots[i].position + real)
+        return [(self._real_logits(out), snapshot) for out, snapshot in zip(outs, snapshots)]
 
-    def _feed(self, snapshot: KVSnapshot, ids) -> tuple[dict, int]:
+    def _real_logits(self, outs: list[tuple[dict, int, int]]) -> np.ndarray:
+        """The logits of a chunk's real tokens: each (prediction, its tokens, the real ones)'s first rows."""
+        if all(size == real for _, size, real in outs):
+            return self._logits([out for out, _, _ in outs])
+        return np.concatenate([joined_logits(out, self.logit_names)[:real] for out, _, real in outs])
+
+    def _feed(self, snapshot: KVSnapshot, ids) -> dict:
+        self._end(snapshot, ids)
         return {"input_ids": ids, "position": np.array([snapshot.position], dtype=np.int32),
-                "key_cache": snapshot.key_cache, "value_cache": snapshot.value_cache}, self._end(snapshot, ids)
+                "key_cache": snapshot.key_cache, "value_cache": snapshot.value_cache}
 
 
 @register_kind
