@@ -84,9 +84,11 @@ def _kinds_in_workers(kinds: tuple[str, ...], bundle_dir: Path, staging: Path, o
     setup = {"bundle": str(bundle_dir), "context": context, "staging": str(staging), "out_dir": str(out_dir),
              "conversion": asdict(conversion)}
     longest_first = sorted(kinds, key=lambda kind: -KINDS[kind].steps)
+    # A bundle without weights is the worker's to refuse: it verifies the bundle and names what is wrong.
+    weights = bundle_dir / WEIGHTS_NAME
     run_in_workers("coreml.convert:conversion_worker", setup, longest_first, jobs, where=out_dir, shared=(staging,),
                    executor=executor, done=lambda kind, _: step(f"{kind}: converted"),
-                   memory_per_job=job_memory((bundle_dir / WEIGHTS_NAME).stat().st_size))
+                   memory_per_job=job_memory(weights.stat().st_size) if weights.exists() else None)
 
 
 def conversion_worker(setup: dict) -> Callable[[str], str]:
