@@ -10,8 +10,7 @@ from coreml.kinds import KINDS, UnknownKind
 from coreml.kinds.export import Conversion, Reference, reference_for_export
 from manifests.identity import Manifest, artifact_source, load_manifest
 from manifests.output import refuse_existing, staged_output
-from pipeline.ground.bundle_format import WEIGHTS_NAME
-from pipeline.ground.workers import LOCAL, Executor, job_memory, run_in_workers
+from pipeline.ground.workers import LOCAL, Executor, bundle_job_memory, run_in_workers
 
 
 def in_workers(kinds: tuple[str, ...], jobs: int, executor: Executor) -> bool:
@@ -84,11 +83,9 @@ def _kinds_in_workers(kinds: tuple[str, ...], bundle_dir: Path, staging: Path, o
     setup = {"bundle": str(bundle_dir), "context": context, "staging": str(staging), "out_dir": str(out_dir),
              "conversion": asdict(conversion)}
     longest_first = sorted(kinds, key=lambda kind: -KINDS[kind].steps)
-    # A bundle without weights is the worker's to refuse: it verifies the bundle and names what is wrong.
-    weights = bundle_dir / WEIGHTS_NAME
     run_in_workers("coreml.convert:conversion_worker", setup, longest_first, jobs, where=out_dir, shared=(staging,),
                    executor=executor, done=lambda kind, _: step(f"{kind}: converted"),
-                   memory_per_job=job_memory(weights.stat().st_size) if weights.exists() else None)
+                   memory_per_job=bundle_job_memory(bundle_dir))
 
 
 def conversion_worker(setup: dict) -> Callable[[str], str]:

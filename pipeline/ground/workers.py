@@ -99,6 +99,15 @@ def job_memory(weight_bytes: int) -> int:
     return int(1.25 * weight_bytes + 1.5 * 2**30)
 
 
+def bundle_job_memory(bundle: Path) -> int | None:
+    """`job_memory` of the model in `bundle`; None where it has no weights file (a worker
+    verifies the bundle and refuses it by name)."""
+    from pipeline.ground.bundle_format import WEIGHTS_NAME
+
+    weights = Path(bundle) / WEIGHTS_NAME
+    return job_memory(weights.stat().st_size) if weights.exists() else None
+
+
 def available_memory() -> int | None:
     """Bytes this machine can give new processes without swapping (Linux MemAvailable); None elsewhere."""
     try:

@@ -52,8 +52,7 @@ from pipeline.stages import gates, scoring
 from pipeline.ground.errors import CmfdeployError
 from pipeline.stages.report import md_table, scatter_plot
 from pipeline.ground.text_roles import text_roles
-from pipeline.ground.bundle_format import WEIGHTS_NAME
-from pipeline.ground.workers import LOCAL, Executor, job_memory, run_in_workers
+from pipeline.ground.workers import LOCAL, Executor, bundle_job_memory, run_in_workers
 
 FORMAT = "cmfdeploy.survey/1"
 FOLDER_FORMAT = "cmfdeploy.survey_folder/1"
@@ -315,7 +314,7 @@ def survey_context(settings: dict, manifest: dict | None = None) -> dict:
 
 
 def _recipes_in_workers(recipes: tuple[str, ...], staging: Path, settings: dict, jobs: int, bar,
-                        executor: Executor, memory_per_job: int) -> list[dict]:
+                        executor: Executor, memory_per_job: int | None) -> list[dict]:
     """Each recipe's record from `jobs` worker processes (`pipeline.ground.workers`), each with
     an equal share of the cores for its BLAS threads: two 1-thread processes get through
     ~1.2x the items of one 2-thread process on two cores, and overlap each other's
@@ -411,7 +410,7 @@ def run_survey(
                 bar.update()
         else:
             records = _recipes_in_workers(recipes, staging, settings, jobs, bar, executor,
-                                          job_memory((quality.bundle / WEIGHTS_NAME).stat().st_size))
+                                          bundle_job_memory(quality.bundle))
         bar.close()
         fp32_summary = scoring.summarize(quality.fp32_scores)
         survey = {
