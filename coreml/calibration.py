@@ -31,14 +31,18 @@ HESSIAN_WINDOWS = 16
 
 def logprobs_with(model: torch.nn.Module, original: dict[str, torch.Tensor], windows: list[np.ndarray],
                   weights: dict[str, np.ndarray]) -> list[np.ndarray]:
-    """Log-probabilities of each window with `weights` (HF names) swapped in, the originals put back."""
+    """Log-probabilities of each window with `weights` (HF names) swapped in, the originals put back.
+
+    Swapped by assignment, never copied into the model's tensors: those are the pages of the
+    bundle's map (`pipeline.ground.reference.load_reference`), which a copy would make private,
+    one weight at a time, until the process held the whole model twice."""
     model.load_state_dict({n: torch.from_numpy(np.ascontiguousarray(w, np.float32)) for n, w in weights.items()},
-                          strict=False)
+                          strict=False, assign=True)
     try:
         with torch.no_grad():
             return [log_softmax(model(torch.as_tensor(w)).numpy()) for w in windows]
     finally:
-        model.load_state_dict({n: original[n] for n in weights}, strict=False)
+        model.load_state_dict({n: original[n] for n in weights}, strict=False, assign=True)
 
 
 @dataclass
@@ -63,14 +67,15 @@ class Calibration:
     def of_model(cls, model: torch.nn.Module, calibration_ids: np.ndarray, count: int = WINDOWS,
                  bos_id: int | None = None, original: dict[str, torch.Tensor] | None = None) -> "Calibration":
         """`count` windows of WINDOW tokens of `calibration_ids` (BOS first when `bos_id` is
-        given); `original`: the model's own tensors, already copied by the caller."""
+        given); `original`: the tensors `kl_with` puts back (default: the model's own, which it
+        never writes)."""
         ids = np.asarray(calibration_ids, dtype=np.int64)
         text = WINDOW - (bos_id is not None)
         parts = [ids[i * text:(i + 1) * text] for i in range(count)]
         windows = [np.concatenate([[bos_id], part]).astype(np.int64) if bos_id is not None else part
                    for part in parts if len(part) > 1]
         if original is None:
-            original = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+            original = dict(model.state_dict(keep_vars=True))
         calib = cls(model, windows, [], original)
         calib.reference_logprobs = logprobs_with(model, original, windows[:WINDOWS], {})
         return calib
@@ -83,7 +88,7 @@ class Calibration:
         return float(np.mean(kl))
 
     def weight(self, name: str) -> np.ndarray:
-        return self.original[name].numpy()
+        return self.original[name].detach().numpy()
 
     def input_moments(self) -> dict[str, np.ndarray]:
         """Weight name -> E[x_j^2] per input column of the linear it feeds, over the windows.

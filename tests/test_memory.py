@@ -140,6 +140,26 @@ def test_intended_reference_takes_decoded_weights_without_writing_the_map(int8_c
     assert all(m.get("Private_Dirty", 0) == 0 for m in _mappings(bundle / WEIGHTS_NAME))
 
 
+
+def test_calibration_swaps_weights_without_writing_the_map(fixture_bundle):
+    """A calibration-aware recipe's trials (`Calibration.kl_with`) swap each candidate weight in
+    and the bundle's back by assignment: the map is never written, and no copy of the model is
+    kept to put it back from."""
+    from coreml.calibration import Calibration
+
+    model, _, _ = load_reference(fixture_bundle)
+    calib = Calibration.of_model(model.eval(), np.arange(300) % 200)
+    name = "model.layers.0.mlp.down_proj.weight"
+    before = model.state_dict()[name].clone()
+    assert calib.kl_with({name: np.zeros_like(before.numpy())}) > 0  # the trial ran with the swapped weight
+    assert calib.kl_with({}) == 0.0
+    mappings = _mappings(fixture_bundle / WEIGHTS_NAME)
+    assert torch.equal(model.state_dict()[name], before)
+    assert all(_inside(p, mappings) for p in model.parameters())
+    assert all(_inside(t, mappings) for t in calib.original.values())
+    assert all(m.get("Private_Dirty", 0) == 0 for m in mappings)
+
+
 # -- the MIL executor's constants
 
 
