@@ -43,8 +43,16 @@ class FixtureTextError(CmfdeployError):
 class FixtureCase:
     name: str
     input_ids: np.ndarray
-    logits: np.ndarray
     valid_prefix: int
+    npz_path: Path
+
+    @property
+    def logits(self) -> np.ndarray:
+        """The FP32 reference's logits of the case, read from the npz each time they are asked
+        for: only an FP32 package's gate compares with them (once a case), a compressed one's
+        computes its own, and the long case's are 1 GB for a 262k vocabulary at 1024 positions."""
+        with np.load(self.npz_path, allow_pickle=False) as npz:
+            return npz[f"{self.name}.logits"]
 
 
 class ReferenceFixtures:
@@ -54,11 +62,11 @@ class ReferenceFixtures:
         self.directory = Path(directory)
         self.index = read_json(self.directory / "index.json")
         self.npz_path = self.directory / "logits.npz"
-        # Only the cases' arrays: long_kv_step_logits is as large as the long case's logits
-        # (1 GB for a 262k vocabulary at 1024 positions) and no gate reads it.
+        # The cases' ids now, their logits when read (FixtureCase.logits); long_kv_step_logits,
+        # as large as the long case's, no gate reads.
         with np.load(self.npz_path, allow_pickle=False) as npz:
             self.cases = {
-                name: FixtureCase(name, npz[f"{name}.input_ids"], npz[f"{name}.logits"], int(npz[f"{name}.valid_prefix"]))
+                name: FixtureCase(name, npz[f"{name}.input_ids"], int(npz[f"{name}.valid_prefix"]), self.npz_path)
                 for name in self.index["cases"]
             }
 
