@@ -20,6 +20,7 @@ import numpy as np
 from coreml.mil.errors import MilError
 from coreml.mil.loader import Operation, load_program
 from manifests.identity import load_manifest
+from pipeline.ground.scratch import ScratchFile
 from pipeline.ground.reference import UNTIED_HEAD
 
 
@@ -83,8 +84,9 @@ class StoredProgram:
         return np.asarray(_decompress(op, args))
 
 
-def decoded_weights(package_dir: str | Path) -> dict[str, np.ndarray]:
-    """HF name -> the weight as the package's program defines it, float32, decoded by coremltools.
+def decoded_weights(package_dir: str | Path, scratch: ScratchFile | None = None) -> dict[str, np.ndarray]:
+    """HF name -> the weight as the package's program defines it, float32, decoded by coremltools;
+    with `scratch`, each one held there as it is decoded (a map, not memory of this process).
     A split head's parts (`package.head_split`) are read from the linears that make them and
     joined in row order as `lm_head.weight`: constants of their own, apart from a tied embedding
     a recipe may have compressed, so the reference built from them is untied as the package is
@@ -96,7 +98,8 @@ def decoded_weights(package_dir: str | Path) -> dict[str, np.ndarray]:
         if name in out and not np.array_equal(out[name], value):
             raise MilError(f"{program.where}: weight {name} is stored twice with different values "
                            f"({var} and another constant); one PyTorch reference cannot hold both")
-        out[name] = value
+        if name not in out:
+            out[name] = value if scratch is None else scratch.hold(value)
 
     for var, hf_names in weight_vars(program.manifest).items():
         value = program.value(var).astype(np.float32)

@@ -16,6 +16,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from rss import TreeSampler, process_tree  # noqa: E402
 
+from coreml.mil import executor as executor_module  # noqa: E402
 from coreml.mil.executor import Executor  # noqa: E402
 from coreml.mil.loader import load_program  # noqa: E402
 from coreml.recipes import compress_package  # noqa: E402
@@ -206,6 +207,61 @@ def test_scale_bench_rows_are_ratios_to_the_weights_and_the_baseline():
     assert big["seconds_x_base"] == 6 and big["seconds_per_weight_x_base"] == 2
     assert big["rss_x_weights"] == 4 / 3 and big["anon_x_weights"] == 5 / 3 and big["anon_x_base"] == 5
     assert base["anon_within_target"] and big["anon_within_target"] == (5 <= 1.25 * 3 + 1.5)
+
+
+def test_scratch_file_holds_arrays_as_maps_of_an_unlinked_file():
+    """What a stage makes once and then reads (decoded weights) lives in the page cache: the
+    values round-trip bit for bit, each array is a map of a file no folder lists, and it stays
+    readable after the ScratchFile object itself is gone."""
+    import gc
+
+    from pipeline.ground.scratch import ScratchFile
+
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal((300, 7)).astype(np.float32), rng.standard_normal(5).astype(np.float16),
+              np.arange(12, dtype=np.int64).reshape(3, 4)[:, ::2]]  # not contiguous
+    scratch = ScratchFile()
+    held = [scratch.hold(a) for a in arrays]
+    del scratch
+    gc.collect()
+    for array, mapped in zip(arrays, held):
+        assert isinstance(mapped, np.memmap) and mapped.dtype == array.dtype and mapped.shape == array.shape
+        assert np.array_equal(np.asarray(mapped).view(np.uint8), np.ascontiguousarray(array).view(np.uint8))
+    starts = {m["start"] for m in _scratch_mappings()}
+    assert all(any(m["start"] <= a.ctypes.data < m["stop"] for m in _scratch_mappings()) for a in held)
+    assert starts  # every one of them a map of a deleted file in the temp folder
+
+
+def test_executor_and_reference_hold_decoded_weights_in_scratch_maps(int8_chunk_kv, fixture_bundle, monkeypatch):
+    """A compressed package's weights, decoded once by the executor and once by coremltools for
+    the gate's reference, are maps of scratch files, not memory of the process."""
+    monkeypatch.setattr(executor_module, "SCRATCH_BYTES", 4096)  # the fixture's weights are KBs, not MBs
+    program = load_program(int8_chunk_kv / load_manifest(int8_chunk_kv)["package"]["name"])
+    executor = Executor(program)
+    operations = program.functions[program.default_function].block.operations
+    decoded = [executor.constants[name] for op in operations if op.type.startswith("constexpr_")
+               for name, _ in op.outputs if name in executor.constants]
+    large = [value for value in decoded if value.nbytes >= executor_module.SCRATCH_BYTES]
+    assert large and all(isinstance(value, np.memmap) for value in large)
+    manifest = load_manifest(int8_chunk_kv)
+    intended, _ = intended_references(int8_chunk_kv, manifest, upstream_of(int8_chunk_kv, manifest)[2])
+    scratch_maps = [m for m in _scratch_mappings()]
+    embedding = intended.model.state_dict()["model.embed_tokens.weight"]
+    assert any(m["start"] <= embedding.data_ptr() < m["stop"] for m in scratch_maps)
+    assert all(any(m["start"] <= value.ctypes.data < m["stop"] for m in scratch_maps) for value in large)
+
+
+def _scratch_mappings() -> list[dict]:
+    """Maps of deleted files in the temp folder: scratch files, unlinked from the start."""
+    import tempfile
+
+    found = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].startswith(tempfile.gettempdir()) and fields[5].endswith("(deleted)"):
+            start, stop = (int(x, 16) for x in line.split()[0].split("-"))
+            found.append({"start": start, "stop": stop})
+    return found
 
 
 def test_executor_holds_each_decompressed_weight_once(fixture_packages, tmp_path):

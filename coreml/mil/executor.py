@@ -24,6 +24,11 @@ agrees with this model at op boundaries, where the program's types are, and a ga
 derived from fp16's unit roundoff at each boundary plus float32 within an op is what holds for
 the GPU, the documented case. Weight decompression (`constexpr_*`, evaluated once at load) is
 the exception: MIL defines it in its operands' dtype, so it sees them as stored.
+
+Constants cost no memory of the process: a `const` is a view of the package's weight file,
+and a value made here once (a decompressed weight, an fp16 constant widened to float32) is
+moved to a scratch file and read back through a map (`pipeline.ground.scratch`), so a
+compressed package's weights are held as the FP32 package's are.
 """
 
 from __future__ import annotations
@@ -36,6 +41,10 @@ import numpy as np
 from coreml.mil.errors import MilError, UnsupportedOp
 from coreml.mil.loader import FeatureSpec, Function, Operation, Program, TensorSpec
 from coreml.mil.ops import OPS
+from pipeline.ground.scratch import ScratchFile
+
+# A value the executor makes once and at least this large goes to its scratch file.
+SCRATCH_BYTES = 1 << 20
 
 class StateCell:
     """One state buffer; writes keep its declared dtype and shape (Core ML states are fixed)."""
@@ -129,6 +138,7 @@ class Executor:
         self.where = f"{program.path}: function {name}"
         self.constants: dict[str, object] = {}
         self._wide_constants: dict[str, object] = {}
+        self._scratch: ScratchFile | None = None
         self._steps: list[_Step] = []
         self._plan()
         del self._wide_constants  # each is held by the steps that read it
@@ -208,8 +218,18 @@ class Executor:
     def _wide(self, name: str):
         """Constant `name` as the ops see it (fp16 widened to float32), made once per constant."""
         if name not in self._wide_constants:
-            self._wide_constants[name] = _widened(self.constants[name])
+            value = self.constants[name]
+            widened = _widened(value)
+            self._wide_constants[name] = widened if widened is value else self._held(widened)
         return self._wide_constants[name]
+
+    def _held(self, value):
+        """`value`, made here once, as a map of the scratch file where it is large."""
+        if not isinstance(value, np.ndarray) or value.nbytes < SCRATCH_BYTES:
+            return value
+        if self._scratch is None:
+            self._scratch = ScratchFile()
+        return self._scratch.hold(value)
 
     def _drop_folded_intermediates(self) -> None:
         """Forget a decompressed constant that only other constexpr ops read (int4-b32's fp16
@@ -227,6 +247,8 @@ class Executor:
         if step.dynamic:
             raise MilError(f"{step.where}: a constexpr op with non-constant operands {[d[0] for d in step.dynamic]}")
         self._store(step, self._call(step, step.static), self.constants)
+        for name, _ in step.op.outputs:
+            self.constants[name] = self._held(self.constants[name])
 
     # -- running ----------------------------------------------------------------------------
     @staticmethod

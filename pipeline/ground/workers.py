@@ -20,6 +20,7 @@ The caller names its own factory, so this module imports nothing above the groun
 from __future__ import annotations
 
 import ctypes
+import gc
 import importlib
 import json
 import os
@@ -106,6 +107,18 @@ def bundle_job_memory(bundle: Path) -> int | None:
 
     weights = Path(bundle) / WEIGHTS_NAME
     return job_memory(weights.stat().st_size) if weights.exists() else None
+
+
+def return_freed_memory() -> None:
+    """Hand the memory this process has freed back to the system. glibc keeps freed heap pages
+    as the process's own: after a compression, coremltools' copy of the program (1 W, freed)
+    stayed resident through the gate that follows (SmolLM2 int8-b32: 0.97 GB anonymous after
+    the compression, 0.30 GB once trimmed). A no-op where the C library has no malloc_trim."""
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except AttributeError:
+        pass
 
 
 def available_memory() -> int | None:
@@ -209,6 +222,7 @@ def serve(entry: str, setup: dict, parent: int) -> None:
     answers, sys.stdout = sys.stdout, sys.stderr  # stdout carries the answers alone
     for line in sys.stdin:
         print(json.dumps(handler(json.loads(line))), file=answers, flush=True)
+        return_freed_memory()  # what one job freed is not the next job's resident memory
 
 
 def _die_with(parent: int) -> None:

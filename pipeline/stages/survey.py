@@ -52,7 +52,7 @@ from pipeline.stages import gates, scoring
 from pipeline.ground.errors import CmfdeployError
 from pipeline.stages.report import md_table, scatter_plot
 from pipeline.ground.text_roles import text_roles
-from pipeline.ground.workers import LOCAL, Executor, bundle_job_memory, run_in_workers
+from pipeline.ground.workers import LOCAL, Executor, bundle_job_memory, return_freed_memory, run_in_workers
 
 FORMAT = "cmfdeploy.survey/1"
 FOLDER_FORMAT = "cmfdeploy.survey_folder/1"
@@ -153,6 +153,7 @@ def survey_recipe(name: str, package_dir: Path, staging: Path, context: dict) ->
         manifest = compress_package(package_dir, name, compressed, **extra)
     except RecipePrecondition as error:
         return _unmet(name, "compress", str(error))
+    return_freed_memory()  # the compression's copies of the program, before the gate loads its own
     bind_fp32_gate(compressed, context["fp32_gate"])
     gate = gates.align_package(compressed, context["fixtures"].directory, gate_dir, budget=context["budget"],
                                backend=context["backend"], quality=context["quality"], scores_out=run_dir,

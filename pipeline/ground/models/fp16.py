@@ -75,6 +75,7 @@ from torch import nn
 from pipeline.ground.errors import CmfdeployError
 from pipeline.ground.models.args import ModelArgs
 from pipeline.ground.models.base import Decoder, GatedMLP, RMSNorm
+from pipeline.ground.scratch import ScratchFile
 
 FP16_MAX = 65504.0
 # fp16's smallest normal number: the floor of a max-scaled norm's divisor, so a zero row
@@ -279,8 +280,11 @@ class Fp16Reference(nn.Module):
     def __init__(self, decoder: Decoder):
         super().__init__()
         self.args = decoder.args
-        # Parameters copied straight to fp16 (a float32 copy first would hold the model twice).
-        halves = {id(p): nn.Parameter(p.detach().half(), requires_grad=False) for p in decoder.parameters()}
+        # Parameters copied straight to fp16 (a float32 copy first would hold the model twice),
+        # each held in a scratch file as it is made (pipeline.ground.scratch): no memory of the process.
+        scratch = ScratchFile()
+        halves = {id(p): nn.Parameter(torch.from_numpy(scratch.hold(p.detach().half().numpy())), requires_grad=False)
+                  for p in decoder.parameters()}
         self.decoder = copy.deepcopy(decoder, memo=halves)
         keep = {name: buffer for name, buffer in self.decoder.named_buffers() if name.endswith("inv_freq")}
         self.decoder.half()

@@ -24,6 +24,7 @@ def intended_references(package_dir: Path, manifest: dict, bundle: Path) -> tupl
     from coreml.manifest import COMPRESSED_FORMAT
     from coreml.precisions import package_precision
     from pipeline.ground.reference import load_reference
+    from pipeline.ground.scratch import ScratchFile
     from pipeline.ground.torch_backend import TorchBackend
     from pipeline.stages.gates.lineage import upstream_of
 
@@ -41,14 +42,14 @@ def intended_references(package_dir: Path, manifest: dict, bundle: Path) -> tupl
         mitigations = Fp16Mitigations() if record is None else Fp16Mitigations.from_record(
             record["record"], f"{package_dir}: field 'numerics.mitigations.record'")
         # A compressed package's decoded weights are the model's own tensors; the rest stay the bundle's map.
-        model, _, _ = load_reference(bundle, replaced=decoded_weights(package_dir) if compressed else None)
+        model, _, _ = load_reference(bundle, replaced=decoded_weights(package_dir, ScratchFile()) if compressed else None)
         what = f"recipe {manifest['recipe']['name']}, decoded weights" if compressed else "bundle weights"
         mitigated = mitigated_model(model, args, mitigations, weights_scaled=compressed)
         del model
         return TorchBackend(fp16_reference(mitigated), args, context, cache_dtype=np.float16,
                             numerics=f"fp16 at op boundaries, {what}, mitigations {_mitigations_name(mitigations)}"), fp32
     if compressed:
-        model, _, _ = load_reference(bundle, replaced=decoded_weights(package_dir))
+        model, _, _ = load_reference(bundle, replaced=decoded_weights(package_dir, ScratchFile()))
         return TorchBackend(model.eval(), args, context, cache_dtype=cache_dtype,
                             numerics=f"recipe {manifest['recipe']['name']}, decoded weights"), fp32
     if cache_dtype == np.float16:
