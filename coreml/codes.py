@@ -118,6 +118,8 @@ GPTQ_DAMP = 0.01
 # is one GEMM per block; the same codes as the paper's 128, 1.4-2x faster on SmolLM2's shapes
 # (the elementwise updates, not the GEMM, are what costs).
 GPTQ_BATCH = 32
+# Bytes of float64 weight rows GPTQ codes at a time (`gptq_affine`).
+GPTQ_ROW_BYTES = 64 << 20
 
 
 def gptq_affine(w: np.ndarray, hessian: np.ndarray, nbits: int, block: int, dtype=np.float16,
@@ -130,18 +132,32 @@ def gptq_affine(w: np.ndarray, hessian: np.ndarray, nbits: int, block: int, dtyp
     to the error-updated weights when its first column is reached, then rounded to `dtype`;
     every error fed back is that of the value the op decodes.
     """
-    weight = np.array(w, np.float64)  # the feedback sums many small corrections
-    rows, cols = weight.shape
+    w = np.asarray(w)
+    rows, cols = w.shape
     h = np.array(hessian, np.float64)
     dead = np.diag(h) == 0  # an input that is always zero: its column codes as anything
     h[dead, dead] = 1.0
-    weight[:, dead] = 0.0
     h += damp * np.mean(np.diag(h)) * np.eye(cols)
     upper = np.linalg.cholesky(np.linalg.inv(h)).T  # inv(h) = upper^T upper
-    levels = (1 << nbits) - 1
     data = np.empty((rows, cols), np.uint8)
     scale = np.empty((rows, cols // block), dtype)
     offset = np.empty((rows, cols // block), dtype)
+    # Rows are coded independently (the feedback runs along a row), so they go through in
+    # blocks: a 262k-row head's float64 copy would be 1.3 GB, and each column's update as much again.
+    step = max(1, GPTQ_ROW_BYTES // (8 * cols))
+    for first in range(0, rows, step):
+        rows_here = slice(first, first + step)
+        _gptq_rows(w[rows_here], dead, upper, nbits, block, dtype, data[rows_here], scale[rows_here], offset[rows_here])
+    return ShiftScale(data, scale, offset, nbits, signed=False)
+
+
+def _gptq_rows(w: np.ndarray, dead: np.ndarray, upper: np.ndarray, nbits: int, block: int, dtype,
+               data: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> None:
+    """`gptq_affine` of some rows of the weight, written into their rows of `data`, `scale`, `offset`."""
+    weight = np.array(w, np.float64)  # the feedback sums many small corrections
+    weight[:, dead] = 0.0
+    cols = weight.shape[1]
+    levels = (1 << nbits) - 1
     batch = block * max(1, GPTQ_BATCH // block)
     for start in range(0, cols, batch):
         end = min(start + batch, cols)
@@ -162,7 +178,6 @@ def gptq_affine(w: np.ndarray, hessian: np.ndarray, nbits: int, block: int, dtyp
             part[:, j + 1:] -= np.outer(error, upper[column, column + 1:end])
             errors[:, j] = error
         weight[:, end:] -= errors @ upper[start:end, end:]
-    return ShiftScale(data, scale, offset, nbits, signed=False)
 
 
 def kmeans_tiles(w: np.ndarray, nbits: int, tile: tuple[int, int], importance: np.ndarray | None = None,

@@ -88,3 +88,20 @@ def test_gptq_lowers_the_output_error_on_correlated_inputs_below_the_plain_fit()
     assert _output_error(gptq, w, hessian) < _output_error(plain, w, hessian)
     assert gptq.data.max() <= 15 and gptq.scale.dtype == np.float16 and gptq.offset.shape == (rows, cols // 32)
     assert gptq.bits() == plain.bits()  # the same storage: codes plus fp16 scale and offset per 32
+
+
+def test_gptq_codes_rows_in_blocks_each_as_on_its_own(monkeypatch):
+    """GPTQ's feedback runs along a row, so rows are coded a block at a time (a 262k-row head
+    whole would take 1.3 GB of float64 and as much per column update): each block's codes are
+    those of the same rows coded alone, the same operations on the same values."""
+    rng = np.random.default_rng(2)
+    rows, cols = 20, 64
+    x = rng.normal(size=(256, cols)) @ rng.normal(size=(cols, cols)) * 0.1
+    hessian = x.T @ x / len(x)
+    w = (rng.standard_t(4, size=(rows, cols)) * 0.02).astype(np.float32)
+    monkeypatch.setattr(codes, "GPTQ_ROW_BYTES", 7 * 8 * cols)  # 7 rows a block: 7, 7, 6
+    whole = codes.gptq_affine(w, hessian, 4, 32)
+    for first in (0, 7, 14):
+        alone = codes.gptq_affine(w[first:first + 7], hessian, 4, 32)
+        for part in ("data", "scale", "offset"):
+            assert np.array_equal(getattr(whole, part)[first:first + 7], getattr(alone, part)), part
