@@ -49,9 +49,17 @@ def logprobs_with(model: torch.nn.Module, original: dict[str, torch.Tensor], win
 class Calibration:
     model: torch.nn.Module
     windows: list[np.ndarray]
-    reference_logprobs: list[np.ndarray]
     original: dict[str, torch.Tensor]
     hessians: dict[str, np.ndarray] | None = None
+    _reference_logprobs: list[np.ndarray] | None = None
+
+    @property
+    def reference_logprobs(self) -> list[np.ndarray]:
+        """The model's own log-probabilities of the first WINDOWS windows, which `kl_with`
+        compares with: made when first asked for (GPTQ never asks; on Gemma 3 they are 268 MB)."""
+        if self._reference_logprobs is None:
+            self._reference_logprobs = logprobs_with(self.model, self.original, self.windows[:WINDOWS], {})
+        return self._reference_logprobs
 
     @classmethod
     def from_package(cls, package_dir: Path, manifest: dict, calibration_ids: np.ndarray,
@@ -76,9 +84,7 @@ class Calibration:
                    for part in parts if len(part) > 1]
         if original is None:
             original = dict(model.state_dict(keep_vars=True))
-        calib = cls(model, windows, [], original)
-        calib.reference_logprobs = logprobs_with(model, original, windows[:WINDOWS], {})
-        return calib
+        return cls(model, windows, original)
 
     def kl_with(self, weights: dict[str, np.ndarray]) -> float:
         """Mean KL(reference || model with `weights` substituted) per token over the first
