@@ -71,6 +71,7 @@ def gate_backend(candidate, intended, fixtures: ReferenceFixtures, quality: Qual
         records = exactness_one_shot(one_shot, intended, fixtures, frozen, samples, tolerance) + records
     clock.lap("one_shot")
     invariants = run_invariants(GateRun(candidate, fixtures, one_shot, runs, tolerance, fp16_cache, intended.args))
+    del one_shot, runs  # the cases' logits, both sides (2 GB for Gemma 3's long case), before quality makes its own
     clock.lap("branching")
     quality_record, scores = measure_quality(intended, quality, budget, all_figures)
     clock.lap("quality")
