@@ -2,44 +2,76 @@
 back through a map, as the bundle's weights are.
 
     scratch = ScratchFile()
-    decoded = scratch.hold(decode(constant))   # a read-mostly np.memmap; the array itself can go
+    decoded = scratch.hold(decode(constant))   # a view of the file's map; the array itself can go
 
 A decoded weight (a compressed package's constants as the executor and the gate's reference
-each decode them) is as large as the model. Held as the process's own memory, two of them and
-the conversion's copies came to 4-10 times the weights in a survey worker (docs/MEMORY.md).
-Written once to a file and mapped, their pages are the page cache's: clean, shared, dropped
-under memory pressure and read again from disk, never swapped, so a stage's private memory
-stays bounded by what it computes at a time.
+each decode them) is as large as the model, and a gate's logits of a long case are 1 GB a
+side on a 262k vocabulary. Held as the process's own memory, they and the conversion's copies
+came to 4-10 times the weights in a survey worker (docs/MEMORY.md). Written to a file's shared
+map, their pages are the page cache's: written back to disk by the kernel, dropped under
+memory pressure and read again, never swapped, so a stage's private memory stays bounded by
+what it computes at a time.
 
 The file is unlinked from the start (`tempfile.TemporaryFile`), so nothing is left behind by a
-process that dies; each map holds it open for as long as the array lives. It lies in the temp
-folder (TMPDIR): on a tmpfs that is memory too, and the sampler counts it as shared memory.
+process that dies, and sparse: it is mapped a segment of address space at a time, one map
+(and one file descriptor) per segment however many arrays it holds, and only what is written
+takes disk. It lies in the temp folder (TMPDIR): on a tmpfs that is memory too, and the
+sampler counts it as shared memory.
 """
 
+import os
 import tempfile
 
 import numpy as np
 
-# Each array starts on a page of its own: the map of one never shares a page with the next.
+# Each array starts on a page of its own.
 PAGE = 4096
+# Address space one map of the file reserves (never memory or disk until written).
+SEGMENT = 1 << 34
 
 
 class ScratchFile:
-    """An unlinked file that arrays are appended to and read back from through copy-on-write
-    maps (writable as torch wants them; a write would copy only its page, never reach the file)."""
+    """An unlinked sparse file that arrays are written into through shared maps; what `hold` and
+    `concatenate` return are views of those maps, which keep them (and the file) alive."""
 
     def __init__(self, directory: str | None = None):
         self._file = tempfile.TemporaryFile(prefix="cmfdeploy-scratch-", dir=directory)
-        self._end = 0
+        self._segment: np.memmap | None = None
+        self._used = 0
+        self._file_end = 0
 
     def hold(self, array: np.ndarray) -> np.ndarray:
-        """`array`'s values as a map of this file (the array itself is not kept)."""
-        array = np.ascontiguousarray(array)
-        if array.nbytes == 0:
-            return array
-        offset = -(-self._end // PAGE) * PAGE
-        self._file.seek(offset)
-        self._file.write(memoryview(array).cast("B"))
-        self._file.flush()
-        self._end = offset + array.nbytes
-        return np.memmap(self._file, dtype=array.dtype, mode="c", offset=offset, shape=array.shape)
+        """`array`'s values in this file (the array itself is not kept)."""
+        return self.concatenate([array])
+
+    def concatenate(self, parts: list[np.ndarray]) -> np.ndarray:
+        """`np.concatenate(parts)` in this file; `parts` is emptied as each is written, so no
+        part outlives its write and the whole is never memory of the process."""
+        dtype = np.result_type(*parts)
+        shape = (sum(len(part) for part in parts), *parts[0].shape[1:]) if parts[0].ndim else parts[0].shape
+        if len(parts) > 1 and not all(shape[1:] == part.shape[1:] for part in parts):
+            raise ValueError(f"scratch: parts of shapes {[part.shape for part in parts]} do not concatenate")
+        nbytes = int(np.prod(shape)) * dtype.itemsize
+        if nbytes == 0:
+            return np.concatenate(parts) if parts[0].ndim else np.asarray(parts[0])
+        out = self._room(nbytes).view(dtype).reshape(shape)
+        if not parts[0].ndim:
+            out[...] = parts.pop()
+        start = 0
+        while parts:
+            part = parts.pop(0)
+            out[start:start + len(part)] = part
+            start += len(part)
+        return out
+
+    def _room(self, nbytes: int) -> np.ndarray:
+        """`nbytes` of the map, page-aligned, in the current segment or a new one."""
+        start = -(-self._used // PAGE) * PAGE
+        if self._segment is None or start + nbytes > len(self._segment):
+            size = max(SEGMENT, -(-nbytes // PAGE) * PAGE)
+            os.ftruncate(self._file.fileno(), self._file_end + size)
+            self._segment = np.memmap(self._file, np.uint8, mode="r+", offset=self._file_end, shape=(size,))
+            self._file_end += size
+            start = 0
+        self._used = start + nbytes
+        return np.asarray(self._segment[start:start + nbytes])

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipeline.ground.backend_protocol import ChunkSchedule, kl_rows, log_softmax
+from pipeline.ground.scratch import ScratchFile
 from pipeline.stages.gates.fixtures import FixtureCase, ReferenceFixtures
 
 # Chunk patterns. A compressed package is the FP32 program with each weight constant
@@ -259,18 +260,11 @@ def run_checked(chunks: ChunkSchedule, intended, ids: np.ndarray, schedule: list
         start += size
     if pending:
         outside += check()
-    return {"got": _joined(got), "want": _joined(want), "cache_outside": outside}
-
-
-def _joined(parts: list[np.ndarray]) -> np.ndarray:
-    """`parts` concatenated, each freed as it is copied (never both whole at once)."""
-    out = np.empty((sum(len(p) for p in parts), *parts[0].shape[1:]), np.result_type(*parts))
-    start = 0
-    while parts:
-        part = parts.pop(0)
-        out[start:start + len(part)] = part
-        start += len(part)
-    return out
+    # Both sides' logits of the whole schedule are compared, and the one-shot run's are kept
+    # for the invariants: in a scratch file, each chunk's freed as it is written (Gemma 3's
+    # long case is 1 GB a side; pipeline.ground.scratch).
+    scratch = ScratchFile()
+    return {"got": scratch.concatenate(got), "want": scratch.concatenate(want), "cache_outside": outside}
 
 
 def exactness_chunks(chunks: ChunkSchedule, intended, fixtures: ReferenceFixtures, patterns, samples: dict,
