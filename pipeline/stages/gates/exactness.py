@@ -233,6 +233,10 @@ def run_checked(chunks: ChunkSchedule, intended, ids: np.ndarray, schedule: list
     another summation order, which the tolerances already allow for (`exact_tolerances`:
     FP32's summation-order bound), so the bounds are the chunk-by-chunk ones, unchanged."""
     snapshot, got, want, outside, start, pending, held = chunks.empty(), [], [], 0, 0, [], 0
+    # Both sides' logits go to a scratch file as each chunk (or batch) is made, and are joined
+    # there at the end: a long case's are 1 GB a side on a 262k vocabulary, and neither side's
+    # stays memory of the process while the other computes (pipeline.ground.scratch).
+    scratch = ScratchFile()
 
     def check() -> int:
         # Chunks of one length per batch: unpadded, so the reference writes exactly the slots
@@ -242,7 +246,7 @@ def run_checked(chunks: ChunkSchedule, intended, ids: np.ndarray, schedule: list
             alike = [i for i, (_, part, _) in enumerate(pending) if len(part) == size]
             for i, ref in zip(alike, intended.advance_arrays([pending[i][:2] for i in alike])):
                 refs[i] = ref
-        want.extend(logits for logits, _ in refs)
+        want.extend(scratch.hold(logits) for logits, _ in refs)
         return sum(cache_outside(new, ref, cache_tolerance)
                    for (_, (ref_keys, ref_values, _)), (_, _, after) in zip(refs, pending)
                    for new, ref in zip(after, (ref_keys, ref_values)))
@@ -251,7 +255,7 @@ def run_checked(chunks: ChunkSchedule, intended, ids: np.ndarray, schedule: list
         part = ids[start:start + size]
         before = chunks.cache_arrays(snapshot)
         logits, snapshot = chunks.run(snapshot, part)
-        got.append(logits)
+        got.append(scratch.hold(logits))
         pending.append((before, part, chunks.cache_arrays(snapshot)[:2]))
         held += before[0].nbytes + before[1].nbytes
         if held >= REFERENCE_BATCH_BYTES:
@@ -260,10 +264,6 @@ def run_checked(chunks: ChunkSchedule, intended, ids: np.ndarray, schedule: list
         start += size
     if pending:
         outside += check()
-    # Both sides' logits of the whole schedule are compared, and the one-shot run's are kept
-    # for the invariants: in a scratch file, each chunk's freed as it is written (Gemma 3's
-    # long case is 1 GB a side; pipeline.ground.scratch).
-    scratch = ScratchFile()
     return {"got": scratch.concatenate(got), "want": scratch.concatenate(want), "cache_outside": outside}
 
 

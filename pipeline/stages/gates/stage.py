@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from manifests.identity import portable_name, sha256_file
+from pipeline.ground.workers import return_freed_memory
 from pipeline.stages.gates.budget import COMPRESSED_BUDGET, Budget, parse_budget
 from pipeline.stages.gates.exactness import (
     ALL_PATTERNS,
@@ -72,6 +73,7 @@ def gate_backend(candidate, intended, fixtures: ReferenceFixtures, quality: Qual
     clock.lap("one_shot")
     invariants = run_invariants(GateRun(candidate, fixtures, one_shot, runs, tolerance, fp16_cache, intended.args))
     del one_shot, runs  # the cases' logits, both sides (2 GB for Gemma 3's long case), before quality makes its own
+    return_freed_memory()
     clock.lap("branching")
     quality_record, scores = measure_quality(intended, quality, budget, all_figures)
     clock.lap("quality")
