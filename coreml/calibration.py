@@ -138,4 +138,4 @@ class Calibration:
         finally:
             for hook in hooks:
                 hook.remove()
-        return {name: (sums[name] / counts[name]).numpy() for name in sums}
+        return {name: sums[name].div_(counts[name]).numpy() for name in sums}  # in place: they are 1 GB on Gemma 3

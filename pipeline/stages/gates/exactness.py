@@ -256,6 +256,7 @@ def run_checked(chunks: ChunkSchedule, intended, ids: np.ndarray, schedule: list
         before = chunks.cache_arrays(snapshot)
         logits, snapshot = chunks.run(snapshot, part)
         got.append(scratch.hold(logits))
+        del logits  # the scratch copy is the one kept; this one would outlive the reference's batch
         pending.append((before, part, chunks.cache_arrays(snapshot)[:2]))
         held += before[0].nbytes + before[1].nbytes
         if held >= REFERENCE_BATCH_BYTES:
