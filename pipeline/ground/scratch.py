@@ -27,7 +27,7 @@ import numpy as np
 # Each array starts on a page of its own.
 PAGE = 4096
 # Address space one map of the file reserves (never memory or disk until written).
-SEGMENT = 1 << 34
+SEGMENT = 1 << 30
 
 
 class ScratchFile:
