@@ -49,9 +49,28 @@ def _decompress(op: Operation, args: dict) -> np.ndarray:
     if kind in ("constexpr_blockwise_shift_scale", "constexpr_lut_to_dense", "constexpr_sparse_to_dense",
                 "constexpr_lut_to_sparse", "constexpr_sparse_blockwise_shift_scale"):
         method = getattr(ios18, kind).decompress
+        if kind == "constexpr_lut_to_dense" and args.get("vector_axis") is None:
+            return _lut_in_row_blocks(method, np.asarray(args["indices"]), np.asarray(args["lut"]))
         names = method.__code__.co_varnames[:method.__code__.co_argcount]
         return method(**{name: args.get(name) for name in names if name != "cls"})
     raise MilError(f"constexpr op {kind} -> {op.outputs[0][0]}: no reference decompression for this op type")
+
+
+# Bytes of repeated LUT coremltools' palette decoding may build at a time (`_lut_in_row_blocks`).
+LUT_BLOCK_BYTES = 64 << 20
+
+
+def _lut_in_row_blocks(decompress, indices: np.ndarray, lut: np.ndarray) -> np.ndarray:
+    """coremltools' `constexpr_lut_to_dense.decompress` over rows a block of whole LUT tiles at a
+    time: it repeats the LUT to every element before looking up (K entries each: 4.1 GB for
+    SmolLM2's 113 MB embedding at 64 entries), and each block's rows with their tiles' LUTs are
+    the same lookups of the same values."""
+    rows, tile = len(indices), len(indices) // lut.shape[0]
+    per_element = lut.shape[-2] * lut.shape[-1] * lut.itemsize
+    step = max(1, LUT_BLOCK_BYTES // max(1, indices[:1].size * per_element * tile)) * tile
+    parts = [decompress(indices[start:start + step], lut[start // tile:(start + step) // tile], None)
+             for start in range(0, rows, step)] if rows > step else [decompress(indices, lut, None)]
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 class StoredProgram:

@@ -280,3 +280,18 @@ def test_executor_holds_each_decompressed_weight_once(fixture_packages, tmp_path
     assert cast_inputs and cast_inputs <= set(folded) and not cast_inputs & set(executor.constants)
     assert {name for name in folded if name in read} <= set(executor.constants)
     assert all(executor.constants[name].dtype == np.float32 for name in folded if name in executor.constants)
+
+
+def test_palette_decoding_in_row_blocks_gives_the_whole_decoding(fixture_packages, tmp_path, monkeypatch):
+    """coremltools' palette decoding repeats the LUT to every element first (4.1 GB for SmolLM2's
+    embedding at 64 entries), so the gate's reference decodes rows a block of whole tiles at a
+    time: the same lookups of the same values, bit for bit."""
+    from coreml import decoded
+
+    package = compress_package(fixture_packages / "chunk_kv", "palette4-gc32", tmp_path / "palette4").path
+    whole = decoded.decoded_weights(package)
+    monkeypatch.setattr(decoded, "LUT_BLOCK_BYTES", 1)  # one tile of rows a block
+    blocked = decoded.decoded_weights(package)
+    assert list(blocked) == list(whole)
+    for name in whole:
+        assert np.array_equal(blocked[name].view(np.uint32), whole[name].view(np.uint32)), name
