@@ -46,6 +46,7 @@ from pipeline.ground.scratch import ScratchFile
 # A value the executor makes once and at least this large goes to its scratch file.
 SCRATCH_BYTES = 1 << 20
 
+
 class StateCell:
     """One state buffer; writes keep its declared dtype and shape (Core ML states are fixed)."""
 
