@@ -68,9 +68,8 @@ def _lut_in_row_blocks(decompress, indices: np.ndarray, lut: np.ndarray) -> np.n
     rows, tile = len(indices), len(indices) // lut.shape[0]
     per_element = lut.shape[-2] * lut.shape[-1] * lut.itemsize
     step = max(1, LUT_BLOCK_BYTES // max(1, indices[:1].size * per_element * tile)) * tile
-    parts = [decompress(indices[start:start + step], lut[start // tile:(start + step) // tile], None)
-             for start in range(0, rows, step)] if rows > step else [decompress(indices, lut, None)]
-    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+    return np.concatenate([decompress(indices[start:start + step], lut[start // tile:(start + step) // tile], None)
+                           for start in range(0, rows, step)])
 
 
 class StoredProgram:

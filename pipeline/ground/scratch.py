@@ -42,21 +42,19 @@ class ScratchFile:
 
     def hold(self, array: np.ndarray) -> np.ndarray:
         """`array`'s values in this file (the array itself is not kept)."""
-        return self.concatenate([array])
+        array = np.asarray(array)
+        out = self._room(array.nbytes).view(array.dtype).reshape(array.shape)
+        out[...] = array
+        return out
 
     def concatenate(self, parts: list[np.ndarray]) -> np.ndarray:
         """`np.concatenate(parts)` in this file; `parts` is emptied as each is written, so no
         part outlives its write and the whole is never memory of the process."""
         dtype = np.result_type(*parts)
-        shape = (sum(len(part) for part in parts), *parts[0].shape[1:]) if parts[0].ndim else parts[0].shape
-        if len(parts) > 1 and not all(shape[1:] == part.shape[1:] for part in parts):
+        if any(part.shape[1:] != parts[0].shape[1:] for part in parts):
             raise ValueError(f"scratch: parts of shapes {[part.shape for part in parts]} do not concatenate")
-        nbytes = int(np.prod(shape)) * dtype.itemsize
-        if nbytes == 0:
-            return np.concatenate(parts) if parts[0].ndim else np.asarray(parts[0])
-        out = self._room(nbytes).view(dtype).reshape(shape)
-        if not parts[0].ndim:
-            out[...] = parts.pop()
+        shape = (sum(len(part) for part in parts), *parts[0].shape[1:])
+        out = self._room(int(np.prod(shape)) * dtype.itemsize).view(dtype).reshape(shape)
         start = 0
         while parts:
             part = parts.pop(0)
