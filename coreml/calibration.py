@@ -24,9 +24,12 @@ from pipeline.ground.reference import load_reference
 # for a 135M model on one core (about a second for Gemma 3 270M, whose head is 262k wide).
 WINDOW = 128
 WINDOWS = 2
-# GPTQ's Hessians take one forward in all: 16 windows give 2048 samples, more than the
-# widest input (1536 on SmolLM2) has dimensions, so X^T X is not rank-deficient by count.
-HESSIAN_WINDOWS = 16
+# GPTQ's Hessians take one forward in all: 128 windows give 16384 samples, eight times the
+# widest input (2048 on Gemma 3, 1536 on SmolLM2) has dimensions. At 16 windows (2048 samples,
+# X^T X barely full rank on Gemma 3's down_proj) GPTQ fitted the calibration text, not the
+# model: its layers coded per 32 (4-bit zero points) cost +9.2% perplexity on held-out text, +7.7% at 128
+# (docs/COMPRESSION.md); the text has about 370 windows.
+HESSIAN_WINDOWS = 128
 
 
 def logprobs_with(model: torch.nn.Module, original: dict[str, torch.Tensor], windows: list[np.ndarray],

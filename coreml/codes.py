@@ -76,20 +76,34 @@ def _blocks(w: np.ndarray, block: int) -> np.ndarray:
     return w.reshape(rows, cols // block, block)
 
 
-def affine_blocks(w: np.ndarray, nbits: int, block: int, dtype=np.float16) -> ShiftScale:
-    """Min/max affine codes per block (mlx-lm's `q4 g32` grid): unsigned data, float offset.
+def affine_blocks(w: np.ndarray, nbits: int, block: int, dtype=np.float16, integer_offset: bool = False) -> ShiftScale:
+    """Min/max affine codes per block (mlx-lm's `q4 g32` grid): unsigned data, a float offset
+    (or an integer one: `_affine_parameters`).
 
     With a float offset the grid's lowest level is the block's minimum and its highest the
     maximum, so a weight that already lies on a per-block affine grid of 2**nbits levels
     (GGUF Q4_1, mlx q4) is carried up to the rounding of scale and offset to `dtype`.
     """
     wb = _blocks(np.asarray(w, np.float32), block)
-    lo, hi = wb.min(axis=2), wb.max(axis=2)
+    scale, offset = _affine_parameters(wb.min(axis=2), wb.max(axis=2), nbits, dtype, integer_offset)
+    return _fit_data(wb, scale, offset, nbits, signed=False)
+
+
+def _affine_parameters(lo: np.ndarray, hi: np.ndarray, nbits: int, dtype, integer_offset: bool):
+    """(scale in `dtype`, offset) of the grid of 2**nbits levels from `lo` to `hi`, per block.
+
+    A float offset puts the lowest level on `lo` exactly. An integer offset (GPTQ's zero
+    point, stored in the codes' own dtype: `nbits` a block where a float one takes 16) must be
+    a level, so the range is widened to hold 0 (zero in [0, levels]) and the grid is then
+    off `lo` by up to half a step; what it buys is 12 bits a block.
+    """
     levels = (1 << nbits) - 1
+    if integer_offset:
+        lo, hi = np.minimum(lo, 0), np.maximum(hi, 0)
     scale = ((hi - lo) / levels).astype(dtype)
     scale = np.where(scale == 0, np.ones_like(scale), scale)  # a constant block: any scale, offset carries it
-    offset = (-lo / scale.astype(np.float32)).astype(dtype)
-    return _fit_data(wb, scale, offset, nbits, signed=False)
+    zero = -lo / scale.astype(np.float32)
+    return scale, (np.clip(np.rint(zero), 0, levels).astype(np.uint8) if integer_offset else zero.astype(dtype))
 
 
 def symmetric_blocks(w: np.ndarray, nbits: int, block: int, dtype=np.float16) -> ShiftScale:
@@ -120,17 +134,30 @@ GPTQ_DAMP = 0.01
 GPTQ_BATCH = 32
 # Bytes of float64 weight rows GPTQ codes at a time (`gptq_affine`).
 GPTQ_ROW_BYTES = 64 << 20
+# A searched range (`gptq_affine(search_range=True)`): the shrinks of a block's [min, max]
+# tried, and the norm of the rounding error they are judged by, as GPTQ's reference
+# implementation searches (its `mse` option, which goes on down to 0.2 in steps of 0.01).
+RANGE_SHRINKS = np.linspace(1.0, 0.5, 26)
+RANGE_NORM = 2.4
 
 
 def gptq_affine(w: np.ndarray, hessian: np.ndarray, nbits: int, block: int, dtype=np.float16,
-                damp: float = GPTQ_DAMP) -> ShiftScale:
+                damp: float = GPTQ_DAMP, integer_offset: bool = False, search_range: bool = False,
+                act_order: bool = False) -> ShiftScale:
     """Min/max affine codes per block, chosen column by column by GPTQ (Frantar et al., ICLR
     2023): each column's rounding error, divided by its pivot of the inverse Hessian's
     Cholesky factor, is taken off the columns not yet coded, so the layer's output error on
     inputs with second moments `hessian` (E[x x^T], [cols, cols]) is minimised rather than
     the weights' own. A block's scale and offset are fitted (as `affine_blocks` fits them)
-    to the error-updated weights when its first column is reached, then rounded to `dtype`;
-    every error fed back is that of the value the op decodes.
+    to the error-updated weights when its first column is reached, then rounded to `dtype`
+    (the offset to a level with `integer_offset`; over the block's searched range with
+    `search_range`, `_searched_parameters`); every error fed back is that of the value the op
+    decodes.
+
+    `act_order`: columns are coded by descending H_jj (the inputs with the most energy first,
+    while the most columns are left to take their error), with static groups: every block's
+    grid is fitted to the weights before any feedback, since a block's columns are no longer
+    coded together (GPTQ's reference implementation, `--act-order --static-groups`).
     """
     w = np.asarray(w)
     rows, cols = w.shape
@@ -138,46 +165,73 @@ def gptq_affine(w: np.ndarray, hessian: np.ndarray, nbits: int, block: int, dtyp
     dead = np.diag(h) == 0  # an input that is always zero: its column codes as anything
     h[dead, dead] = 1.0
     h += damp * np.mean(np.diag(h)) * np.eye(cols)
-    upper = np.linalg.cholesky(np.linalg.inv(h)).T  # inv(h) = upper^T upper
+    order = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(cols)
+    upper = np.linalg.cholesky(np.linalg.inv(h[np.ix_(order, order)])).T  # inv(h) = upper^T upper, in coding order
     data = np.empty((rows, cols), np.uint8)
     scale = np.empty((rows, cols // block), dtype)
-    offset = np.empty((rows, cols // block), dtype)
+    offset = np.empty((rows, cols // block), np.uint8 if integer_offset else dtype)
+    fit = _searched_parameters if search_range else _min_max_parameters
     # Rows are coded independently (the feedback runs along a row), so they go through in
     # blocks: a 262k-row head's float64 copy would be 1.3 GB, and each column's update as much again.
     step = max(1, GPTQ_ROW_BYTES // (8 * cols))
     for first in range(0, rows, step):
         rows_here = slice(first, first + step)
-        _gptq_rows(w[rows_here], dead, upper, nbits, block, dtype, data[rows_here], scale[rows_here], offset[rows_here])
+        _gptq_rows(w[rows_here], dead, order, upper, nbits, block, dtype, integer_offset, fit, act_order,
+                   data[rows_here], scale[rows_here], offset[rows_here])
     return ShiftScale(data, scale, offset, nbits, signed=False)
 
 
-def _gptq_rows(w: np.ndarray, dead: np.ndarray, upper: np.ndarray, nbits: int, block: int, dtype,
+def _gptq_rows(w: np.ndarray, dead: np.ndarray, order: np.ndarray, upper: np.ndarray, nbits: int, block: int,
+               dtype, integer_offset: bool, fit, static_groups: bool,
                data: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> None:
     """`gptq_affine` of some rows of the weight, written into their rows of `data`, `scale`, `offset`."""
     weight = np.array(w, np.float64)  # the feedback sums many small corrections
     weight[:, dead] = 0.0
     cols = weight.shape[1]
     levels = (1 << nbits) - 1
+    if static_groups:
+        for g in range(cols // block):
+            scale[:, g], offset[:, g] = fit(weight[:, g * block:(g + 1) * block], nbits, dtype, integer_offset)
+    weight = weight[:, order]
     batch = block * max(1, GPTQ_BATCH // block)
     for start in range(0, cols, batch):
         end = min(start + batch, cols)
         part = weight[:, start:end].copy()
         errors = np.zeros_like(part)
         for j in range(end - start):
-            column = start + j
-            if column % block == 0:
-                g = column // block
-                lo, hi = part[:, j:j + block].min(axis=1), part[:, j:j + block].max(axis=1)
-                scale[:, g] = ((hi - lo) / levels).astype(dtype)
-                scale[scale[:, g] == 0, g] = 1
-                offset[:, g] = (-lo / scale[:, g].astype(np.float32)).astype(dtype)
+            k, column = start + j, order[start + j]  # k-th coded, the weight's own column
+            g = column // block
+            if not static_groups and column % block == 0:
+                scale[:, g], offset[:, g] = fit(part[:, j:j + block], nbits, dtype, integer_offset)
             q = np.clip(np.rint(part[:, j] / scale[:, g].astype(np.float64) + offset[:, g]), 0, levels)
             data[:, column] = q
-            decoded = ((q.astype(dtype) - offset[:, g]) * scale[:, g]).astype(np.float64)  # as `decode` computes
-            error = (part[:, j] - decoded) / upper[column, column]
-            part[:, j + 1:] -= np.outer(error, upper[column, column + 1:end])
+            decoded = ((q.astype(dtype) - offset[:, g].astype(dtype)) * scale[:, g]).astype(np.float64)  # as `decode`
+            error = (part[:, j] - decoded) / upper[k, k]
+            part[:, j + 1:] -= np.outer(error, upper[k, k + 1:end])
             errors[:, j] = error
         weight[:, end:] -= errors @ upper[start:end, end:]
+
+
+def _min_max_parameters(values: np.ndarray, nbits: int, dtype, integer_offset: bool):
+    return _affine_parameters(values.min(axis=1), values.max(axis=1), nbits, dtype, integer_offset)
+
+
+def _searched_parameters(values: np.ndarray, nbits: int, dtype, integer_offset: bool):
+    """Per row of `values` [rows, block], the grid over [p min, p max] for the shrink p of
+    RANGE_SHRINKS whose decoded values err least (in RANGE_NORM): a few outliers no longer
+    stretch the step of every other weight in the block."""
+    lo, hi = values.min(axis=1), values.max(axis=1)
+    levels = (1 << nbits) - 1
+    best = np.full(len(values), np.inf)
+    scale, offset = _affine_parameters(lo, hi, nbits, dtype, integer_offset)
+    for shrink in RANGE_SHRINKS:
+        s, z = _affine_parameters(lo * shrink, hi * shrink, nbits, dtype, integer_offset)
+        q = np.clip(np.rint(values / s.astype(np.float64)[:, None] + z[:, None]), 0, levels)
+        decoded = (q.astype(dtype) - z[:, None].astype(dtype)) * s[:, None]
+        error = (np.abs(decoded.astype(np.float64) - values) ** RANGE_NORM).sum(axis=1)
+        better = error < best
+        scale[better], offset[better], best[better] = s[better], z[better], error[better]
+    return scale, offset
 
 
 def kmeans_tiles(w: np.ndarray, nbits: int, tile: tuple[int, int], importance: np.ndarray | None = None,

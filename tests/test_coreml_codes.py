@@ -1,6 +1,7 @@
 """coreml.codes: the numpy codes behind the recipes, against independent constructions."""
 
 import numpy as np
+import pytest
 
 from coreml import codes
 
@@ -36,6 +37,23 @@ def test_fp32_affine_codes_are_nearest_grid_points():
     step = np.repeat(code.scale, 32, 1)
     assert np.all(np.abs(code.decode() - w) <= step / 2 * (1 + 1e-5))  # rounding to the nearest level
     assert code.bits() == 32 * 64 * 4 + 2 * 32 * 2 * 32  # codes + fp32 scale and offset per block
+
+
+def test_an_integer_offset_is_a_level_and_every_weight_stays_within_half_a_step():
+    """An integer offset (GPTQ's zero point: 4 bits a block where an fp16 one takes 16) is a
+    level of the grid, so the grid's ends lie off the block's (0-widened) minimum and maximum
+    by up to half a step. Each weight then decodes within half a step of itself, plus the
+    fp16 rounding of the scale carried over at most 15 steps and the op's fp16 product of at
+    most 15 steps: s (1/2 + 31 eps16)."""
+    w = np.random.default_rng(4).normal(0.3, 1, (48, 128)).astype(np.float32)
+    w[:, :32] = np.abs(w[:, :32])  # a block all above 0: its range is widened down to 0
+    code = codes.affine_blocks(w, 4, 32, integer_offset=True)
+    assert code.offset.dtype == np.uint8 and code.offset.max() <= 15 and code.data.max() <= 15
+    assert np.all(code.offset[:, 0] == 0)
+    step = np.repeat(code.scale.astype(np.float32), 32, 1)
+    assert np.all(np.abs(code.decode() - w) <= step * (0.5 + 31 * EPS16))
+    assert code.bits() == 48 * 128 * 4 + 48 * 4 * (16 + 4)
+    assert code.bits() < codes.affine_blocks(w, 4, 32).bits()
 
 
 def test_kmeans_tiles_pick_the_nearest_stored_entry_and_beat_a_uniform_lut():
@@ -75,19 +93,58 @@ def _output_error(code, w, hessian) -> float:
     return float(np.einsum("ij,jk,ik->", e, hessian, e))
 
 
-def test_gptq_lowers_the_output_error_on_correlated_inputs_below_the_plain_fit():
+@pytest.mark.parametrize("integer_offset, search_range, act_order",
+                         [(False, False, False), (True, False, False), (True, True, False), (True, False, True),
+                          (True, True, True)])
+def test_gptq_lowers_the_output_error_on_correlated_inputs_below_the_plain_fit(integer_offset, search_range, act_order):
     """GPTQ minimises the layer's output error, not the weights' own: on inputs whose columns
     are correlated (as a real layer's are) it must beat the per-weight nearest rounding of
-    the same grid, while each weight stays on its block's grid."""
+    the same grid, while each weight stays on its block's grid (float or integer offsets,
+    min/max or searched ranges, columns in order or by descending H_jj)."""
     rng = np.random.default_rng(1)
     rows, cols = 96, 192
     x = rng.normal(size=(1024, cols)) @ rng.normal(size=(cols, cols)) * 0.1 + rng.normal(size=cols)
     hessian = x.T @ x / len(x)
     w = (rng.standard_t(4, size=(rows, cols)) * 0.02).astype(np.float32)
-    gptq, plain = codes.gptq_affine(w, hessian, 4, 32), codes.affine_blocks(w, 4, 32)
+    gptq = codes.gptq_affine(w, hessian, 4, 32, integer_offset=integer_offset, search_range=search_range,
+                             act_order=act_order)
+    plain = codes.affine_blocks(w, 4, 32, integer_offset=integer_offset)
     assert _output_error(gptq, w, hessian) < _output_error(plain, w, hessian)
     assert gptq.data.max() <= 15 and gptq.scale.dtype == np.float16 and gptq.offset.shape == (rows, cols // 32)
+    assert gptq.offset.dtype == plain.offset.dtype and (not integer_offset or gptq.offset.max() <= 15)
     assert gptq.bits() == plain.bits()  # the same storage: codes plus fp16 scale and offset per 32
+
+
+def test_act_order_fits_every_block_to_the_weights_before_any_feedback():
+    """With act_order a block's columns are not coded together, so its grid is fitted once to
+    the weights as they are (static groups), and every code is a level of that grid."""
+    rng = np.random.default_rng(5)
+    rows, cols = 24, 128
+    x = rng.normal(size=(512, cols)) * rng.uniform(0.1, 3, cols)  # inputs of unequal energy: a real order
+    hessian = x.T @ x / len(x)
+    w = (rng.standard_t(4, size=(rows, cols)) * 0.02).astype(np.float32)
+    for integer_offset in (False, True):
+        gptq = codes.gptq_affine(w, hessian, 4, 32, integer_offset=integer_offset, act_order=True)
+        static = codes.affine_blocks(w.astype(np.float64), 4, 32, integer_offset=integer_offset)
+        assert np.array_equal(gptq.scale, static.scale) and np.array_equal(gptq.offset, static.offset)
+        assert not np.array_equal(gptq.data, static.data)  # the codes are GPTQ's, not the nearest levels
+
+
+def test_a_searched_range_errs_no_more_than_min_max_on_any_block():
+    """The search includes the min/max range itself (a shrink of 1), so each block's chosen
+    grid errs (in RANGE_NORM) no more than min/max's does, and on t(3) tails less on some."""
+    rng = np.random.default_rng(6)
+    values = rng.standard_t(3, size=(200, 32))
+    for integer_offset in (False, True):
+        fits = {f: f(values, 4, np.float16, integer_offset) for f in (codes._min_max_parameters, codes._searched_parameters)}
+
+        def error(scale, offset):
+            q = np.clip(np.rint(values / scale.astype(np.float64)[:, None] + offset[:, None]), 0, 15)
+            decoded = (q.astype(np.float16) - offset[:, None].astype(np.float16)) * scale[:, None]
+            return (np.abs(decoded.astype(np.float64) - values) ** codes.RANGE_NORM).sum(axis=1)
+
+        min_max, searched = (error(*fits[f]) for f in (codes._min_max_parameters, codes._searched_parameters))
+        assert np.all(searched <= min_max) and np.any(searched < min_max)
 
 
 def test_gptq_codes_rows_in_blocks_each_as_on_its_own(monkeypatch):

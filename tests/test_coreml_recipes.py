@@ -69,7 +69,10 @@ def _decompressed_weights(manifest) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize("recipe", ["int4-b32", "int4-b32-emb8", "palette4-gc32", "palette6-gc32", "int8-b32-embfp16",
                                     "palette4-int8lut"])
 def test_compressed_package_matches_the_reference_with_decompressed_weights(source, compressed, recipe):
-    manifest = compressed[recipe]
+    _assert_matches_the_reference_with_decompressed_weights(compressed[recipe])
+
+
+def _assert_matches_the_reference_with_decompressed_weights(manifest):
     original = random_weights(seed=1)
     substituted = {**original, **_decompressed_weights(manifest)}
     changed = [n for n in original if not np.array_equal(original[n], substituted[n])]
@@ -163,20 +166,33 @@ def test_mixed_spends_the_budget_on_the_most_sensitive_layers():
         choose_mixed(weights, measure, budget_bits=4 * int4 - 1, options=options)
 
 
-def _quantized_dtypes(mlpackage):
+def _quantized_dtypes(mlpackage, argument: str = "data"):
     """Output var of each constexpr_blockwise_shift_scale (and of a constexpr_cast of one) -> the MIL
-    dtype of its data."""
+    dtype of its `argument` (data, or offset)."""
     spec = ct.utils.load_spec(str(mlpackage))
     dtypes, outputs = {}, {}
     for op in spec.mlProgram.functions["main"].block_specializations["CoreML8"].operations:
         outputs.update({o.name: o for o in op.outputs})
         if op.type == "constexpr_blockwise_shift_scale":
-            data = op.inputs["data"].arguments[0]
+            data = op.inputs[argument].arguments[0]
             value_type = data.value.type if data.HasField("value") else outputs[data.name].type
             dtypes[op.outputs[0].name] = MIL_pb2.DataType.Name(value_type.tensorType.dataType)
         if op.type == "constexpr_cast" and op.inputs["source_val"].arguments[0].name in dtypes:
             dtypes[op.outputs[0].name] = dtypes[op.inputs["source_val"].arguments[0].name]
     return dtypes
+
+
+def test_gptq_zero_point_recipe_stores_uint4_offsets_and_matches_its_reference(source, tmp_path):
+    """gptq-int4-b32-zp: codes and zero points both uint4 in the saved program (4 bits of offset
+    a block where an fp16 one takes 16), and the package on the executor equal to the reference
+    rebuilt with the weights coremltools itself decompresses."""
+    ids = np.random.default_rng(9).integers(0, VOCAB, 128 * 16).astype(np.int64)
+    manifest = compress_package(source.path, "gptq-int4-b32-zp", tmp_path / "zp", calibration_ids=ids)
+    mlpackage = manifest.path / "model.mlpackage"
+    data, offsets = _quantized_dtypes(mlpackage), _quantized_dtypes(mlpackage, "offset")
+    compressed = [e["compressed_as"] for e in manifest["selection"]["weights"].values() if e["compressed"]]
+    assert compressed and all(data[name] == offsets[name] == "UINT4" for name in compressed)
+    _assert_matches_the_reference_with_decompressed_weights(manifest)
 
 
 def test_mixed_measures_on_calibration_ids_and_stores_each_layer_at_its_choice(source, tmp_path):
@@ -193,7 +209,7 @@ def test_mixed_measures_on_calibration_ids_and_stores_each_layer_at_its_choice(s
         assert errors["gptq-int4-b64"] is not None, group
     # Every option that fits the budget everywhere was measured whole beside the plan, and none beat it.
     candidates = mixed["candidates"]
-    assert set(candidates) == {"plan", "gptq-int4-b32", "gptq-int4-b64", "gptq-int4-b64-emb8"}
+    assert set(candidates) == {"plan", "gptq-int4-b32", "gptq-int4-b64", "gptq-int4-b64-emb8", "gptq-int4-b32-zp"}
     assert all(candidates["plan"]["measured_error"] <= c["measured_error"] for c in candidates.values())
     dtypes = _quantized_dtypes(manifest.path / "model.mlpackage")
     for entry in manifest["selection"]["weights"].values():

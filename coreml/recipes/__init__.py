@@ -31,7 +31,7 @@ from coreml.recipes.mixed import MIXED_BPW, choose_mixed
 # The order surveys and reports list the recipes in: the order they were added in.
 order_recipes(("int8-b32", "int4-b32", "int4-b32-emb8", "palette6-gc32", "palette4-gc32", "int8-b32-embfp16",
                "palette4-int8lut", "palette4-skm", "mixed", "cmf-native", "gptq-int4-b32", "gptq-int4-b64",
-               "int8-b32-fp16scale", "gptq-int4-b64-emb8", "int8-pc"))
+               "int8-b32-fp16scale", "gptq-int4-b64-emb8", "int8-pc", "gptq-int4-b32-zp"))
 
 __all__ = ["EMBEDDING", "MIXED_BPW", "RECIPES", "WEIGHT_THRESHOLD", "Context", "Prepared", "Recipe",
            "RecipePrecondition", "Selected", "StepRecipe", "UnknownRecipe", "Weight", "apply_recipe", "choose_mixed",

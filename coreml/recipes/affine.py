@@ -23,11 +23,14 @@ class Affine(Code):
     # `block_size` (the whole axis where it is shorter): a bits-per-weight ceiling that holds
     # on any width, where a fixed block refuses the widths it does not divide.
     at_least: bool = False
+    # The offset as a level in the codes' own dtype (GPTQ's zero point): `nbits` a block where
+    # a float one takes 16 or 32 (`codes._affine_parameters` says what it costs in fit).
+    integer_offset: bool = False
 
     def record(self) -> dict:
         return {"kind": "symmetric" if self.symmetric else "affine", "nbits": self.nbits,
                 **({"block_size_at_least": self.block_size} if self.at_least else {"block_size": self.block_size}),
-                "dtype": self.dtype}
+                "dtype": self.dtype, **({"offset": f"uint{self.nbits}"} if self.integer_offset else {})}
 
     def for_shape(self, shape: tuple[int, ...]) -> "Affine":
         if not self.at_least or len(shape) != 2:
@@ -36,13 +39,19 @@ class Affine(Code):
         block = next((b for b in range(self.block_size, width + 1) if width % b == 0), width)
         return replace(self, block_size=block, at_least=False)
 
+    def parameter_bits(self) -> int:
+        """Bits of one block's (or channel's) scale and offset."""
+        width = 16 if self.dtype == "fp16" else 32
+        return width + (0 if self.symmetric else self.nbits if self.integer_offset else width)
+
     def bits(self, shape: tuple[int, ...]) -> float:
-        n, width = int(np.prod(shape)), 16 if self.dtype == "fp16" else 32
-        return n * self.nbits + n / self.block_size * (1 if self.symmetric else 2) * width
+        n = int(np.prod(shape))
+        return n * self.nbits + n / self.block_size * self.parameter_bits()
 
     def encode(self, value: np.ndarray) -> codes.ShiftScale:
-        fit = codes.symmetric_blocks if self.symmetric else codes.affine_blocks
-        return fit(value, self.nbits, self.block_size, STORAGE[self.dtype])
+        if self.symmetric:
+            return codes.symmetric_blocks(value, self.nbits, self.block_size, STORAGE[self.dtype])
+        return codes.affine_blocks(value, self.nbits, self.block_size, STORAGE[self.dtype], self.integer_offset)
 
 
 @dataclass(frozen=True)
@@ -58,12 +67,10 @@ class PerChannel(Affine):
                 "dtype": self.dtype}
 
     def bits(self, shape: tuple[int, ...]) -> float:
-        n, width = int(np.prod(shape)), 16 if self.dtype == "fp16" else 32
-        return n * self.nbits + shape[0] * (1 if self.symmetric else 2) * width
+        return int(np.prod(shape)) * self.nbits + shape[0] * self.parameter_bits()
 
     def encode(self, value: np.ndarray) -> codes.ShiftScale:
-        fit = codes.symmetric_blocks if self.symmetric else codes.affine_blocks
-        return fit(value, self.nbits, value.shape[1], STORAGE[self.dtype])
+        return Affine.encode(replace(self, block_size=value.shape[1]), value)  # one block: the whole axis
 
 
 register_recipe(CodeRecipe("int4-b32", Affine(4)))

@@ -21,11 +21,21 @@ class GptqAffine(Affine):
     """The affine grid, its codes chosen by GPTQ where the weight's Hessian is known (a
     weight without one keeps the plain min/max fit)."""
 
+    # Each block's range searched (`codes._searched_parameters`), not its min/max.
+    search_range: bool = False
+    # Columns coded by descending H_jj, each block's grid fitted before any feedback.
+    act_order: bool = False
+
     def record(self) -> dict:
-        return {**super().record(), "gptq": GPTQ}
+        searched = {"range": {"searched": "shrinks of [min, max]", "shrinks": [float(p) for p in codes.RANGE_SHRINKS[[0, -1]]],
+                              "steps": len(codes.RANGE_SHRINKS), "error_norm": codes.RANGE_NORM}}
+        return {**super().record(), "gptq": GPTQ, **(searched if self.search_range else {}),
+                **({"order": "descending H_jj, static groups"} if self.act_order else {})}
 
     def encode_for(self, value: np.ndarray, hessian: np.ndarray) -> codes.ShiftScale:
-        return codes.gptq_affine(value, hessian, self.nbits, self.block_size, STORAGE[self.dtype])
+        return codes.gptq_affine(value, hessian, self.nbits, self.block_size, STORAGE[self.dtype],
+                                 integer_offset=self.integer_offset, search_range=self.search_range,
+                                 act_order=self.act_order)
 
 
 @dataclass(frozen=True)
@@ -57,3 +67,12 @@ register_recipe(GptqRecipe("gptq-int4-b64", GptqAffine(4, 64), embedding=GptqAff
 # 32, fp16 scale): a higher width for the head alone, which is where a 4-bit model's top-1
 # agreement goes (docs/COMPRESSION.md).
 register_recipe(GptqRecipe("gptq-int4-b64-emb8", GptqAffine(4, 64), embedding=Affine(8, symmetric=True)))
+# GPTQ as its reference implementation stores and runs it: a 4-bit zero point per block
+# where the recipes above keep an fp16 offset (4.625 bits per 32, not 5), columns in act
+# order with static groups, each block's range searched. The 12 bits saved a block buy the
+# layers blocks of 32 and the tied embedding/head blocks of 64 within 4.5 bits per weight
+# wherever the embedding is a third of the model or more (Gemma 3: 4.44; SmolLM2, whose
+# embedding is a fifth: 4.56). docs/COMPRESSION.md has what each choice is worth on Gemma 3.
+ZERO_POINT = {"integer_offset": True, "search_range": True, "act_order": True}
+register_recipe(GptqRecipe("gptq-int4-b32-zp", GptqAffine(4, 32, **ZERO_POINT),
+                           embedding=GptqAffine(4, 64, at_least=True, **ZERO_POINT)))
