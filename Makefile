@@ -38,9 +38,9 @@ SURVEY := $(OUT)/survey$(STEM)
 SCORE_RUN := $(OUT)/scores/$(if $(FP16),$(TARGET),fp32)-chunk_kv
 # Each target's recipes: the ANE reads palettes and per-channel scales only (coreml.ane; a survey
 # deploys nothing there that cannot claim it anyway), the GPU per-block scales too.
-RECIPES_cpu := int8-b32 int8-b32-fp16scale int4-b32 int4-b32-emb8 gptq-int4-b32 gptq-int4-b64 gptq-int4-b64-emb8 \
+RECIPES_cpu := int8-b32 int8-b32-fp16scale int4-b32 int4-b32-emb8 gptq-int4-b32 gptq-int4-b64 gptq-int4-b64-emb8 gptq-int4-b32-zp \
   palette6-gc32 palette4-gc32 int8-b32-embfp16 palette4-int8lut mixed
-RECIPES_gpu := int8-b32 int8-pc int4-b32 int4-b32-emb8 gptq-int4-b32 palette6-gc32 palette4-gc32
+RECIPES_gpu := int8-b32 int8-pc int4-b32 int4-b32-emb8 gptq-int4-b32 gptq-int4-b32-zp palette6-gc32 palette4-gc32
 RECIPES_ane := int8-pc palette6-gc32 palette4-gc32 palette4-int8lut
 RECIPES ?= $(RECIPES_$(TARGET))
 ITEMS ?= fixtures/scoring/cloze.jsonl
