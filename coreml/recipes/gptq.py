@@ -71,8 +71,8 @@ register_recipe(GptqRecipe("gptq-int4-b64-emb8", GptqAffine(4, 64), embedding=Af
 # where the recipes above keep an fp16 offset (4.625 bits per 32, not 5), columns in act
 # order with static groups, each block's range searched. The 12 bits saved a block buy the
 # layers blocks of 32 and the tied embedding/head blocks of 64 within 4.5 bits per weight
-# wherever the embedding is a third of the model or more (Gemma 3: 4.44; SmolLM2, whose
-# embedding is a fifth: 4.56). docs/COMPRESSION.md has what each choice is worth on Gemma 3.
+# wherever the embedding is 40% of the model or more (Gemma 3: 4.43; SmolLM2, whose
+# embedding is a fifth: 4.57). docs/COMPRESSION.md has what each choice is worth on Gemma 3.
 ZERO_POINT = {"integer_offset": True, "search_range": True, "act_order": True}
 register_recipe(GptqRecipe("gptq-int4-b32-zp", GptqAffine(4, 32, **ZERO_POINT),
                            embedding=GptqAffine(4, 64, at_least=True, **ZERO_POINT)))
