@@ -203,13 +203,19 @@ def _gptq_rows(w: np.ndarray, dead: np.ndarray, order: np.ndarray, upper: np.nda
             g = column // block
             if not static_groups and column % block == 0:
                 scale[:, g], offset[:, g] = fit(part[:, j:j + block], nbits, dtype, integer_offset)
-            q = np.clip(np.rint(part[:, j] / scale[:, g].astype(np.float64) + offset[:, g]), 0, levels)
+            q, decoded = _to_grid(part[:, j], scale[:, g], offset[:, g], levels, dtype)
             data[:, column] = q
-            decoded = ((q.astype(dtype) - offset[:, g].astype(dtype)) * scale[:, g]).astype(np.float64)  # as `decode`
             error = (part[:, j] - decoded) / upper[k, k]
             part[:, j + 1:] -= np.outer(error, upper[k, k + 1:end])
             errors[:, j] = error
         weight[:, end:] -= errors @ upper[start:end, end:]
+
+
+def _to_grid(values: np.ndarray, scale: np.ndarray, offset: np.ndarray, levels: int, dtype):
+    """(codes, decoded values in float64) of `values` on the grid `scale * (q - offset)`: the
+    nearest level, and what the op decodes from it (its fp16 arithmetic where `dtype` is fp16)."""
+    q = np.clip(np.rint(values / scale.astype(np.float64) + offset), 0, levels)
+    return q, ((q.astype(dtype) - offset.astype(dtype)) * scale).astype(np.float64)
 
 
 def _min_max_parameters(values: np.ndarray, nbits: int, dtype, integer_offset: bool):
@@ -226,9 +232,8 @@ def _searched_parameters(values: np.ndarray, nbits: int, dtype, integer_offset: 
     scale, offset = _affine_parameters(lo, hi, nbits, dtype, integer_offset)
     for shrink in RANGE_SHRINKS:
         s, z = _affine_parameters(lo * shrink, hi * shrink, nbits, dtype, integer_offset)
-        q = np.clip(np.rint(values / s.astype(np.float64)[:, None] + z[:, None]), 0, levels)
-        decoded = (q.astype(dtype) - z[:, None].astype(dtype)) * s[:, None]
-        error = (np.abs(decoded.astype(np.float64) - values) ** RANGE_NORM).sum(axis=1)
+        _, decoded = _to_grid(values, s[:, None], z[:, None], levels, dtype)
+        error = (np.abs(decoded - values) ** RANGE_NORM).sum(axis=1)
         better = error < best
         scale[better], offset[better], best[better] = s[better], z[better], error[better]
     return scale, offset
