@@ -20,9 +20,11 @@ from dataclasses import dataclass
 import numpy as np
 
 KMEANS_ITERATIONS = 40  # past 40, a t(4)-tailed test matrix's error moves by < 0.2%
-# Lloyd stops once no centre moves by more than this fraction of the widest group's range:
-# far below the fp16 rounding (2**-11 relative) the LUT is stored with.
+# A group's Lloyd iterations stop once none of its centres moves by more than this fraction
+# of its range: far below the fp16 rounding (2**-11 relative) the LUT is stored with.
 KMEANS_TOLERANCE = 1e-5
+# Values whose tiles run k-means together.
+KMEANS_BLOCK_VALUES = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -252,47 +254,60 @@ def kmeans_tiles(w: np.ndarray, nbits: int, tile: tuple[int, int], importance: n
     rows, cols = w.shape
     tr, tc = tile
     gr, gc = rows // tr, cols // tc
+    importance = None if importance is None else _broadcast(importance, w)
+    indices = np.empty((rows, cols), np.uint8)
+    luts = np.empty((gr, gc, 1 << nbits), dtype)
+    # A tile's LUT depends on its own values only, so bands of tile rows go through k-means
+    # apart, KMEANS_BLOCK_VALUES values at a time: the same codes in bounded memory (about 80
+    # bytes a value of working arrays: 13 GB at once for Gemma 3's 168M-value embedding).
+    band = max(1, KMEANS_BLOCK_VALUES // (tr * cols))
+    for start in range(0, gr, band):
+        lines = slice(start * tr, min(start + band, gr) * tr)
+        n = (lines.stop - lines.start) // tr
 
-    def to_tiles(a):
-        return a.reshape(gr, tr, gc, tc).transpose(0, 2, 1, 3).reshape(gr * gc, tr * tc)
+        def to_tiles(a):
+            return a[lines].reshape(n, tr, gc, tc).transpose(0, 2, 1, 3).reshape(n * gc, tr * tc)
 
-    weights = None if importance is None else to_tiles(_broadcast(importance, w))
-    flat = _kmeans_rows(to_tiles(w), nbits, 1, weights, dtype, KMEANS_ITERATIONS)
-    indices = flat.indices.reshape(gr, gc, tr, tc).transpose(0, 2, 1, 3).reshape(rows, cols)
-    return Palette(np.ascontiguousarray(indices), flat.lut.reshape(gr, gc, 1 << nbits), nbits)
+        flat, lut = _kmeans_rows(to_tiles(w), None if importance is None else to_tiles(importance), nbits, dtype,
+                                 KMEANS_ITERATIONS)
+        indices[lines] = flat.reshape(n, gc, tr, tc).transpose(0, 2, 1, 3).reshape(n * tr, cols)
+        luts[start:start + n] = lut.reshape(n, gc, -1)
+    return Palette(indices, luts, nbits)
 
 
-def _kmeans_rows(w: np.ndarray, nbits: int, group: int, importance: np.ndarray | None,
-                 dtype, iterations: int) -> Palette:
-    """Weighted 1-D k-means (Lloyd) per group of `group` rows, all groups at once.
+def _kmeans_rows(values: np.ndarray, weights: np.ndarray | None, nbits: int, dtype, iterations: int):
+    """(indices, LUT rounded to `dtype`) of each row of `values` by weighted Lloyd iterations.
 
     In one dimension a cluster is a run of the sorted values, so each iteration needs only
     the cut points (where the sorted values cross the midpoints between centres) and
-    prefix sums of weight and weight x value: O(k log n) per group, not O(n). Centres
-    start evenly spaced between each group's minimum and maximum (a start that reaches
-    the tails, where the weights that matter most lie). The LUT is rounded to `dtype`
-    before the final assignment, so the indices pick the nearest entries of the stored LUT.
+    prefix sums of weight and weight x value: O(k log n) per row, not O(n). Centres
+    start evenly spaced between each row's minimum and maximum (a start that reaches
+    the tails, where the weights that matter most lie); a row stops once its own centres
+    settle. The LUT is rounded to `dtype` before the final assignment, so the indices pick
+    the nearest entries of the stored LUT.
     """
-    w = np.asarray(w, np.float32)
-    rows, cols = w.shape
+    values = values.astype(np.float64)
+    weights = np.ones_like(values) if weights is None else np.asarray(weights, np.float64)
     k = 1 << nbits
-    values = w.reshape(rows // group, group * cols).astype(np.float64)
-    weights = np.ones_like(values) if importance is None else _broadcast(importance, w).reshape(values.shape)
     order = np.argsort(values, axis=1)
     sorted_v = np.take_along_axis(values, order, axis=1)
     sorted_w = np.take_along_axis(weights, order, axis=1)
+    del order, weights
     zero = np.zeros((len(values), 1))
     cum_w = np.hstack([zero, np.cumsum(sorted_w, axis=1)])
     cum_wv = np.hstack([zero, np.cumsum(sorted_w * sorted_v, axis=1)])
+    del sorted_w
     lo, hi = sorted_v[:, :1], sorted_v[:, -1:]
     centres = lo + (hi - lo) * (np.arange(k) + 0.5) / k
     # Centres are weighted means of a row's values, so they stay within its [lo, hi]: one
     # offset per row, fixed for all iterations, lays every row out on one sorted axis.
     shift = np.arange(len(values))[:, None] * 4 * (np.abs(values).max() + 1.0)
     flat = (sorted_v + shift).ravel()
+    del sorted_v
     n = values.shape[1]
     first, last = np.zeros_like(lo, dtype=np.int64), np.full(lo.shape, n, dtype=np.int64)
     starts = np.arange(len(values))[:, None] * n
+    moving = np.ones(len(values), bool)
     for _ in range(iterations):
         mids = (centres[:, 1:] + centres[:, :-1]) / 2
         cuts = np.hstack([first, np.searchsorted(flat, (mids + shift).ravel()).reshape(mids.shape) - starts, last])
@@ -300,16 +315,16 @@ def _kmeans_rows(w: np.ndarray, nbits: int, group: int, importance: np.ndarray |
         total = np.diff(np.take_along_axis(cum_wv, cuts, axis=1), axis=1)
         moved = np.where(mass > 0, total / np.where(mass > 0, mass, 1), centres)
         moved.sort(axis=1)
-        settled = np.abs(moved - centres).max() <= KMEANS_TOLERANCE * (hi - lo).max()
+        moved[~moving] = centres[~moving]
+        moving &= np.abs(moved - centres).max(axis=1) > KMEANS_TOLERANCE * (hi - lo)[:, 0]
         centres = moved
-        if settled:
+        if not moving.any():
             break
     lut = centres.astype(dtype)
     stored = lut.astype(np.float64)
     mids = (stored[:, 1:] + stored[:, :-1]) / 2
     nearest = np.searchsorted((mids + shift).ravel(), (values + shift).ravel()).reshape(values.shape)
-    indices = (nearest - np.arange(len(values))[:, None] * (k - 1)).reshape(rows, cols).astype(np.uint8)
-    return Palette(indices, lut[:, None, :], nbits)
+    return (nearest - np.arange(len(values))[:, None] * (k - 1)).astype(np.uint8), lut
 
 
 def _broadcast(importance: np.ndarray, w: np.ndarray) -> np.ndarray:

@@ -72,6 +72,22 @@ def test_kmeans_tiles_pick_the_nearest_stored_entry_and_beat_a_uniform_lut():
     assert np.linalg.norm(palette.decode() - w) < np.linalg.norm(uniform)
 
 
+def test_kmeans_tiles_in_bands_of_tile_rows_give_the_codes_of_all_tiles_at_once(monkeypatch):
+    # Each tile's LUT is its own values' k-means, so the memory bound (bands of tile rows,
+    # KMEANS_BLOCK_VALUES values at a time) cannot change a code: one band of all 20 tile rows
+    # against bands of one and of three (the last one short), weighted and not.
+    rng = np.random.default_rng(5)
+    w = (rng.standard_t(4, (640, 96)) * 0.05).astype(np.float32)
+    importance = rng.random(96)
+    whole = [codes.kmeans_tiles(w, 4, (32, 32)), codes.kmeans_tiles(w, 6, (32, 32), importance)]
+    for values in (32 * 96, 3 * 32 * 96):
+        monkeypatch.setattr(codes, "KMEANS_BLOCK_VALUES", values)
+        banded = [codes.kmeans_tiles(w, 4, (32, 32)), codes.kmeans_tiles(w, 6, (32, 32), importance)]
+        for a, b in zip(whole, banded):
+            np.testing.assert_array_equal(a.indices, b.indices)
+            np.testing.assert_array_equal(a.lut, b.lut)
+
+
 def test_importance_pulls_the_lut_towards_the_weights_that_matter():
     rng = np.random.default_rng(3)
     w = rng.normal(0, 1, (32, 64)).astype(np.float32)
