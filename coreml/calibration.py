@@ -18,6 +18,7 @@ import torch
 from manifests.chain import upstream_path
 from pipeline.ground.backend_protocol import kl_rows, log_softmax
 from pipeline.ground.reference import load_reference
+from pipeline.ground.scratch import ScratchFile
 
 # Tokens per calibration window and windows measured:
 # 2 x 128 tokens keep one sensitivity forward per (layer, option) at a fraction of a second
@@ -122,6 +123,10 @@ class Calibration:
         `statistic(x)`, summed per call, over one forward of the windows."""
         from pipeline.ground.models.base import Linear
 
+        # The sums live in a scratch file's map (pipeline.ground.scratch), added to in place:
+        # Gemma 3's Hessians are 1 GB of float64, which GPTQ reads while coremltools holds its
+        # own copy of the program, and the process's memory need not hold both.
+        scratch = ScratchFile()
         sums: dict[str, torch.Tensor] = {}
         counts: dict[str, int] = {}
         hooks = []
@@ -131,7 +136,10 @@ class Calibration:
 
                 def record(_module, args, _output, name=name):
                     x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
-                    sums[name] = sums.get(name, 0) + statistic(x)
+                    if name in sums:
+                        sums[name] += statistic(x)
+                    else:
+                        sums[name] = torch.from_numpy(scratch.hold(statistic(x).numpy()))
                     counts[name] = counts.get(name, 0) + x.shape[0]
                 hooks.append(module.register_forward_hook(record))
         try:
@@ -141,4 +149,4 @@ class Calibration:
         finally:
             for hook in hooks:
                 hook.remove()
-        return {name: sums[name].div_(counts[name]).numpy() for name in sums}  # in place: they are 1 GB on Gemma 3
+        return {name: sums[name].div_(counts[name]).numpy() for name in sums}

@@ -1,10 +1,15 @@
 """KV-cache semantics of the reference decoder: chunk schedules, snapshots, stale slots, tracing."""
 
+import mmap
+
+import numpy as np
 import pytest
 import torch
 
 from _hf_models import load_saved, save_hf_model
-from pipeline.ground.models.numerics import model_cache_bound, model_logits_bound
+from pipeline.ground import torch_backend
+from pipeline.ground.models.fp16 import fp16_reference
+from pipeline.ground.models.numerics import fp16_logits_bound, model_cache_bound, model_logits_bound
 from pipeline.ground.models import CachedStep, KVCache, ModelArgs, build_model
 from pipeline.ground.models.errors import ContextOverflow
 from pipeline.ground.models.hf_config import arch_from_hf_config
@@ -128,3 +133,27 @@ def test_batched_branches_equal_one_branch_at_a_time(family, tmp_path):
         last_only=True)
     for rows, all_rows in zip(last, logits):
         assert rows.shape == all_rows[-1:].shape and (rows - all_rows[-1:]).abs().max().item() <= bound
+
+def _mapped(array: np.ndarray) -> bool:
+    while array is not None and not isinstance(array, mmap.mmap):
+        array = getattr(array, "base", None) if isinstance(array, np.ndarray) else getattr(array, "obj", None)
+    return array is not None
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("fp16", [False, True], ids=["fp32", "fp16"])
+def test_logits_over_the_head_block_are_written_by_row_blocks_into_a_map(model, ids, fp16, monkeypatch):
+    """Over HEAD_BLOCK_BYTES (a 262k vocabulary's 1024 rows are 1 GB) the reference's head runs
+    a block of rows at a time into a scratch file's map, for one sequence and for batched
+    branches alike: the same dot products, so the same logits within two evaluations' bound
+    (another row count may pick another gemm kernel)."""
+    reference = fp16_reference(model) if fp16 else model
+    backend = torch_backend.TorchBackend(reference, model.args, 160, cache_dtype=np.float16 if fp16 else np.float32)
+    bound = fp16_logits_bound(model, 160) if fp16 else model_logits_bound(model, 160)
+    _, snapshot = backend.prefill(ids[:60].numpy())
+    whole = [backend.logits(ids.numpy()), *backend.extend_batch([(snapshot, ids[60:].numpy()), (snapshot, ids[60:70].numpy())])]
+    assert not any(_mapped(a) for a in whole)
+    monkeypatch.setattr(torch_backend, "HEAD_BLOCK_BYTES", 5 * model.args.vocab_size * 4)  # 5 rows a block
+    blocked = [backend.logits(ids.numpy()), *backend.extend_batch([(snapshot, ids[60:].numpy()), (snapshot, ids[60:70].numpy())])]
+    for got, want in zip(blocked, whole):
+        assert _mapped(got) and got.shape == want.shape and np.abs(got - want).max() <= bound

@@ -43,9 +43,14 @@ class ScratchFile:
     def hold(self, array: np.ndarray) -> np.ndarray:
         """`array`'s values in this file (the array itself is not kept)."""
         array = np.asarray(array)
-        out = self._room(array.nbytes).view(array.dtype).reshape(array.shape)
+        out = self.empty(array.shape, array.dtype)
         out[...] = array
         return out
+
+    def empty(self, shape: tuple[int, ...], dtype) -> np.ndarray:
+        """An array of `shape` and `dtype` in this file, to be written (unwritten, it reads as zeros)."""
+        dtype = np.dtype(dtype)
+        return self._room(int(np.prod(shape)) * dtype.itemsize).view(dtype).reshape(shape)
 
     def concatenate(self, parts: list[np.ndarray]) -> np.ndarray:
         """`np.concatenate(parts)` in this file; `parts` is emptied as each is written, so no
@@ -53,8 +58,7 @@ class ScratchFile:
         dtype = np.result_type(*parts)
         if any(part.shape[1:] != parts[0].shape[1:] for part in parts):
             raise ValueError(f"scratch: parts of shapes {[part.shape for part in parts]} do not concatenate")
-        shape = (sum(len(part) for part in parts), *parts[0].shape[1:])
-        out = self._room(int(np.prod(shape)) * dtype.itemsize).view(dtype).reshape(shape)
+        out = self.empty((sum(len(part) for part in parts), *parts[0].shape[1:]), dtype)
         start = 0
         while parts:
             part = parts.pop(0)

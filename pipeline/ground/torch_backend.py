@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from pipeline.ground.backend_protocol import BackendError, validate_ids
 from pipeline.ground.models import Decoder, KVCache, ModelArgs
+from pipeline.ground.scratch import ScratchFile
 
 # The torch cache is [layers, 1, kv, context, head_dim] and attention reads all of it, so the
 # default stays far below the long contexts some models declare; `context=` raises it.
@@ -25,6 +26,11 @@ DEFAULT_TORCH_CONTEXT = 2048
 # the float32 summation order (within `numerics`' bound of two evaluations).
 ROOM_STEP = 64
 _TORCH_DTYPE = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16}
+# Logits over this many bytes are made by the head this many bytes of rows at a time, into a
+# scratch file of their own (pipeline.ground.scratch) that goes with the array: a 262k
+# vocabulary's over a 1024-token window are 1 GB, which a gate would otherwise hold as its
+# own memory beside everything else. A row's logits are the same dot products either way.
+HEAD_BLOCK_BYTES = 64 * 2**20
 
 
 class TorchBackend:
@@ -66,8 +72,13 @@ class TorchBackend:
     @torch.no_grad()
     def logits(self, ids: np.ndarray) -> np.ndarray:
         tokens = self._ids(ids)
-        if self.chunk is None:
+        if self.chunk is None and self._fits(len(tokens)):
             return self.model(tokens).numpy()
+        if self.chunk is None:
+            cache = KVCache.empty(self.args, len(tokens))
+            hidden, _, _ = self.model.hidden_with_cache_tensors(tokens.reshape(1, -1), torch.zeros(1, dtype=torch.int64),
+                                                                cache.keys, cache.values)
+            return self._head(hidden[0])
         cache = KVCache.empty(self.args, tokens.numel())
         return torch.cat([self.model.forward_cached(part, cache) for part in tokens.split(self.chunk)]).numpy()
 
@@ -120,11 +131,26 @@ class TorchBackend:
                           last_only: bool = False) -> list[tuple[np.ndarray, KVCache]]:
         """Each (position, ids) run after its own caches, stacked [B, ...] in `keys` / `values`."""
         tokens = [self._ids(ids, position) for position, ids in branches]
-        logits, keys, values = self.model.forward_branches(tokens, [position for position, _ in branches], keys, values,
-                                                           last_only=last_only)
+        rows, keys, values = self.model.hidden_branches(tokens, [position for position, _ in branches], keys, values,
+                                                        last_only=last_only)
         keys, values = self._kept(keys), self._kept(values)
-        return [(rows.numpy(), KVCache(keys[i], values[i], position + len(ids)))
+        logits = np.split(self._head(torch.cat(rows)), np.cumsum([len(r) for r in rows])[:-1])
+        return [(rows, KVCache(keys[i], values[i], position + len(ids)))
                 for i, (rows, (position, ids)) in enumerate(zip(logits, branches))]
+
+    def _fits(self, rows: int) -> bool:
+        return rows * self.args.vocab_size * 4 <= HEAD_BLOCK_BYTES
+
+    def _head(self, hidden: torch.Tensor) -> np.ndarray:
+        """Logits [T, vocab] of final hidden rows [T, hidden]: in memory, or, over
+        HEAD_BLOCK_BYTES, written a block of rows at a time into a scratch file's map."""
+        if self._fits(len(hidden)):
+            return self.model.logits_of(hidden).numpy()
+        logits = ScratchFile().empty((len(hidden), self.args.vocab_size), np.float32)
+        step = max(1, HEAD_BLOCK_BYTES // (4 * self.args.vocab_size))
+        for start in range(0, len(hidden), step):
+            logits[start:start + step] = self.model.logits_of(hidden[start:start + step]).numpy()
+        return logits
 
     @torch.no_grad()
     def advance(self, snapshot: KVCache, ids: np.ndarray) -> tuple[np.ndarray, KVCache]:

@@ -349,14 +349,22 @@ class Decoder(nn.Module):
                          last_only: bool = False):
         """Each branch i: suffix i (int [T_i]) run after its own cache at positions[i]
         (key_caches / value_caches [B, layers, 1, kv_heads, context, head_dim]; an expanded
-        view shares one), as one batch (torch.func.vmap of `hidden_with_cache_tensors`).
-        Returns the logits [T_i, vocab] of each branch (with `last_only`, of its last token
-        alone [1, vocab]) and the caches [B, ...] each wrote.
-        A few-token chunk is bound by reading the weights, which the batch reads once for
-        all its branches. Suffixes are right-padded to the longest; causality keeps the
-        padding out of every real row, and the slots it wrote lie past the branch's
-        position + T_i, where every later query masks them (the dirty-tail invariant). The
-        head, a fifth of SmolLM2's weights, runs on the wanted rows only, never on padding."""
+        view shares one), as one batch (`hidden_branches`). Returns the logits [T_i, vocab]
+        of each branch (with `last_only`, of its last token alone [1, vocab]) and the caches
+        [B, ...] each wrote. The head, a fifth of SmolLM2's weights, runs once on the wanted
+        rows of every branch, never on padding."""
+        rows, keys, values = self.hidden_branches(suffixes, positions, key_caches, value_caches, last_only)
+        logits = self.logits_of(torch.cat(rows)).split([len(r) for r in rows])
+        return list(logits), keys, values
+
+    def hidden_branches(self, suffixes: list[torch.Tensor], positions: list[int], key_caches, value_caches,
+                        last_only: bool = False):
+        """`forward_branches` short of the head: each branch's final-normed hidden rows.
+        The branches run as one batch (torch.func.vmap of `hidden_with_cache_tensors`): a
+        few-token chunk is bound by reading the weights, which the batch reads once for all
+        its branches. Suffixes are right-padded to the longest; causality keeps the padding
+        out of every real row, and the slots it wrote lie past the branch's position + T_i,
+        where every later query masks them (the dirty-tail invariant)."""
         width = max(len(s) for s in suffixes)
         batch = torch.stack([F.pad(s, (0, width - len(s))) for s in suffixes])[:, None]  # [B, 1, width]
         at = torch.tensor(positions, dtype=torch.int64)[:, None]  # [B, 1]
@@ -367,8 +375,7 @@ class Decoder(nn.Module):
 
         hidden, keys, values = torch.func.vmap(branch)(batch, at, key_caches, value_caches)
         rows = [hidden[i, len(s) - 1 if last_only else 0:len(s)] for i, s in enumerate(suffixes)]
-        logits = self.logits_of(torch.cat(rows)).split([len(r) for r in rows])
-        return list(logits), keys, values
+        return rows, keys, values
 
     def forward(self, ids):
         """Logits [T, vocab] of one sequence from position 0 (ids [T] or [1, T])."""

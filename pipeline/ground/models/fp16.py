@@ -310,6 +310,20 @@ class Fp16Reference(nn.Module):
                                                              last_only=last_only)
         return [self._checked(rows) for rows in logits], keys.float(), values.float()
 
+    def hidden_branches(self, suffixes, positions, key_caches, value_caches, last_only: bool = False):
+        """The fp16 hidden rows (`logits_of` takes them) and the float32-held caches."""
+        rows, keys, values = self.decoder.hidden_branches(suffixes, positions, *self._half(key_caches, value_caches),
+                                                          last_only=last_only)
+        return rows, keys.float(), values.float()
+
+    def hidden_with_cache_tensors(self, ids, position, key_cache, value_cache):
+        hidden, keys, values = self.decoder.hidden_with_cache_tensors(ids, position,
+                                                                      *self._half(key_cache, value_cache))
+        return hidden, [k.float() for k in keys], [v.float() for v in values]
+
+    def logits_of(self, hidden):
+        return self._checked(self.decoder.logits_of(hidden))
+
 
 def fp16_reference(model: Decoder) -> Fp16Reference:
     """The fp16 numerics an fp16 package intends for `model` (apply the same mitigations first)."""
