@@ -25,8 +25,12 @@ from pipeline.stages.gates.fixtures import FixtureCase, ReferenceFixtures
 ALL_PATTERNS = ("one_shot", "single_tokens", "split_3", "half_half", "window_edge")
 COMPRESSED_PATTERNS = ("one_shot", "split_3")
 # The package's caches before each chunk are held until the reference runs those chunks as one
-# batch of branches (`TorchBackend.advance_arrays`): at most this many bytes of them at a time.
-REFERENCE_BATCH_BYTES = 256 * 2**20
+# batch of branches (`TorchBackend.advance_arrays`): at most this many bytes of them at a time, as
+# float32. The batch holds about four times that while it runs (the caches stacked, the ones it
+# writes, their rounding to the package's cache dtype and the copies handed back): at 256 MB of
+# fp16 caches SmolLM2's stateful gate peaked 1.8 GB over its baseline. A batch still reads the
+# weights once for several single-token chunks (SmolLM2: 10 a batch, Gemma 3: 3).
+REFERENCE_BATCH_BYTES = 128 * 2**20
 # Comparisons go through logits this many bytes of rows at a time: a 262k vocabulary's logits
 # over 1024 positions are 1 GB, and a comparison's temporaries (|Δ|, log-softmaxes) would be
 # several of those at once.
@@ -257,7 +261,7 @@ def run_checked(chunks: ChunkSchedule, intended, ids: np.ndarray, schedule: list
         got.append(scratch.hold(logits))
         del logits  # the scratch copy is the one kept; this one would outlive the reference's batch
         pending.append((before, part, chunks.cache_arrays(snapshot)[:2]))
-        held += before[0].nbytes + before[1].nbytes
+        held += 4 * (before[0].size + before[1].size)  # as the reference holds them: float32
         if held >= REFERENCE_BATCH_BYTES:
             outside += check()
             pending, held = [], 0
