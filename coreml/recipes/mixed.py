@@ -10,12 +10,13 @@ budget applied uniformly, on the same calibration text: the lowest joint KL is s
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, is_dataclass, replace
 
 import numpy as np
 
 from coreml import calibration
 from coreml.calibration import Calibration
+from pipeline.ground.scratch import ScratchFile
 from coreml.recipes.base import (RECIPES, WEIGHT_THRESHOLD, Context, Encoder, Prepared, Recipe, RecipePrecondition,
                                  StepRecipe, Weight, carried, precondition, register_recipe)
 
@@ -174,6 +175,14 @@ def _decoded(code) -> np.ndarray:
     return code.decode() if hasattr(code, "decode") else np.asarray(code, np.float32)
 
 
+def _held(code, scratch: ScratchFile):
+    """`code` (a code dataclass, or a plain array) with its arrays in `scratch`."""
+    if not is_dataclass(code):
+        return scratch.hold(code)
+    return replace(code, **{f.name: scratch.hold(getattr(code, f.name)) for f in fields(code)
+                            if isinstance(getattr(code, f.name), np.ndarray)})
+
+
 def _step_key(recipe: StepRecipe, weight: Weight) -> str:
     """What the option's step for `weight` is: options that give a weight the same step share its codes."""
     (step,) = recipe.steps(weight).values()
@@ -183,7 +192,12 @@ def _step_key(recipe: StepRecipe, weight: Weight) -> str:
 class OptionCodes:
     """Each option's codes for the selected weights, computed once from the reference model's
     tensors by the option's own encoder (GPTQ with the calibration Hessians where the option
-    is GPTQ), and the calibration KL of the model with a choice of them swapped in."""
+    is GPTQ), and the calibration KL of the model with a choice of them swapped in.
+
+    Every option's codes of every weight are kept for the measurements, and each measurement
+    swaps in a whole model's decoded weights: on Gemma 3, 5 options' codes and a 1 GB decoded
+    model. Both are held in scratch files' maps (pipeline.ground.scratch), each made one weight
+    at a time, so the process's own memory holds one weight's worth of them."""
 
     def __init__(self, weights: list[Weight], calib: Calibration, options: tuple[str, ...]):
         self.calib, self.options = calib, options
@@ -198,17 +212,20 @@ class OptionCodes:
                 (step,) = recipe.steps(w).values()
                 self._encoders.setdefault((w.name, _step_key(recipe, w)), calibrated.get(w.name, step.encode))
         self._codes: dict[tuple[str, str], object] = {}
+        self._codes_file = ScratchFile()
         self._group_errors: dict[tuple, float] = {}
 
     def code(self, weight: Weight, option: str):
         key = (weight.name, _step_key(RECIPES[option], weight))
         if key not in self._codes:
-            self._codes[key] = self._encoders[key](self.calib.weight(weight.hf_names[0]))
+            self._codes[key] = _held(self._encoders[key](self.calib.weight(weight.hf_names[0])), self._codes_file)
         return self._codes[key]
 
     def decoded(self, choices: dict[str, str]) -> dict[str, np.ndarray]:
-        """HF name -> the decoded weight of every group `choices` names, coded by its choice."""
-        return {n: _decoded(self.code(w, choices[g])) for g, ws in self.groups.items() if g in choices
+        """HF name -> the decoded weight of every group `choices` names, coded by its choice
+        (in a scratch file of this call's own, gone with the arrays)."""
+        scratch = ScratchFile()
+        return {n: scratch.hold(_decoded(self.code(w, choices[g]))) for g, ws in self.groups.items() if g in choices
                 for w in ws for n in w.hf_names}
 
     def group_error(self, group: str, option: str) -> float:
