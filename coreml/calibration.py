@@ -121,6 +121,7 @@ class Calibration:
     def _input_statistics(self, statistic) -> dict[str, np.ndarray]:
         """Weight name -> the mean over input rows x [rows, in] (float64) of every Linear's
         `statistic(x)`, summed per call, over one forward of the windows."""
+        from pipeline.ground.models import KVCache
         from pipeline.ground.models.base import Linear
 
         # The sums live in a scratch file's map (pipeline.ground.scratch), added to in place:
@@ -129,23 +130,29 @@ class Calibration:
         scratch = ScratchFile()
         sums: dict[str, torch.Tensor] = {}
         counts: dict[str, int] = {}
-        hooks = []
-        for module_name, module in self.model.named_modules():
-            if isinstance(module, Linear):
-                name = f"{module_name}.weight"
 
-                def record(_module, args, _output, name=name):
-                    x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
-                    if name in sums:
-                        sums[name] += statistic(x)
-                    else:
-                        sums[name] = torch.from_numpy(scratch.hold(statistic(x).numpy()))
-                    counts[name] = counts.get(name, 0) + x.shape[0]
-                hooks.append(module.register_forward_hook(record))
+        def record(name: str, x: torch.Tensor) -> None:
+            x = x.detach().reshape(-1, x.shape[-1]).double()
+            if name in sums:
+                sums[name] += statistic(x)
+            else:
+                sums[name] = torch.from_numpy(scratch.hold(statistic(x).numpy()))
+            counts[name] = counts.get(name, 0) + x.shape[0]
+
+        head = self.model.head
+        hooks = [module.register_forward_hook(lambda _module, args, _output, name=f"{module_name}.weight":
+                                              record(name, args[0]))
+                 for module_name, module in self.model.named_modules() if isinstance(module, Linear) and module is not head]
         try:
             with torch.no_grad():
-                for window in self.windows:  # only the hooks' sums are kept, not the logits
-                    self.model(torch.as_tensor(window))
+                for window in self.windows:
+                    # The head's inputs are the final hidden states, recorded as they are: its
+                    # logits, which nothing reads, are not computed (62% of Gemma 3's forward).
+                    ids = torch.as_tensor(window).reshape(1, -1)
+                    cache = KVCache.empty(self.model.args, ids.shape[1])
+                    hidden, _, _ = self.model.hidden_with_cache_tensors(ids, torch.zeros(1, dtype=torch.int64),
+                                                                        cache.keys, cache.values)
+                    record(self.model.head_name, hidden)
         finally:
             for hook in hooks:
                 hook.remove()
