@@ -131,10 +131,10 @@ class TorchBackend:
                           last_only: bool = False) -> list[tuple[np.ndarray, KVCache]]:
         """Each (position, ids) run after its own caches, stacked [B, ...] in `keys` / `values`."""
         tokens = [self._ids(ids, position) for position, ids in branches]
-        rows, keys, values = self.model.hidden_branches(tokens, [position for position, _ in branches], keys, values,
-                                                        last_only=last_only)
+        hidden, keys, values = self.model.hidden_branches(tokens, [position for position, _ in branches], keys, values,
+                                                          last_only=last_only)
         keys, values = self._kept(keys), self._kept(values)
-        logits = np.split(self._head(torch.cat(rows)), np.cumsum([len(r) for r in rows])[:-1])
+        logits = np.split(self._head(torch.cat(hidden)), np.cumsum([len(h) for h in hidden])[:-1])
         return [(rows, KVCache(keys[i], values[i], position + len(ids)))
                 for i, (rows, (position, ids)) in enumerate(zip(logits, branches))]
 
