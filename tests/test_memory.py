@@ -235,6 +235,27 @@ def test_scratch_file_holds_arrays_as_maps_of_an_unlinked_file():
     assert all(mapping["start"] <= a.ctypes.data < mapping["stop"] for a in [*held, joined])
 
 
+def test_scratch_takes_its_disk_blocks_before_writing_and_says_when_there_are_none(tmp_path, monkeypatch):
+    """A sparse file's page written through a map where the disk is full kills the process
+    with SIGBUS, naming nothing (a 1.7B survey worker died so, exit -7): the blocks of each
+    array are taken when it is placed, and a full disk is a typed error naming the folder."""
+    import errno
+    import os
+
+    from pipeline.ground import scratch as scratch_module
+
+    scratch = scratch_module.ScratchFile(str(tmp_path))
+    placed = scratch.empty((5000,), np.float64)  # not written yet
+    assert os.fstat(scratch._file.fileno()).st_blocks * 512 >= placed.nbytes  # its blocks taken all the same
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(scratch_module.os, "posix_fallocate", full)
+    with pytest.raises(scratch_module.ScratchSpace, match=f"{tmp_path}: no room for 8000 bytes"):
+        scratch.hold(np.zeros(1000))
+
+
 def test_executor_and_reference_hold_decoded_weights_in_scratch_maps(int8_chunk_kv, fixture_bundle, monkeypatch):
     """A compressed package's weights, decoded once by the executor and once by coremltools for
     the gate's reference, are maps of scratch files, not memory of the process."""

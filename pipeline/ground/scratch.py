@@ -24,10 +24,16 @@ import tempfile
 
 import numpy as np
 
+from pipeline.ground.errors import CmfdeployError
+
 # Each array starts on a page of its own.
 PAGE = 4096
 # Address space one map of the file reserves (never memory or disk until written).
 SEGMENT = 1 << 30
+
+
+class ScratchSpace(CmfdeployError):
+    """The temp folder has no room for an array a stage holds in scratch."""
 
 
 class ScratchFile:
@@ -35,6 +41,7 @@ class ScratchFile:
     `concatenate` return are views of those maps, which keep them (and the file) alive."""
 
     def __init__(self, directory: str | None = None):
+        self._directory = directory or tempfile.gettempdir()
         self._file = tempfile.TemporaryFile(prefix="cmfdeploy-scratch-", dir=directory)
         self._segment: np.memmap | None = None
         self._used = 0
@@ -75,5 +82,15 @@ class ScratchFile:
             self._segment = np.memmap(self._file, np.uint8, mode="r+", offset=self._file_end, shape=(size,))
             self._file_end += size
             start = 0
+        if nbytes:
+            # The disk blocks are taken now: a sparse file's page written through the map where
+            # the disk is full kills the process with SIGBUS, naming nothing.
+            at = self._file_end - len(self._segment) + start
+            try:
+                os.posix_fallocate(self._file.fileno(), at, nbytes)
+            except OSError as error:
+                raise ScratchSpace(f"{self._directory}: no room for {nbytes} bytes of scratch (a file there already "
+                                   f"holds {at} bytes): {error.strerror}; free space there, or point TMPDIR at a "
+                                   "folder with more") from error
         self._used = start + nbytes
         return np.asarray(self._segment[start:start + nbytes])
