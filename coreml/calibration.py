@@ -121,7 +121,6 @@ class Calibration:
     def _input_statistics(self, statistic) -> dict[str, np.ndarray]:
         """Weight name -> the mean over input rows x [rows, in] (float64) of every Linear's
         `statistic(x)`, summed per call, over one forward of the windows."""
-        from pipeline.ground.models import KVCache
         from pipeline.ground.models.base import Linear
 
         # The sums live in a scratch file's map (pipeline.ground.scratch), added to in place:
@@ -148,11 +147,7 @@ class Calibration:
                 for window in self.windows:
                     # The head's inputs are the final hidden states, recorded as they are: its
                     # logits, which nothing reads, are not computed (62% of Gemma 3's forward).
-                    ids = torch.as_tensor(window).reshape(1, -1)
-                    cache = KVCache.empty(self.model.args, ids.shape[1])
-                    hidden, _, _ = self.model.hidden_with_cache_tensors(ids, torch.zeros(1, dtype=torch.int64),
-                                                                        cache.keys, cache.values)
-                    record(self.model.head_name, hidden)
+                    record(self.model.head_name, self.model.hidden(torch.as_tensor(window)))
         finally:
             for hook in hooks:
                 hook.remove()

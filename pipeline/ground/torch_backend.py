@@ -75,10 +75,7 @@ class TorchBackend:
         if self.chunk is None and self._fits(len(tokens)):
             return self.model(tokens).numpy()
         if self.chunk is None:
-            cache = KVCache.empty(self.args, len(tokens))
-            hidden, _, _ = self.model.hidden_with_cache_tensors(tokens.reshape(1, -1), torch.zeros(1, dtype=torch.int64),
-                                                                cache.keys, cache.values)
-            return self._head(hidden[0])
+            return self._head(self.model.hidden(tokens))
         cache = KVCache.empty(self.args, tokens.numel())
         return torch.cat([self.model.forward_cached(part, cache) for part in tokens.split(self.chunk)]).numpy()
 

@@ -377,6 +377,13 @@ class Decoder(nn.Module):
         rows = [hidden[i, len(s) - 1 if last_only else 0:len(s)] for i, s in enumerate(suffixes)]
         return rows, keys, values
 
+    def hidden(self, ids):
+        """The final-normed hidden states [T, hidden] of one sequence from position 0 (ids [T]
+        or [1, T]): `forward` short of the head."""
+        ids = ids.reshape(1, -1)
+        cache = KVCache.empty(self.args, ids.shape[1])
+        return self.hidden_with_cache_tensors(ids, torch.zeros(1, dtype=torch.int64), cache.keys, cache.values)[0][0]
+
     def forward(self, ids):
         """Logits [T, vocab] of one sequence from position 0 (ids [T] or [1, T])."""
         ids = ids.reshape(1, -1)

@@ -275,6 +275,7 @@ class Fp16Reference(nn.Module):
     and cos/sin enter the fp16 path rounded once (base.Decoder.hidden_with_cache_tensors)."""
 
     forward = Decoder.forward
+    hidden = Decoder.hidden
     forward_cached = Decoder.forward_cached
 
     def __init__(self, decoder: Decoder):
