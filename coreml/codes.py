@@ -299,18 +299,12 @@ def _kmeans_rows(values: np.ndarray, weights: np.ndarray | None, nbits: int, dty
     del sorted_w
     lo, hi = sorted_v[:, :1], sorted_v[:, -1:]
     centres = lo + (hi - lo) * (np.arange(k) + 0.5) / k
-    # Centres are weighted means of a row's values, so they stay within its [lo, hi]: one
-    # offset per row, fixed for all iterations, lays every row out on one sorted axis.
-    shift = np.arange(len(values))[:, None] * 4 * (np.abs(values).max() + 1.0)
-    flat = (sorted_v + shift).ravel()
-    del sorted_v
     n = values.shape[1]
     first, last = np.zeros_like(lo, dtype=np.int64), np.full(lo.shape, n, dtype=np.int64)
-    starts = np.arange(len(values))[:, None] * n
     moving = np.ones(len(values), bool)
     for _ in range(iterations):
         mids = (centres[:, 1:] + centres[:, :-1]) / 2
-        cuts = np.hstack([first, np.searchsorted(flat, (mids + shift).ravel()).reshape(mids.shape) - starts, last])
+        cuts = np.hstack([first, _searchsorted_rows(sorted_v, mids), last])
         mass = np.diff(np.take_along_axis(cum_w, cuts, axis=1), axis=1)
         total = np.diff(np.take_along_axis(cum_wv, cuts, axis=1), axis=1)
         moved = np.where(mass > 0, total / np.where(mass > 0, mass, 1), centres)
@@ -322,9 +316,22 @@ def _kmeans_rows(values: np.ndarray, weights: np.ndarray | None, nbits: int, dty
             break
     lut = centres.astype(dtype)
     stored = lut.astype(np.float64)
-    mids = (stored[:, 1:] + stored[:, :-1]) / 2
-    nearest = np.searchsorted((mids + shift).ravel(), (values + shift).ravel()).reshape(values.shape)
-    return (nearest - np.arange(len(values))[:, None] * (k - 1)).astype(np.uint8), lut
+    return _searchsorted_rows((stored[:, 1:] + stored[:, :-1]) / 2, values).astype(np.uint8), lut
+
+
+def _searchsorted_rows(ascending: np.ndarray, queries: np.ndarray) -> np.ndarray:
+    """`np.searchsorted(ascending[i], queries[i])` for every row i, by bisection on all rows at
+    once: each row's answer comes from its own values' comparisons alone, whatever rows it is
+    batched with."""
+    rows = np.arange(len(ascending))[:, None]
+    low = np.zeros(queries.shape, np.int64)
+    high = np.full(queries.shape, ascending.shape[1], np.int64)
+    while (open_ := low < high).any():
+        middle = (low + high) // 2
+        below = ascending[rows, np.minimum(middle, ascending.shape[1] - 1)] < queries
+        low = np.where(open_ & below, middle + 1, low)
+        high = np.where(open_ & ~below, middle, high)
+    return low
 
 
 def _broadcast(importance: np.ndarray, w: np.ndarray) -> np.ndarray:

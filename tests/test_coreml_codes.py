@@ -73,9 +73,10 @@ def test_kmeans_tiles_pick_the_nearest_stored_entry_and_beat_a_uniform_lut():
 
 
 def test_kmeans_tiles_in_bands_of_tile_rows_give_the_codes_of_all_tiles_at_once(monkeypatch):
-    # Each tile's LUT is its own values' k-means, so the memory bound (bands of tile rows,
-    # KMEANS_BLOCK_VALUES values at a time) cannot change a code: one band of all 20 tile rows
-    # against bands of one and of three (the last one short), weighted and not.
+    # Each tile's LUT is its own values' k-means and every search and sum runs along its own row
+    # (`_searchsorted_rows`), so the memory bound (bands of tile rows, KMEANS_BLOCK_VALUES values
+    # at a time) cannot change a bit on any machine: one band of all 20 tile rows against bands
+    # of one and of three (the last one short), weighted and not.
     rng = np.random.default_rng(5)
     w = (rng.standard_t(4, (640, 96)) * 0.05).astype(np.float32)
     importance = rng.random(96)
