@@ -88,14 +88,92 @@ def test_sampler_counts_anonymous_memory_apart_from_mapped_file_pages(tmp_path):
 def test_reference_parameters_are_the_bundle_map_and_nothing_writes_it(fixture_bundle):
     weights = fixture_bundle / WEIGHTS_NAME
     model, _, _ = load_reference(fixture_bundle)
+    dirty = []
+
+    def record(*_):
+        # Copy-on-write: a page the model wrote would be a private dirty page of the mapping,
+        # seen here before the module's own hook drops its pages (which would drop the write too).
+        dirty.append(sum(m.get("Private_Dirty", 0) for m in _mappings(weights)))
+
+    for module in (*model.model.layers, model.head):
+        module.register_forward_hook(record, prepend=True)
     with torch.no_grad():
         model(torch.arange(16))
     mappings = _mappings(weights)
     assert mappings, "the bundle's weights are not mapped"
     parameters = list(model.parameters())
     assert parameters and all(_inside(p, mappings) for p in parameters)
-    # Copy-on-write: a page the model wrote would be a private dirty page of the mapping.
+    assert len(dirty) == len(model.model.layers) + 1 and set(dirty) == {0}
     assert all(m.get("Private_Dirty", 0) == 0 for m in mappings)
+
+
+# -- dropping a map's pages once read
+
+
+def _resident(array: np.ndarray) -> int:
+    (mapping,) = [m for m in _all_mappings() if m["start"] <= array.ctypes.data < m["stop"]]
+    return mapping["Rss"]
+
+
+def _all_mappings() -> list[dict]:
+    found = []
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5 and ":" in fields[3]:
+            start, stop = (int(x, 16) for x in fields[0].split("-"))
+            found.append({"start": start, "stop": stop})
+        elif fields[0] == "Rss:":
+            found[-1]["Rss"] = int(fields[1]) * 1024
+    return found
+
+
+@pytest.mark.parametrize("mode", ["r", "c", "r+"])  # a package's weight.bin, a bundle, a scratch file
+def test_released_pages_leave_the_process_and_read_back_the_same(tmp_path, mode):
+    """Once read, a 16 MiB map is resident whole; releasing a view of it drops at least the pages
+    that view covers (its first page rounded down, its last up: no read comes between, so the
+    kernel maps nothing back; a kernel that maps the page cache's large folios whole may drop
+    the whole folio around an end), and a read afterwards sees the file's values."""
+    from pipeline.ground.pages import is_mapped, release_pages
+
+    path = tmp_path / "data.bin"
+    values = np.random.default_rng(0).standard_normal(4 * MIB).astype(np.float32)
+    values.tofile(path)
+    mapped = np.memmap(path, np.float32, mode=mode)
+    assert mapped.sum() == values.sum()
+    assert _resident(mapped) == values.nbytes
+    view = mapped[1000:3 * MIB + 7].reshape(-1, 1)  # neither end on a page boundary
+    page = 4096
+    first, last = 1000 * 4 // page, -(-(3 * MIB + 7) * 4 // page)
+    assert is_mapped(view)
+    release_pages(view)
+    assert _resident(mapped) <= values.nbytes - (last - first) * page
+    assert np.array_equal(view[:, 0], values[1000:3 * MIB + 7]) and np.array_equal(mapped, values)
+    own = values.copy()
+    assert not is_mapped(own)
+    release_pages(own)  # not a map's: nothing happens to it
+    assert np.array_equal(own, values)
+
+
+def test_a_forward_releases_every_layer_and_the_head_and_computes_the_same(fixture_bundle, monkeypatch):
+    """The reference drops each decoder layer's and the head's pages of the bundle's map once the
+    module has run; the logits are those of the same model with nothing released, bit for bit
+    (the same bytes are read, from the page cache instead of the process's own mapping)."""
+    from pipeline.ground import reference as reference_module
+
+    released = set()
+    original = reference_module.release_pages
+    monkeypatch.setattr(reference_module, "release_pages",
+                        lambda array: (released.add(array.ctypes.data), original(array)))
+    model, _, _ = load_reference(fixture_bundle)
+    ids = torch.arange(16)
+    with torch.no_grad():
+        logits = model(ids)
+        for module in model.modules():
+            module._forward_hooks.clear()
+        kept = model(ids)
+    owned = {p.data_ptr() for module in (*model.model.layers, model.head) for p in module.parameters()}
+    assert released == owned
+    assert torch.equal(logits, kept)
 
 
 def test_mapped_weights_equal_the_file_read_by_safetensors(fixture_bundle):
@@ -177,6 +255,23 @@ def test_executor_fp32_constants_are_views_of_the_weight_file(fixture_packages):
         start = value.__array_interface__["data"][0]
         assert not value.flags.owndata and not value.flags.writeable, name
         assert any(m["start"] <= start and start + value.nbytes <= m["stop"] for m in mappings), name
+
+
+def test_an_executor_run_releases_every_mapped_constant_and_computes_the_same(fixture_packages, monkeypatch):
+    package = fixture_packages / "chunk_kv"
+    program = load_program(package / load_manifest(package)["package"]["name"])
+    executor = Executor(program)
+    feeds = {f.name: np.zeros(f.shape, f.dtype.numpy) for f in executor.function.spec_inputs}
+    kept = executor.run(feeds)
+    released = set()
+    original = executor_module.release_pages
+    monkeypatch.setattr(executor_module, "release_pages", lambda array: (released.add(array.ctypes.data), original(array)))
+    outputs = executor.run(feeds)
+    read = {v.ctypes.data for step in executor._steps for v in step.static.values() if isinstance(v, np.ndarray)}
+    mapped = {v.ctypes.data for v in executor.constants.values() if isinstance(v, np.ndarray) and v.flags.owndata is False
+              and v.ctypes.data in read and v.nbytes >= 4096}
+    assert mapped and mapped <= released
+    assert all(np.array_equal(outputs[name], kept[name]) for name in kept)
 
 
 # -- the scale benchmark's models and table

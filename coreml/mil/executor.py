@@ -28,19 +28,21 @@ the exception: MIL defines it in its operands' dtype, so it sees them as stored.
 Constants cost no memory of the process: a `const` is a view of the package's weight file,
 and a value made here once (a decompressed weight, an fp16 constant widened to float32) is
 moved to a scratch file and read back through a map (`pipeline.ground.scratch`), so a
-compressed package's weights are held as the FP32 package's are.
+compressed package's weights are held as the FP32 package's are. A run drops each map's pages
+from the process once the step that read them is done (`pipeline.ground.pages`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from coreml.mil.errors import MilError, UnsupportedOp
 from coreml.mil.loader import FeatureSpec, Function, Operation, Program, TensorSpec
 from coreml.mil.ops import OPS
+from pipeline.ground.pages import is_mapped, release_pages
 from pipeline.ground.scratch import ScratchFile
 
 # A value the executor makes once and at least this large goes to its scratch file.
@@ -92,6 +94,8 @@ class _Step:
     rows_at_once: bool = False
     # fp16 operands widen to float32 (the accumulation model above); not for ops that only move values
     widens: bool = True
+    # constants over a file's map, whose pages a run drops once the step has read them
+    mapped: tuple[np.ndarray, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -143,6 +147,7 @@ class Executor:
         self._steps: list[_Step] = []
         self._plan()
         del self._wide_constants  # each is held by the steps that read it
+        self._mapped_constants()
         self._dead_after = self._liveness()
 
     # -- building ---------------------------------------------------------------------------
@@ -215,6 +220,17 @@ class Executor:
                 dynamic.append((key, operands, key in lists))
         rows_at_once = op.type == "linear" and [key for key, _, _ in dynamic] == ["x"]
         return _Step(op, OPS[op.type].fn, where, static, tuple(dynamic), rows_at_once, widens)
+
+    def _mapped_constants(self) -> None:
+        """Give each step the constants it reads through a map (after folding, so a decompressed
+        weight is its scratch map's view): a run drops their pages once the step is done, so
+        a forward holds about one layer's weights resident, not the whole file
+        (`pipeline.ground.pages`)."""
+        for index, step in enumerate(self._steps):
+            values = [v for value in step.static.values() for v in (value if isinstance(value, tuple) else (value,))]
+            mapped = tuple(v for v in values if is_mapped(v))
+            if mapped:
+                self._steps[index] = replace(step, mapped=mapped)
 
     def _wide(self, name: str):
         """Constant `name` as the ops see it (fp16 widened to float32), made once per constant."""
@@ -290,6 +306,8 @@ class Executor:
             self._store(step, self._call(step, self._bind(step, env)), env)
             for name in dead:
                 del env[name]
+            for constant in step.mapped:
+                release_pages(constant)
         return self._outputs(env)
 
     def run_batch(self, batch: list[Mapping[str, object]]) -> list[dict[str, np.ndarray]]:
@@ -309,6 +327,8 @@ class Executor:
             for env in envs:
                 for name in dead:
                     del env[name]
+            for constant in step.mapped:
+                release_pages(constant)
         return [self._outputs(env) for env in envs]
 
     def _linear_rows(self, step: _Step, envs: list[dict[str, object]]) -> None:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import json
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,6 +24,7 @@ from pipeline.ground.cmf.skills import skill_tensor_source
 from pipeline.ground.errors import CmfdeployWarning, UnsupportedModel
 from pipeline.ground.models import ModelArgs, build_model
 from pipeline.ground.models.errors import ModelConfigError
+from pipeline.ground.pages import is_mapped, release_pages
 
 if TYPE_CHECKING:  # torch loads only when a decoder is built (the MLX runtime reads task masks here)
     from pipeline.ground.models.base import Decoder
@@ -131,6 +133,22 @@ def load_reference(artifact: str | Path, task: str | int | None = None, skill: s
         return model, args, cmf.vocab
 
 
+def _release_pages_after_use(model: Decoder, arrays: Iterable[np.ndarray]) -> None:
+    """Drop each decoder layer's and the head's mapped weights from the process once the module
+    has run (`pipeline.ground.pages`): a forward then holds about one layer of the bundle's map
+    resident, not all of it. The embedding's lookup reads only its tokens' rows."""
+    mapped = {array.ctypes.data: array for array in arrays if is_mapped(array)}
+    for module in (*model.model.layers, model.head):
+        owned = tuple(mapped[p.data_ptr()] for p in module.parameters() if p.data_ptr() in mapped)
+        if owned:
+            module.register_forward_hook(partial(_release_all, owned))
+
+
+def _release_all(arrays: tuple[np.ndarray, ...], *_hook_arguments) -> None:
+    for array in arrays:
+        release_pages(array)
+
+
 def _load_bundle(path: Path, replaced: Mapping[str, np.ndarray] | None) -> tuple[Decoder, ModelArgs, bytes | None]:
     verify_bundle(path)
     config = json.loads((path / BUNDLE_CONFIG).read_text())
@@ -139,5 +157,6 @@ def _load_bundle(path: Path, replaced: Mapping[str, np.ndarray] | None) -> tuple
     weights = mapped_weights(path / WEIGHTS_NAME)
     weights.update((name, value) for name, value in (replaced or {}).items() if name in weights or name == UNTIED_HEAD)
     model = build_model(args, weights, source=str(path / WEIGHTS_NAME))
+    _release_pages_after_use(model, weights.values())
     tokenizer = path / BUNDLE_TOKENIZER
     return model, args, tokenizer.read_bytes() if tokenizer.exists() else None
