@@ -3,6 +3,7 @@ reference model rebuilt with the weights coremltools itself decompresses; select
 preconditions, the mixed-precision chooser, manifests and refusals.
 """
 
+import contextlib
 import shutil
 
 import coremltools as ct
@@ -364,3 +365,32 @@ def test_gptq_recipe_codes_each_linear_for_its_calibration_inputs(source, compre
             return np.einsum("ij,jk,ik->", e, hessian, e)
 
         assert output_error(gptq[name]) < output_error(plain[name]), name
+
+
+@pytest.mark.parametrize("recipe", ["int8-b32", "int8-b32-embfp16", "palette4-gc32", "gptq-int4-b32"])
+def test_a_program_loaded_over_the_weight_file_compresses_to_the_same_package(source, tmp_path, monkeypatch,
+                                                                              recipe):
+    """The compression reads the package's float constants as read-only views of its weight file,
+    not as coremltools' copies: the program's large float32 constants lie in that file's map, and
+    the compressed package is the one the copying loader makes, byte for byte (the mlpackage's
+    Manifest.json apart: its item identifiers are fresh UUIDs each save)."""
+    from coreml.recipes import compress as compress_module
+    from pipeline.ground.pages import is_mapped
+
+    mlmodel = ct.models.MLModel(str(source.path / "model.mlpackage"), skip_model_load=True)
+    program = compress_module.load_program(mlmodel)
+    floats = [op.val.val for op in program.functions["main"].operations
+              if op.op_type == "const" and isinstance(op.val.val, np.ndarray) and op.val.val.dtype == np.float32
+              and op.val.val.size > 64]
+    assert floats and all(is_mapped(value) and not value.flags.writeable for value in floats)
+
+    extra = {"calibration_ids": np.arange(2, 200, dtype=np.int64)} if RECIPES[recipe].calibration else {}
+    compress_package(source.path, recipe, tmp_path / "mapped", **extra)
+    monkeypatch.setattr(compress_module, "_float_blobs_mapped", contextlib.nullcontext)
+    compress_package(source.path, recipe, tmp_path / "copied", **extra)
+    files = sorted(p.relative_to(tmp_path / "mapped") for p in (tmp_path / "mapped").rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(tmp_path / "copied") for p in (tmp_path / "copied").rglob("*") if p.is_file())
+    compared = [name for name in files if name.name not in ("Manifest.json", "manifest.json")]
+    assert {name.name for name in compared} >= {"model.mlmodel", "weight.bin"}
+    for name in compared:
+        assert (tmp_path / "mapped" / name).read_bytes() == (tmp_path / "copied" / name).read_bytes(), name

@@ -12,6 +12,7 @@ coremltools itself only logs a warning and skips a weight it cannot compress.
 
 import time
 from collections.abc import Callable, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 import coremltools as ct
@@ -25,6 +26,7 @@ from coremltools.optimize.coreml._quantization_passes import linear_quantize_wei
 from coreml import calibration, codes
 from coreml import manifest as package_manifest
 from coreml.recipes.base import RECIPES, WEIGHT_THRESHOLD, Context, Encoder, Recipe, RecipePrecondition, Selected, Weight
+from coreml.mil.loader import BlobStorage, tensor_spec
 from coreml.recipes.emit import WriteCodes
 from coreml.recipes.mixed import MIXED_BPW
 from manifests.identity import Manifest, artifact_source
@@ -34,8 +36,45 @@ from pipeline.ground.errors import UnsupportedModel
 
 def load_program(mlmodel):
     """The package's MIL program, loaded once: the weights are listed from it and every step
-    of a recipe rewrites it in place."""
-    return _convert_model_spec_to_pymil_prog(mlmodel, mlmodel.get_spec().specificationVersion, milproto.load)
+    of a recipe rewrites it in place. Its float constants are views of the package's weight
+    file (`_float_blobs_mapped`), not copies."""
+    with _float_blobs_mapped():
+        return _convert_model_spec_to_pymil_prog(mlmodel, mlmodel.get_spec().specificationVersion, milproto.load)
+
+
+@contextmanager
+def _float_blobs_mapped():
+    """coremltools' MIL loader reads every constant in the weight file into numpy, twice over
+    (`np.array(value).astype(dtype)`), and keeps the copy: 1 W of a compression's private
+    memory before a recipe has made anything (a 1.7B model's survey workers held 8.7 GB each
+    while compressing). Here a float32 or fp16 tensor constant stored in the weight file is
+    loaded as a read-only view of it (`coreml.mil.loader.BlobStorage`, which checks the blob's
+    metadata against the type the program declares); every other value is loaded by
+    coremltools as before. The same values, so the same compressed package, byte for byte
+    (`tests/test_coreml_recipes.py`); a step that wrote into a constant would fail on the
+    read-only view rather than change the file. The swap of the loader's module function
+    lasts for this load alone."""
+    original = milproto._load_value
+    storages: dict[Path, BlobStorage] = {}
+
+    def load_value(context, value_spec):
+        spec = None
+        if value_spec.WhichOneof("value") == "blobFileValue" and not value_spec.docString:
+            blob = value_spec.blobFileValue
+            where = f"{blob.fileName} @ {blob.offset}"
+            spec = tensor_spec(value_spec.type, where)
+        if spec is None or spec.dtype.numpy not in (np.float32, np.float16) or None in spec.shape or not spec.shape:
+            return original(context, value_spec)
+        path = Path(context.weights_dir) / blob.fileName.split("/")[-1]
+        if path not in storages:
+            storages[path] = BlobStorage(path)
+        return storages[path].read(blob.offset, spec.dtype, spec.shape)
+
+    milproto._load_value = load_value
+    try:
+        yield
+    finally:
+        milproto._load_value = original
 
 
 def program_weights(program, weight_names: Mapping[str, list[str]]) -> list[Weight]:
