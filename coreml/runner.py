@@ -7,6 +7,7 @@ from coreml.kinds import KINDS
 from coreml.layout import enumerated_lengths, logit_outputs
 from coreml.kinds.cache_runner import KVSnapshot, PackageInterfaceError, input_ids_array, joined_logits
 from coreml.package import open_package
+from pipeline.ground.backend_protocol import branch_groups
 
 
 class PackageBackend:
@@ -35,6 +36,9 @@ class PackageBackend:
         block = package.manifest["package"]
         self.context = self.kv.context if self.kv else block["context"]
         self.lengths, self.logit_names = enumerated_lengths(block), logit_outputs(block)
+        # The model's weight bytes as the FP32 package holds them: a compressed package's base.
+        manifest = package.manifest
+        self.weight_bytes = manifest["base_size_bytes"] if "base_size_bytes" in manifest else manifest["package_bytes"]
         # One prediction per branch (no chunking) of a package without states: a batch of
         # them shares its weight reads (`ChunkKVRunner.run_batch`); other kinds run one by one.
         self._batches = hasattr(self.kv, "run_batch") and not chunk
@@ -43,15 +47,22 @@ class PackageBackend:
         return self.prefill(ids)[0]
 
     def prefill_batch(self, prefixes) -> list:
-        prefilled = (self.kv.run_batch([(self.kv.empty(), np.asarray(ids)) for ids in prefixes], self._pad_id())
+        prefilled = (self._run_batch([(self.kv.empty(), np.asarray(ids)) for ids in prefixes])
                      if self._batches else [self.prefill(ids) for ids in prefixes])
         return [(logits[-1:], snapshot) for logits, snapshot in prefilled]
 
     def extend_batch(self, branches) -> list[np.ndarray]:
         if not self._batches:
             return [self.extend(snapshot, ids) for snapshot, ids in branches]
-        return [logits for logits, _ in self.kv.run_batch([(snapshot, np.asarray(ids)) for snapshot, ids in branches],
-                                                          self._pad_id())]
+        return [logits for logits, _ in self._run_batch([(snapshot, np.asarray(ids)) for snapshot, ids in branches])]
+
+    def _run_batch(self, branches) -> list:
+        """`run_batch` in groups whose caches fit the batch's share of memory (`branch_groups`):
+        a chunk-KV branch carries the package's whole context of cache."""
+        snapshot = branches[0][0] if branches else None
+        cache_bytes = 0 if snapshot is None else 4 * (snapshot.key_cache.size + snapshot.value_cache.size)
+        return [done for group in branch_groups(branches, cache_bytes, self.weight_bytes)
+                for done in self.kv.run_batch(group, self._pad_id())]
 
     def prefill(self, ids):
         ids = np.asarray(ids)

@@ -381,11 +381,38 @@ def test_reference_fixtures_leave_out_step_logits_unless_asked(tmp_path):
     assert "long_kv_step_logits" not in index and "long_kv_step" not in index["computed_with"]
 
 
-def test_the_intended_reference_batches_as_it_runs_one_at_a_time(fixture_packages):
+def _batches_of(share, monkeypatch, owner, method: str) -> list[int]:
+    """Set the batches' share of memory and record the size of each batch `owner.method` runs."""
+    from pipeline.ground import backend_protocol
+
+    if share is not None:
+        monkeypatch.setattr(backend_protocol, "BATCH_CACHE_SHARE", share)
+    sizes, run = [], getattr(owner, method)
+
+    def recorded(self, *args, **kwargs):
+        batch = args[0] if args else kwargs["branches"]
+        sizes.append(len(batch))
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(owner, method, recorded)
+    return sizes
+
+
+# The default share (the fixture's caches are small beside its weights: one batch each), and one
+# so small that every branch is a batch of its own.
+SHARES = [None, 1e-12]
+
+
+@pytest.mark.parametrize("share", SHARES)
+def test_the_intended_reference_batches_as_it_runs_one_at_a_time(fixture_packages, monkeypatch, share):
     """The gates score items through the intended reference's `prefill_batch` / `extend_batch`: each branch
-    from its own snapshot must match `prefill` / `extend` of that branch alone. Two float32
-    evaluations of one model in another batching: within the worst-case bound of two such
-    evaluations (pipeline/ground/models/numerics.py), which holds on any machine; caches likewise."""
+    from its own snapshot must match `prefill` / `extend` of that branch alone, however the
+    branches are grouped into batches (`branch_groups`). Two float32 evaluations of one model in
+    another batching: within the worst-case bound of two such evaluations
+    (pipeline/ground/models/numerics.py), which holds on any machine; caches likewise."""
+    from pipeline.ground.torch_backend import TorchBackend
+
+    sizes = _batches_of(share, monkeypatch, TorchBackend, "_stacked_branches")
     package = fixture_packages / "chunk_kv"
     intended, _ = _references(package)
     bound = model_logits_bound(intended.model, intended.context)
@@ -402,15 +429,20 @@ def test_the_intended_reference_batches_as_it_runs_one_at_a_time(fixture_package
     branches = [(snapshot, np.array([7, 8, 9])) for _, snapshot in batched] + [(batched[0][1], np.array([4]))]
     for got, (snapshot, ids) in zip(intended.extend_batch(branches), branches):
         assert np.abs(got - intended.extend(snapshot, ids)).max() <= bound
+    _assert_batches_within_their_share(sizes, 7, 8 * batched[0][1].keys.numel(), intended.weight_bytes, share)
 
 
-def test_a_chunk_kv_package_batches_as_it_runs_one_at_a_time(fixture_packages):
-    """Scoring runs a chunk-KV package's branches as one batch prediction (the executor applies
-    each constant-weight `linear` to all their rows at once): every branch must match its own
-    prediction. The same float32 program in another summation order of the products: within
-    the worst-case bound of two float32 evaluations (pipeline/ground/models/numerics.py); caches likewise."""
+@pytest.mark.parametrize("share", SHARES)
+def test_a_chunk_kv_package_batches_as_it_runs_one_at_a_time(fixture_packages, monkeypatch, share):
+    """Scoring runs a chunk-KV package's branches as batch predictions (the executor applies
+    each constant-weight `linear` to all their rows at once), grouped as `branch_groups` says:
+    every branch must match its own prediction. The same float32 program in another summation
+    order of the products: within the worst-case bound of two float32 evaluations
+    (pipeline/ground/models/numerics.py); caches likewise."""
+    from coreml.kinds.chunk_kv import ChunkKVRunner
     from coreml.runner import open_package_backend
 
+    sizes = _batches_of(share, monkeypatch, ChunkKVRunner, "run_batch")
     package = fixture_packages / "chunk_kv"
     backend = open_package_backend(package)
     intended, _ = _references(package)
@@ -428,3 +460,17 @@ def test_a_chunk_kv_package_batches_as_it_runs_one_at_a_time(fixture_packages):
     for got, (snapshot, ids) in zip(backend.extend_batch(branches), branches):
         want = backend.extend(snapshot, ids)
         assert got.shape == want.shape and np.abs(got - want).max() <= bound
+    cache_bytes = 4 * (batched[0][1].key_cache.size + batched[0][1].value_cache.size)
+    _assert_batches_within_their_share(sizes, 7, cache_bytes, backend.weight_bytes, share)
+
+
+def _assert_batches_within_their_share(sizes: list[int], branches: int, cache_bytes: int, weight_bytes: int,
+                                       share) -> None:
+    """3 prefixes, then 4 branches: every batch's float32 caches within the share of the weights
+    (or a single branch), and as many branches a batch as that allows."""
+    from pipeline.ground.backend_protocol import BATCH_CACHE_SHARE
+
+    allowed = max(1, int((BATCH_CACHE_SHARE if share is None else share) * weight_bytes) // cache_bytes)
+    assert sum(sizes) == branches
+    assert all(size <= allowed for size in sizes) and all(size == min(allowed, 3) for size in sizes[:1])
+    assert share is None or sizes == [1] * branches

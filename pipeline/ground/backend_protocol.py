@@ -75,6 +75,23 @@ class Backend(Protocol):
     #   `extend_batch([(snapshot, ids), ...]) -> [logits, ...]`, each `extend(snapshot, ids)`.
 
 
+# A batch of branches (`prefill_batch`, `extend_batch`) holds every branch's caches stacked and
+# as much again in the caches it writes: the branches one batch runs are as many as keep their
+# caches, counted as float32, within this share of the model's FP32 weight bytes (W), at least
+# one. A fixed count of 40 (scoring's 8 items and their candidates) held 4 GB of the 1.7B
+# model's 256-slot caches (32 K/V heads), and ~8 GB with what the batch wrote, beside a stage
+# bound of 1.25 W + 1.5 GB (docs/MEMORY.md); a quarter of W keeps a batch's private memory
+# under that bound at any size, and a batch still reads the weights once for many branches
+# (SmolLM2-135M: 11 of its 256-slot caches, the 1.7B model 17).
+BATCH_CACHE_SHARE = 0.25
+
+
+def branch_groups(branches: list, branch_cache_bytes: int, weight_bytes: int) -> list[list]:
+    """`branches` in consecutive groups, each one batch (`BATCH_CACHE_SHARE`)."""
+    size = max(1, int(BATCH_CACHE_SHARE * weight_bytes) // max(1, branch_cache_bytes))
+    return [branches[start:start + size] for start in range(0, len(branches), size)]
+
+
 def validate_ids(ids, backend_name: str, vocab_size: int, context: int, offset: int = 0) -> np.ndarray:
     """ids as int64 [T], or a BackendError naming the problem; `offset` tokens are already cached."""
     ids = np.asarray(ids)

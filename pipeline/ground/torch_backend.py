@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pipeline.ground.backend_protocol import BackendError, validate_ids
+from pipeline.ground.backend_protocol import BackendError, branch_groups, validate_ids
 from pipeline.ground.models import Decoder, KVCache, ModelArgs
 from pipeline.ground.scratch import ScratchFile
 
@@ -56,6 +56,7 @@ class TorchBackend:
         self.chunk = chunk
         self.cache_dtype, self.numerics = np.dtype(cache_dtype), numerics
         self.name = "torch-fp32" if numerics == "fp32" else f"torch-intended ({numerics})"
+        self.weight_bytes = 4 * sum(p.numel() for p in model.parameters())  # FP32 bytes, whatever the dtype held
 
     def _kept(self, cache: torch.Tensor) -> torch.Tensor:
         """A written cache as the package keeps it: rounded to `cache_dtype` (to nearest even,
@@ -101,10 +102,12 @@ class TorchBackend:
         caches of one length that holds every branch's tokens (`ROOM_STEP`)."""
         slots = self._room(max(max(snapshot.context for snapshot, _ in branches),
                                max(snapshot.position + len(ids) for snapshot, ids in branches)))
-        return self._stacked_branches([(snapshot.position, ids) for snapshot, ids in branches],
-                                      torch.stack([_grown(snapshot.keys, slots) for snapshot, _ in branches]),
-                                      torch.stack([_grown(snapshot.values, slots) for snapshot, _ in branches]),
-                                      last_only)
+        cache_bytes = 2 * 4 * self.args.num_layers * self.args.num_kv_heads * slots * self.args.head_dim
+        return [done for group in branch_groups(branches, cache_bytes, self.weight_bytes)
+                for done in self._stacked_branches([(snapshot.position, ids) for snapshot, ids in group],
+                                                   torch.stack([_grown(snapshot.keys, slots) for snapshot, _ in group]),
+                                                   torch.stack([_grown(snapshot.values, slots) for snapshot, _ in group]),
+                                                   last_only)]
 
     def _room(self, tokens: int) -> int:
         """Cache slots for `tokens`: the next multiple of ROOM_STEP, at most the context (a
