@@ -129,10 +129,10 @@ def _all_mappings() -> list[dict]:
 
 @pytest.mark.parametrize("mode", ["r", "c", "r+"])  # a package's weight.bin, a bundle, a scratch file
 def test_released_pages_leave_the_process_and_read_back_the_same(tmp_path, mode):
-    """Once read, a 16 MiB map is resident whole; releasing a view of it drops at least the pages
-    that view covers (its first page rounded down, its last up: no read comes between, so the
-    kernel maps nothing back; a kernel that maps the page cache's large folios whole may drop
-    the whole folio around an end), and a read afterwards sees the file's values."""
+    """Once read, a 16 MiB map is resident whole; releasing a view of it drops at least the whole
+    pages that view covers (no read comes between, so the kernel maps nothing back; a kernel
+    that maps the page cache's large folios whole may drop the whole folio around an end), and
+    a read afterwards sees the file's values."""
     from pipeline.ground.pages import is_mapped, release_pages
 
     path = tmp_path / "data.bin"
@@ -143,7 +143,7 @@ def test_released_pages_leave_the_process_and_read_back_the_same(tmp_path, mode)
     assert _resident(mapped) == values.nbytes
     view = mapped[1000:3 * MIB + 7].reshape(-1, 1)  # neither end on a page boundary
     page = 4096
-    first, last = 1000 * 4 // page, -(-(3 * MIB + 7) * 4 // page)
+    first, last = -(-1000 * 4 // page), (3 * MIB + 7) * 4 // page  # its whole pages
     assert is_mapped(view)
     release_pages(view)
     assert _resident(mapped) <= values.nbytes - (last - first) * page
@@ -174,6 +174,22 @@ def test_a_forward_releases_every_layer_and_the_head_and_computes_the_same(fixtu
     owned = {p.data_ptr() for module in (*model.model.layers, model.head) for p in module.parameters()}
     assert released == owned
     assert torch.equal(logits, kept)
+
+
+def test_a_parameter_written_in_place_keeps_its_values_through_a_forward(fixture_bundle):
+    """Dropping a copy-on-write page would undo a write into it: a parameter written in place
+    (`load_state_dict` without `assign` copies into the map's pages) keeps its pages, so the
+    model computes with the written values in every forward, as it did before anything was
+    dropped."""
+    model, _, _ = load_reference(fixture_bundle)
+    weight = model.model.layers[0].mlp.down_proj.weight
+    written = torch.full_like(weight, 0.25)
+    model.load_state_dict({"model.layers.0.mlp.down_proj.weight": written}, strict=False)
+    ids = torch.arange(16)
+    with torch.no_grad():
+        first = model(ids)
+        second = model(ids)
+    assert torch.equal(weight, written) and torch.equal(first, second)
 
 
 def test_mapped_weights_equal_the_file_read_by_safetensors(fixture_bundle):

@@ -12,8 +12,9 @@ cache: the next read of them maps them again from the cache, by a minor fault pe
 (the kernel's fault-around), which costs a single-token pass over SmolLM2-135M's 538 MB about
 10 ms, and a many-token one nothing measurable. A shared map (`ACCESS_READ`, a scratch file's
 `r+`) loses nothing by it; a copy-on-write map (`np.memmap(mode="c")`, the bundle's) would lose
-a page's private copy, that is a write, which no stage makes (`tests/test_memory.py` checks
-that the reference writes nothing to its weights).
+a page's private copy, that is a write: no stage writes the bundle's map (`tests/test_memory.py`
+checks), a page shared with a neighbouring array is never dropped, and the reference keeps
+the pages of a parameter torch has seen written (`pipeline.ground.reference`).
 """
 
 import mmap
@@ -35,12 +36,15 @@ def is_mapped(value: object) -> bool:
 
 
 def release_pages(array: np.ndarray) -> None:
-    """Drop the pages under `array` from this process if it views a map; else nothing."""
+    """Drop the whole pages under `array` from this process if it views a map; else nothing."""
     mapping = _mapping(array) if array.size else None
     if mapping is None:
         return
     map_start = np.frombuffer(mapping, np.uint8, count=1).ctypes.data
     low, high = byte_bounds(array)
-    start = low - map_start
-    start -= start % mmap.PAGESIZE
-    mapping.madvise(mmap.MADV_DONTNEED, start, high - map_start - start)
+    # Whole pages only: a page the array shares with a neighbour is the neighbour's too, and on a
+    # copy-on-write map it may hold the neighbour's write.
+    start = -(-(low - map_start) // mmap.PAGESIZE) * mmap.PAGESIZE
+    stop = (high - map_start) // mmap.PAGESIZE * mmap.PAGESIZE
+    if stop > start:
+        mapping.madvise(mmap.MADV_DONTNEED, start, stop - start)

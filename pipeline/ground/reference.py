@@ -27,6 +27,8 @@ from pipeline.ground.models.errors import ModelConfigError
 from pipeline.ground.pages import is_mapped, release_pages
 
 if TYPE_CHECKING:  # torch loads only when a decoder is built (the MLX runtime reads task masks here)
+    import torch
+
     from pipeline.ground.models.base import Decoder
 
 BUNDLE_CONFIG = "config.json"
@@ -136,17 +138,23 @@ def load_reference(artifact: str | Path, task: str | int | None = None, skill: s
 def _release_pages_after_use(model: Decoder, arrays: Iterable[np.ndarray]) -> None:
     """Drop each decoder layer's and the head's mapped weights from the process once the module
     has run (`pipeline.ground.pages`): a forward then holds about one layer of the bundle's map
-    resident, not all of it. The embedding's lookup reads only its tokens' rows."""
+    resident, not all of it. The embedding's lookup reads only its tokens' rows.
+
+    The map is copy-on-write, and dropping a page a write has copied would undo the write: a
+    parameter written in place (`load_state_dict` without `assign`, which copies into it; torch
+    counts every in-place write in the tensor's version) keeps its pages from then on, and so
+    its written values."""
     mapped = {array.ctypes.data: array for array in arrays if is_mapped(array)}
     for module in (*model.model.layers, model.head):
-        owned = tuple(mapped[p.data_ptr()] for p in module.parameters() if p.data_ptr() in mapped)
+        owned = tuple((p, mapped[p.data_ptr()]) for p in module.parameters() if p.data_ptr() in mapped)
         if owned:
-            module.register_forward_hook(partial(_release_all, owned))
+            module.register_forward_hook(partial(_release_unwritten, owned))
 
 
-def _release_all(arrays: tuple[np.ndarray, ...], *_hook_arguments) -> None:
-    for array in arrays:
-        release_pages(array)
+def _release_unwritten(owned: tuple[tuple[torch.Tensor, np.ndarray], ...], *_hook_arguments) -> None:
+    for parameter, array in owned:
+        if parameter._version == 0:
+            release_pages(array)
 
 
 def _load_bundle(path: Path, replaced: Mapping[str, np.ndarray] | None) -> tuple[Decoder, ModelArgs, bytes | None]:
