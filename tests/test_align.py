@@ -2,6 +2,7 @@
 parts (exactness against the intended numerics, quality within the budget, invariants), a
 runtime that mis-decodes a compressed weight, and the same gate over the MLX runtime."""
 
+import gc
 import json
 import shutil
 
@@ -474,3 +475,42 @@ def _assert_batches_within_their_share(sizes: list[int], branches: int, cache_by
     assert sum(sizes) == branches
     assert all(size <= allowed for size in sizes) and all(size == min(allowed, 3) for size in sizes[:1])
     assert share is None or sizes == [1] * branches
+
+
+@pytest.mark.parametrize("backend_kind", ["reference", "package"])
+def test_extend_batch_lets_each_batchs_written_caches_go_before_the_next_batch_runs(fixture_packages, monkeypatch,
+                                                                                    backend_kind):
+    """Scoring's candidates read only their logits: the caches a batch of them wrote must be
+    gone when the next batch runs (40 of the 1.7B model's chunk-KV branches held 4 GB while
+    the last batches ran). One branch a batch; at each batch's start, every cache an earlier
+    batch of the same call wrote is checked dead through a weak reference."""
+    import weakref
+
+    from coreml.kinds.chunk_kv import ChunkKVRunner
+    from coreml.runner import open_package_backend
+    from pipeline.ground import backend_protocol
+    from pipeline.ground.torch_backend import TorchBackend
+
+    monkeypatch.setattr(backend_protocol, "BATCH_CACHE_SHARE", 1e-12)
+    package = fixture_packages / "chunk_kv"
+    if backend_kind == "reference":
+        backend, owner, method = _references(package)[0], TorchBackend, "_stacked_branches"
+        written = lambda done: [cache.keys for _, cache in done]  # noqa: E731
+    else:
+        backend, owner, method = open_package_backend(package), ChunkKVRunner, "run_batch"
+        written = lambda done: [snapshot.key_cache for _, snapshot in done]  # noqa: E731
+    batched = backend.prefill_batch([np.arange(1, 20), np.arange(5, 12)])
+    branches = [(snapshot, np.array(ids)) for _, snapshot in batched for ids in ([7, 8, 9], [4], [2, 3])]
+    earlier, live_at_start, run = [], [], getattr(owner, method)
+
+    def recorded(self, *args, **kwargs):
+        gc.collect()
+        live_at_start.append(sum(ref() is not None for ref in earlier))
+        done = run(self, *args, **kwargs)
+        earlier.extend(weakref.ref(cache) for cache in written(done))
+        return done
+
+    monkeypatch.setattr(owner, method, recorded)
+    logits = backend.extend_batch(branches)
+    assert len(logits) == len(branches) == len(live_at_start) and live_at_start == [0] * len(branches)
+    assert len(earlier) == len(branches)

@@ -69,7 +69,8 @@ class ChunkKVRunner(CacheRunner):
             feeds = [self._feed(snapshots[i], split[i][round_][0]) for i in active]
             for i, out in zip(active, predict(feeds)):
                 piece, real = split[i][round_]
-                outs[i].append((out, piece.shape[1], real))
+                # The logits alone: a piece's written caches live on in the next snapshot only.
+                outs[i].append(({name: out[name] for name in self.logit_names}, piece.shape[1], real))
                 snapshots[i] = self._snapshot(out["new_key_cache"], out["new_value_cache"],
                                               snapshots[i].position + real)
         return [(self._real_logits(out), snapshot) for out, snapshot in zip(outs, snapshots)]

@@ -8,6 +8,8 @@ the runtimes; `pipeline.stages.backends.open_backend` picks it for a CMF file or
 and the gates build the numerics a package intends from it (`pipeline.stages.gates.references`).
 """
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -91,23 +93,28 @@ class TorchBackend:
 
     def prefill_batch(self, prefixes: list[np.ndarray]) -> list[tuple[np.ndarray, KVCache]]:
         empty = KVCache.empty(self.args, 0)
-        return self._branches([(empty, ids) for ids in prefixes], last_only=True)
+        return self._branches([(empty, ids) for ids in prefixes], lambda logits, cache: (logits, cache), last_only=True)
 
     def extend_batch(self, branches: list[tuple[KVCache, np.ndarray]]) -> list[np.ndarray]:
-        return [logits for logits, _ in self._branches(branches)]
+        return self._branches(branches, lambda logits, cache: logits)
 
-    def _branches(self, branches: list[tuple[KVCache, np.ndarray]], last_only: bool = False
-                  ) -> list[tuple[np.ndarray, KVCache]]:
+    def _branches(self, branches: list[tuple[KVCache, np.ndarray]], keep: Callable[[np.ndarray, KVCache], object],
+                  last_only: bool = False) -> list:
         """`advance` of each (snapshot, ids) as one batch (`Decoder.forward_branches`), over
-        caches of one length that holds every branch's tokens (`ROOM_STEP`)."""
+        caches of one length that holds every branch's tokens (`ROOM_STEP`), in groups
+        (`branch_groups`); each branch's (logits, cache) reduced by `keep` as its group ends, so
+        the caches a caller does not read go before the next group runs (a branch's cache is a
+        view of its group's stacked tensor, which any one kept branch would hold whole)."""
         slots = self._room(max(max(snapshot.context for snapshot, _ in branches),
                                max(snapshot.position + len(ids) for snapshot, ids in branches)))
         cache_bytes = 2 * 4 * self.args.num_layers * self.args.num_kv_heads * slots * self.args.head_dim
-        return [done for group in branch_groups(branches, cache_bytes, self.weight_bytes)
-                for done in self._stacked_branches([(snapshot.position, ids) for snapshot, ids in group],
-                                                   torch.stack([_grown(snapshot.keys, slots) for snapshot, _ in group]),
-                                                   torch.stack([_grown(snapshot.values, slots) for snapshot, _ in group]),
-                                                   last_only)]
+        kept = []
+        for group in branch_groups(branches, cache_bytes, self.weight_bytes):
+            kept += [keep(*done) for done in self._stacked_branches(
+                [(snapshot.position, ids) for snapshot, ids in group],
+                torch.stack([_grown(snapshot.keys, slots) for snapshot, _ in group]),
+                torch.stack([_grown(snapshot.values, slots) for snapshot, _ in group]), last_only)]
+        return kept
 
     def _room(self, tokens: int) -> int:
         """Cache slots for `tokens`: the next multiple of ROOM_STEP, at most the context (a

@@ -32,9 +32,10 @@ COMPRESSED_PATTERNS = ("one_shot", "split_3")
 # weights once for several single-token chunks (SmolLM2: 10 a batch, Gemma 3: 3).
 REFERENCE_BATCH_BYTES = 128 * 2**20
 # Comparisons go through logits this many bytes of rows at a time: a 262k vocabulary's logits
-# over 1024 positions are 1 GB, and a comparison's temporaries (|Δ|, log-softmaxes) would be
-# several of those at once.
-COMPARE_BLOCK_BYTES = 64 * 2**20
+# over 1024 positions are 1 GB, and a comparison's temporaries are about eight times its block
+# (|Δ|, then both log-softmaxes and the KL terms in float64): a 64 MB block held 0.4-0.5 GB of
+# each SmolLM2-shaped survey worker's private memory.
+COMPARE_BLOCK_BYTES = 16 * 2**20
 # The percentile of |Δ| a comparison reports beside its max and mean.
 P99 = 99.0
 
