@@ -14,14 +14,17 @@ BACKENDS = ("auto", "torch", "coreml", "coreml-executor", "coreml-macos", "mlx")
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     """Row-wise log-softmax of a backend's logits, in float64 (summed log-probs and KL must
     not lose digits to float32)."""
-    x = np.asarray(logits, dtype=np.float64)
-    x = x - x.max(axis=-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+    x = np.array(logits, dtype=np.float64)  # a copy even of float64 rows: worked in place below
+    x -= x.max(axis=-1, keepdims=True)
+    x -= np.log(np.exp(x).sum(axis=-1, keepdims=True))
+    return x
 
 
 def kl_rows(log_p: np.ndarray, log_q: np.ndarray) -> np.ndarray:
     """KL(p || q) per row of two log-softmaxed rows."""
-    return np.sum(np.exp(log_p) * (log_p - log_q), axis=-1)
+    terms = log_p - log_q
+    terms *= np.exp(log_p)
+    return terms.sum(axis=-1)
 
 
 class BackendError(CmfdeployError):
@@ -75,15 +78,16 @@ class Backend(Protocol):
     #   `extend_batch([(snapshot, ids), ...]) -> [logits, ...]`, each `extend(snapshot, ids)`.
 
 
-# A batch of branches (`prefill_batch`, `extend_batch`) holds every branch's caches stacked and
-# as much again in the caches it writes: the branches one batch runs are as many as keep their
-# caches, counted as float32, within this share of the model's FP32 weight bytes (W), at least
-# one. A fixed count of 40 (scoring's 8 items and their candidates) held 4 GB of the 1.7B
-# model's 256-slot caches (32 K/V heads), and ~8 GB with what the batch wrote, beside a stage
-# bound of 1.25 W + 1.5 GB (docs/MEMORY.md); a quarter of W keeps a batch's private memory
-# under that bound at any size, and a batch still reads the weights once for many branches
-# (SmolLM2-135M: 11 of its 256-slot caches, the 1.7B model 17).
-BATCH_CACHE_SHARE = 0.25
+# A batch of branches (`prefill_batch`, `extend_batch`) holds every branch's caches stacked, the
+# caches each layer writes, and those stacked again as the batch's output: about three times its
+# caches while it runs. The branches one batch runs are as many as keep their caches, counted as
+# float32, within this share of the model's FP32 weight bytes (W), at least one: a batch then
+# holds about 3/16 W. A stage's private memory is bounded by 1.25 W + 1.5 GB (docs/MEMORY.md)
+# with two survey workers inside it, each with its interpreter (0.4 GB); a share of a quarter held
+# 0.4 GB of each SmolLM2-shaped worker, and the 1.7B model's 17-branch batches 5 GB. A batch still
+# reads the weights once for many branches (SmolLM2-135M: 2 of its 256-slot chunk-KV caches,
+# 11 of the reference's 64-slot ones, the 1.7B model 4).
+BATCH_CACHE_SHARE = 1 / 16
 
 
 def branch_groups(branches: list, branch_cache_bytes: int, weight_bytes: int) -> list[list]:

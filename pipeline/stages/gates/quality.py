@@ -18,8 +18,9 @@ from pipeline.stages.gates.lineage import upstream_of
 from pipeline.stages.gates.report import GateFailed
 
 
-# The quality part's log-softmaxes go through this many bytes of rows at a time.
-QUALITY_BLOCK_BYTES = 64 * 2**20
+# The quality part's log-softmaxes go through this many bytes of rows at a time: each is made
+# in float64, so a block's figures hold about six times its bytes (`COMPARE_BLOCK_BYTES`).
+QUALITY_BLOCK_BYTES = 16 * 2**20
 
 
 class QualityInputs:
