@@ -382,12 +382,11 @@ def test_reference_fixtures_leave_out_step_logits_unless_asked(tmp_path):
     assert "long_kv_step_logits" not in index and "long_kv_step" not in index["computed_with"]
 
 
-def _batches_of(share, monkeypatch, owner, method: str) -> list[int]:
-    """Set the batches' share of memory and record the size of each batch `owner.method` runs."""
-    from pipeline.ground import backend_protocol
-
+def _batches_of(share, monkeypatch, module, owner, method: str) -> list[int]:
+    """Set the batches' share of memory in the backend's `module` and record the size of each
+    batch `owner.method` runs."""
     if share is not None:
-        monkeypatch.setattr(backend_protocol, "BATCH_CACHE_SHARE", share)
+        monkeypatch.setattr(module, "BATCH_CACHE_SHARE", share)
     sizes, run = [], getattr(owner, method)
 
     def recorded(self, *args, **kwargs):
@@ -411,9 +410,10 @@ def test_the_intended_reference_batches_as_it_runs_one_at_a_time(fixture_package
     branches are grouped into batches (`branch_groups`). Two float32 evaluations of one model in
     another batching: within the worst-case bound of two such evaluations
     (pipeline/ground/models/numerics.py), which holds on any machine; caches likewise."""
+    from pipeline.ground import torch_backend
     from pipeline.ground.torch_backend import TorchBackend
 
-    sizes = _batches_of(share, monkeypatch, TorchBackend, "_stacked_branches")
+    sizes = _batches_of(share, monkeypatch, torch_backend, TorchBackend, "_stacked_branches")
     package = fixture_packages / "chunk_kv"
     intended, _ = _references(package)
     bound = model_logits_bound(intended.model, intended.context)
@@ -430,7 +430,8 @@ def test_the_intended_reference_batches_as_it_runs_one_at_a_time(fixture_package
     branches = [(snapshot, np.array([7, 8, 9])) for _, snapshot in batched] + [(batched[0][1], np.array([4]))]
     for got, (snapshot, ids) in zip(intended.extend_batch(branches), branches):
         assert np.abs(got - intended.extend(snapshot, ids)).max() <= bound
-    _assert_batches_within_their_share(sizes, 7, 8 * batched[0][1].keys.numel(), intended.weight_bytes, share)
+    _assert_batches_within_their_share(sizes, 7, 8 * batched[0][1].keys.numel(), intended.weight_bytes,
+                                       torch_backend.BATCH_CACHE_SHARE, share)
 
 
 @pytest.mark.parametrize("share", SHARES)
@@ -440,10 +441,11 @@ def test_a_chunk_kv_package_batches_as_it_runs_one_at_a_time(fixture_packages, m
     every branch must match its own prediction. The same float32 program in another summation
     order of the products: within the worst-case bound of two float32 evaluations
     (pipeline/ground/models/numerics.py); caches likewise."""
+    from coreml import runner
     from coreml.kinds.chunk_kv import ChunkKVRunner
     from coreml.runner import open_package_backend
 
-    sizes = _batches_of(share, monkeypatch, ChunkKVRunner, "run_batch")
+    sizes = _batches_of(share, monkeypatch, runner, ChunkKVRunner, "run_batch")
     package = fixture_packages / "chunk_kv"
     backend = open_package_backend(package)
     intended, _ = _references(package)
@@ -462,16 +464,14 @@ def test_a_chunk_kv_package_batches_as_it_runs_one_at_a_time(fixture_packages, m
         want = backend.extend(snapshot, ids)
         assert got.shape == want.shape and np.abs(got - want).max() <= bound
     cache_bytes = 4 * (batched[0][1].key_cache.size + batched[0][1].value_cache.size)
-    _assert_batches_within_their_share(sizes, 7, cache_bytes, backend.weight_bytes, share)
+    _assert_batches_within_their_share(sizes, 7, cache_bytes, backend.weight_bytes, runner.BATCH_CACHE_SHARE, share)
 
 
 def _assert_batches_within_their_share(sizes: list[int], branches: int, cache_bytes: int, weight_bytes: int,
-                                       share) -> None:
+                                       default: float, share) -> None:
     """3 prefixes, then 4 branches: every batch's float32 caches within the share of the weights
     (or a single branch), and as many branches a batch as that allows."""
-    from pipeline.ground.backend_protocol import BATCH_CACHE_SHARE
-
-    allowed = max(1, int((BATCH_CACHE_SHARE if share is None else share) * weight_bytes) // cache_bytes)
+    allowed = max(1, int((default if share is None else share) * weight_bytes) // cache_bytes)
     assert sum(sizes) == branches
     assert all(size <= allowed for size in sizes) and all(size == min(allowed, 3) for size in sizes[:1])
     assert share is None or sizes == [1] * branches
@@ -486,12 +486,14 @@ def test_extend_batch_lets_each_batchs_written_caches_go_before_the_next_batch_r
     batch of the same call wrote is checked dead through a weak reference."""
     import weakref
 
+    from coreml import runner
     from coreml.kinds.chunk_kv import ChunkKVRunner
     from coreml.runner import open_package_backend
-    from pipeline.ground import backend_protocol
+    from pipeline.ground import torch_backend
     from pipeline.ground.torch_backend import TorchBackend
 
-    monkeypatch.setattr(backend_protocol, "BATCH_CACHE_SHARE", 1e-12)
+    for module in (runner, torch_backend):
+        monkeypatch.setattr(module, "BATCH_CACHE_SHARE", 1e-12)
     package = fixture_packages / "chunk_kv"
     if backend_kind == "reference":
         backend, owner, method = _references(package)[0], TorchBackend, "_stacked_branches"

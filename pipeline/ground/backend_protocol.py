@@ -78,21 +78,13 @@ class Backend(Protocol):
     #   `extend_batch([(snapshot, ids), ...]) -> [logits, ...]`, each `extend(snapshot, ids)`.
 
 
-# A batch of branches (`prefill_batch`, `extend_batch`) holds every branch's caches stacked, the
-# caches each layer writes, and those stacked again as the batch's output: about three times its
-# caches while it runs. The branches one batch runs are as many as keep their caches, counted as
-# float32, within this share of the model's FP32 weight bytes (W), at least one: a batch then
-# holds about 3/16 W. A stage's private memory is bounded by 1.25 W + 1.5 GB (docs/MEMORY.md)
-# with two survey workers inside it, each with its interpreter (0.4 GB); a share of a quarter held
-# 0.4 GB of each SmolLM2-shaped worker, and the 1.7B model's 17-branch batches 5 GB. A batch still
-# reads the weights once for many branches (SmolLM2-135M: 2 of its 256-slot chunk-KV caches,
-# 11 of the reference's 64-slot ones, the 1.7B model 4).
-BATCH_CACHE_SHARE = 1 / 16
-
-
-def branch_groups(branches: list, branch_cache_bytes: int, weight_bytes: int) -> list[list]:
-    """`branches` in consecutive groups, each one batch (`BATCH_CACHE_SHARE`)."""
-    size = max(1, int(BATCH_CACHE_SHARE * weight_bytes) // max(1, branch_cache_bytes))
+def branch_groups(branches: list, branch_cache_bytes: int, weight_bytes: int, share: float) -> list[list]:
+    """`branches` in consecutive groups, each one batch: as many branches as keep their caches
+    (`branch_cache_bytes` each, counted as float32) within `share` of the model's FP32 weight
+    bytes, at least one. A batch holds its branches' caches stacked, the caches each layer
+    writes, and those stacked again as its output: about three times what is counted while it
+    runs. Each backend sets its share by where it runs (docs/MEMORY.md)."""
+    size = max(1, int(share * weight_bytes) // max(1, branch_cache_bytes))
     return [branches[start:start + size] for start in range(0, len(branches), size)]
 
 

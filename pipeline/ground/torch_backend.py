@@ -27,6 +27,13 @@ DEFAULT_TORCH_CONTEXT = 2048
 # cloze set scores 5x faster). Slots past a branch's tokens are masked, so the length only moves
 # the float32 summation order (within `numerics`' bound of two evaluations).
 ROOM_STEP = 64
+# A batch of branches (`prefill_batch`, `extend_batch`) keeps its caches within this share of the
+# FP32 weight bytes W (`branch_groups`), about 3/16 W while it runs. The reference scores inside
+# the survey's workers, two of them within one stage bound of 1.25 W + 1.5 GB (docs/MEMORY.md):
+# with a quarter, SmolLM2-135M's 40 candidates ran as one batch of 64-slot caches, about 0.35 GB
+# in each worker, and the survey's two random-135M workers summed 2.55 GiB against a bound of
+# 2.03 GiB; with a sixteenth (11 a batch) and the quality part's smaller blocks, 1.84 GiB.
+BATCH_CACHE_SHARE = 1 / 16
 _TORCH_DTYPE = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16}
 # Logits over this many bytes are made by the head this many bytes of rows at a time, into a
 # scratch file of their own (pipeline.ground.scratch) that goes with the array: a 262k
@@ -109,7 +116,7 @@ class TorchBackend:
                                max(snapshot.position + len(ids) for snapshot, ids in branches)))
         cache_bytes = 2 * 4 * self.args.num_layers * self.args.num_kv_heads * slots * self.args.head_dim
         kept = []
-        for group in branch_groups(branches, cache_bytes, self.weight_bytes):
+        for group in branch_groups(branches, cache_bytes, self.weight_bytes, BATCH_CACHE_SHARE):
             kept += [keep(*done) for done in self._stacked_branches(
                 [(snapshot.position, ids) for snapshot, ids in group],
                 torch.stack([_grown(snapshot.keys, slots) for snapshot, _ in group]),
