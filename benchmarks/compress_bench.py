@@ -107,6 +107,7 @@ class Model:
         self.windows = windows(quality, self.window, tokenizer.bos_id)
         self.parameters = sum(t.numel() for n, t in self.original.items())
         self.vocab = self.original[EMBEDDING].shape[0]
+        self.tied = self.model.lm_head is None
         self.fp32 = Reference(self._logprobs, self.windows, self.vocab)
 
     @classmethod
@@ -122,17 +123,22 @@ class Model:
             return log_softmax(self.model(torch.as_tensor(window)).numpy())
 
     def score(self, weights: dict[str, np.ndarray] | None = None, logprobs_of=None,
-              against: Reference | None = None) -> dict:
+              against: Reference | None = None, head: np.ndarray | None = None) -> dict:
         """Perplexity, top-1 agreement and mean KL (where the reference's log-probs are kept)
         against FP32 (or `against`) over the quality windows, with `weights` swapped in (or
-        of `logprobs_of(window)`)."""
+        of `logprobs_of(window)`); `head`: a tied model's head use alone takes this matrix,
+        its lookup keeps the embedding (the two uses of one table scored apart)."""
         import torch
+
+        from pipeline.ground.models.base import Linear
 
         against = against or self.fp32
         weights = weights or {}
         if logprobs_of is None:
             self.model.load_state_dict({n: torch.from_numpy(np.ascontiguousarray(w, np.float32))
                                         for n, w in weights.items()}, strict=False)
+        if head is not None:
+            self.model.lm_head = Linear(torch.from_numpy(np.ascontiguousarray(head, np.float32)))
         try:
             nll, agree, count, kl = 0.0, 0, 0, 0.0
             for i, w in enumerate(self.windows):
@@ -143,6 +149,8 @@ class Model:
                     kl += float(kl_rows(against.logprobs[i].astype(np.float64), q[:-1]).sum())
                 count += len(w) - 1
         finally:
+            if head is not None:
+                self.model.lm_head = None
             if logprobs_of is None:
                 self.model.load_state_dict({n: self.original[n] for n in weights}, strict=False)
         return {"perplexity": float(np.exp(nll / count)), "top1_agreement": agree / count,
@@ -356,6 +364,13 @@ def diagnose(package: Path, recipes: list[str]) -> dict:
         ppl[method] = {"embedding_only": model.score({EMBEDDING: weights[EMBEDDING]})["perplexity"] / base - 1,
                        "layers_only": model.score(layers)["perplexity"] / base - 1,
                        "all": model.score(weights)["perplexity"] / base - 1}
+        if model.tied:
+            # One table, two uses: what each costs alone says whether a head-aware code (GPTQ on
+            # the final hidden states) can help, or whether the lookup's own error is the floor.
+            original = model.original[EMBEDDING].numpy()
+            ppl[method]["head_use_only"] = model.score(head=weights[EMBEDDING])["perplexity"] / base - 1
+            ppl[method]["lookup_only"] = model.score({EMBEDDING: weights[EMBEDDING]},
+                                                     head=original)["perplexity"] / base - 1
         print(method, {k: f"{v:+.1%}" for k, v in ppl[method].items()}, flush=True)
     return {"package": str(package), "fp32_perplexity": base, "tensors": tensors, "ppl_delta": ppl}
 
@@ -387,11 +402,13 @@ def markdown(result: dict) -> str:
                             "exact on the executor", "seconds",
                             *(f"Δ / {name}'s" for name in anchors)], rows))
     methods = list(result["ppl_delta"])
-    rows = [[m, *(f"{result['ppl_delta'][m][k]:+.1%}" for k in ("embedding_only", "layers_only", "all")),
+    parts = [k for k in ("embedding_only", "head_use_only", "lookup_only", "layers_only", "all")
+             if k in result["ppl_delta"][methods[0]]]
+    rows = [[m, *(f"{result['ppl_delta'][m][k]:+.1%}" for k in parts),
              f"{np.median([t[m]['rel'] for t in result['tensors']]):.4f}",
              f"{np.median([t[m]['rel_top1pct'] for t in result['tensors']]):.4f}"] for m in methods]
     return (f"# Per-tensor diagnosis of {result['package']}\n\nFP32 perplexity {result['fp32_perplexity']:.3f}\n\n"
-            + md_table(["method", "Δ ppl embedding only", "Δ ppl layers only", "Δ ppl all",
+            + md_table(["method", *(f"Δ ppl {k.replace('_', ' ')}" for k in parts),
                         "median rel. error", "median rel. error, top 1% |w|"], rows))
 
 
