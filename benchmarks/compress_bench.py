@@ -110,6 +110,20 @@ class Model:
         self.tied = self.model.lm_head is None
         self.fp32 = Reference(self._logprobs, self.windows, self.vocab)
 
+    def hot_rows(self, count: int) -> np.ndarray:
+        """The `count` token ids most frequent in the calibration text (ties by id), and BOS,
+        which opens every window."""
+        ids, counts = np.unique(self.calibration, return_counts=True)
+        return np.union1d(ids[np.argsort(-counts, kind="stable")[:count]], [self.bos_id])
+
+    def hot_coverage(self, count: int) -> dict:
+        """How much of the scored text the hot rows cover: the calibration text is not the scored text."""
+        scored = np.concatenate([w[1:] for w in self.windows])
+        rows = self.hot_rows(count)
+        return {"rows": int(len(rows)), "scored_tokens_covered": float(np.isin(scored, rows).mean()),
+                "scored_ids": int(len(np.unique(scored))),
+                "scored_ids_not_in_calibration": int((~np.isin(np.unique(scored), self.calibration)).sum())}
+
     @classmethod
     def of_package(cls, package: Path) -> "Model":
         """The reference of the package's bundle, windowed at the package's context."""
@@ -341,9 +355,14 @@ PLAIN = {  # the numpy quantizers each recipe is compared with
 }
 
 
-def diagnose(package: Path, recipes: list[str]) -> dict:
+def diagnose(package: Path, recipes: list[str], hot_rows: list[int]) -> dict:
+    """Per tensor, each method's relative error; then the perplexity change with a part coded
+    each way. With `hot_rows` (a tied table only): the whole model's table as the method codes
+    it, but its `count` most frequent calibration rows as Q8_0 codes them (symmetric int8 per
+    32, fp16 scale), for each count: what a table whose rows in use are stored apart would lose."""
     model = Model.of_package(package)
     base = model.score()["perplexity"]
+    coverage = {count: model.hot_coverage(count) for count in hot_rows if model.tied}
     methods = {**PLAIN, **{r: _recipe_encoder(r) for r in recipes}}
     tensors, decoded = [], {m: {} for m in methods}
     for name, tensor in model.original.items():
@@ -371,8 +390,14 @@ def diagnose(package: Path, recipes: list[str]) -> dict:
             ppl[method]["head_use_only"] = model.score(head=weights[EMBEDDING])["perplexity"] / base - 1
             ppl[method]["lookup_only"] = model.score({EMBEDDING: weights[EMBEDDING]},
                                                      head=original)["perplexity"] / base - 1
+            for count in hot_rows:
+                rows = model.hot_rows(count)
+                table = weights[EMBEDDING].copy()
+                table[rows] = codes.symmetric_blocks(original[rows], 8, 32).decode()
+                ppl[method][f"hot{count}"] = model.score({EMBEDDING: table})["perplexity"] / base - 1
         print(method, {k: f"{v:+.1%}" for k, v in ppl[method].items()}, flush=True)
-    return {"package": str(package), "fp32_perplexity": base, "tensors": tensors, "ppl_delta": ppl}
+    return {"package": str(package), "fp32_perplexity": base, "tensors": tensors, "ppl_delta": ppl,
+            "hot_rows": coverage}
 
 
 def _recipe_encoder(recipe: str):
@@ -402,12 +427,15 @@ def markdown(result: dict) -> str:
                             "exact on the executor", "seconds",
                             *(f"Δ / {name}'s" for name in anchors)], rows))
     methods = list(result["ppl_delta"])
-    parts = [k for k in ("embedding_only", "head_use_only", "lookup_only", "layers_only", "all")
-             if k in result["ppl_delta"][methods[0]]]
+    parts = [k for k in ("embedding_only", "head_use_only", "lookup_only", *(f"hot{c}" for c in result["hot_rows"]),
+                         "layers_only", "all") if k in result["ppl_delta"][methods[0]]]
     rows = [[m, *(f"{result['ppl_delta'][m][k]:+.1%}" for k in parts),
              f"{np.median([t[m]['rel'] for t in result['tensors']]):.4f}",
              f"{np.median([t[m]['rel_top1pct'] for t in result['tensors']]):.4f}"] for m in methods]
-    return (f"# Per-tensor diagnosis of {result['package']}\n\nFP32 perplexity {result['fp32_perplexity']:.3f}\n\n"
+    hot = "".join(f"hot{c}: the table with its {h['rows']} most frequent calibration rows (and BOS) at int8 per 32, "
+                  f"covering {h['scored_tokens_covered']:.1%} of the scored tokens ({h['scored_ids_not_in_calibration']} "
+                  f"of their {h['scored_ids']} ids not in the calibration text).\n\n" for c, h in result["hot_rows"].items())
+    return (f"# Per-tensor diagnosis of {result['package']}\n\nFP32 perplexity {result['fp32_perplexity']:.3f}\n\n{hot}"
             + md_table(["method", *(f"Δ ppl {k.replace('_', ' ')}" for k in parts),
                         "median rel. error", "median rel. error, top 1% |w|"], rows))
 
@@ -434,12 +462,15 @@ def main() -> int:
     parser.add_argument("--exact", action="store_true",
                         help="also run each package once on the MIL executor against the reference of its weights")
     parser.add_argument("--diagnose", action="store_true")
+    parser.add_argument("--hot-rows", nargs="*", type=int, default=[], metavar="COUNT",
+                        help="with --diagnose on a tied model: also score the table with its COUNT most frequent "
+                             "calibration rows at int8")
     parser.add_argument("--work", type=Path, help="folder for the compressed packages (default: a temp folder)")
     parser.add_argument("--out", type=Path, default=Path("compress_bench"), help="report stem (.json, .md)")
     args = parser.parse_args()
     if args.diagnose:
         code_recipes = [r for r in args.recipes if "code" in RECIPES[r].params_record()]
-        result = diagnose(args.package, code_recipes)
+        result = diagnose(args.package, code_recipes, args.hot_rows)
     else:
         with tempfile.TemporaryDirectory() as tmp:
             if args.window:
