@@ -116,10 +116,9 @@ class Model:
         ids, counts = np.unique(self.calibration, return_counts=True)
         return np.union1d(ids[np.argsort(-counts, kind="stable")[:count]], [self.bos_id])
 
-    def hot_coverage(self, count: int) -> dict:
-        """How much of the scored text the hot rows cover: the calibration text is not the scored text."""
+    def hot_coverage(self, rows: np.ndarray) -> dict:
+        """How much of the scored text `rows` cover: the calibration text is not the scored text."""
         scored = np.concatenate([w[1:] for w in self.windows])
-        rows = self.hot_rows(count)
         return {"rows": int(len(rows)), "scored_tokens_covered": float(np.isin(scored, rows).mean()),
                 "scored_ids": int(len(np.unique(scored))),
                 "scored_ids_not_in_calibration": int((~np.isin(np.unique(scored), self.calibration)).sum())}
@@ -362,7 +361,7 @@ def diagnose(package: Path, recipes: list[str], hot_rows: list[int]) -> dict:
     32, fp16 scale), for each count: what a table whose rows in use are stored apart would lose."""
     model = Model.of_package(package)
     base = model.score()["perplexity"]
-    coverage = {count: model.hot_coverage(count) for count in hot_rows if model.tied}
+    hot = {count: model.hot_rows(count) for count in hot_rows if model.tied}
     methods = {**PLAIN, **{r: _recipe_encoder(r) for r in recipes}}
     tensors, decoded = [], {m: {} for m in methods}
     for name, tensor in model.original.items():
@@ -390,14 +389,13 @@ def diagnose(package: Path, recipes: list[str], hot_rows: list[int]) -> dict:
             ppl[method]["head_use_only"] = model.score(head=weights[EMBEDDING])["perplexity"] / base - 1
             ppl[method]["lookup_only"] = model.score({EMBEDDING: weights[EMBEDDING]},
                                                      head=original)["perplexity"] / base - 1
-            for count in hot_rows:
-                rows = model.hot_rows(count)
+            for count, rows in hot.items():
                 table = weights[EMBEDDING].copy()
                 table[rows] = codes.symmetric_blocks(original[rows], 8, 32).decode()
                 ppl[method][f"hot{count}"] = model.score({EMBEDDING: table})["perplexity"] / base - 1
         print(method, {k: f"{v:+.1%}" for k, v in ppl[method].items()}, flush=True)
     return {"package": str(package), "fp32_perplexity": base, "tensors": tensors, "ppl_delta": ppl,
-            "hot_rows": coverage}
+            "hot_rows": {count: model.hot_coverage(rows) for count, rows in hot.items()}}
 
 
 def _recipe_encoder(recipe: str):

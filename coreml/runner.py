@@ -19,6 +19,7 @@ from pipeline.ground.backend_protocol import branch_groups
 # instead of 11) took 1.9x the CPU time to score 40 items.
 BATCH_CACHE_SHARE = 1 / 4
 
+
 class PackageBackend:
     """The Backend protocol (docs/ARCHITECTURE.md) over any package kind.
 
