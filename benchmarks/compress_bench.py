@@ -180,6 +180,7 @@ def exactness(model: Model, manifest, weights: dict[str, np.ndarray]) -> dict:
     (`pipeline.stages.gates.exactness.exact_tolerances`)."""
     import torch
 
+    from coreml.decoded import hot_rows_head_norm
     from coreml.package import open_package
     from pipeline.stages.gates.exactness import compare, exact_tolerances
 
@@ -196,7 +197,7 @@ def exactness(model: Model, manifest, weights: dict[str, np.ndarray]) -> dict:
     try:
         with torch.no_grad():
             want = model.model(torch.as_tensor(window)).numpy()
-        tolerance = exact_tolerances(model.model, model.window)[0]
+        tolerance = exact_tolerances(model.model, model.window, hot_rows_head_norm(manifest.path))[0]
     finally:
         model.model.load_state_dict({n: model.original[n] for n in weights}, strict=False)
     record = compare(got, want, tolerance)
@@ -204,13 +205,24 @@ def exactness(model: Model, manifest, weights: dict[str, np.ndarray]) -> dict:
 
 
 def decompressed_weights(manifest) -> dict[str, np.ndarray]:
-    """HF name -> the package's constant as the MIL executor's constexpr ops decode it."""
+    """HF name -> the package's constant as the MIL executor's constexpr ops decode it (a table
+    with hot rows: as the package reads it, `coreml.decoded.with_hot_rows`)."""
+    from coreml.decoded import hot_rows_of, with_hot_rows
     from coreml.mil.executor import Executor
     from coreml.mil.loader import load_program
 
     constants = Executor(load_program(manifest.path / "model.mlpackage")).constants
-    return {hf: np.asarray(constants[e["compressed_as"]], np.float32)
-            for e in manifest["selection"]["weights"].values() if e["compressed"] for hf in e["hf_names"]}
+    hot = hot_rows_of(manifest)
+
+    def value(var: str) -> np.ndarray:
+        table = np.asarray(constants[var], np.float32)
+        if var not in hot:
+            return table
+        return with_hot_rows(table.copy(), np.asarray(constants[hot[var]["residual"]], np.float32),
+                             np.asarray(constants[hot[var]["slot"]], np.int64))
+
+    return {hf: value(e["compressed_as"]) for e in manifest["selection"]["weights"].values() if e["compressed"]
+            for hf in e["hf_names"]}
 
 
 def _fp32_row(model: Model) -> dict:

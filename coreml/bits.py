@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from coreml.decoded import weight_vars
+from coreml.decoded import hot_rows_of, weight_vars
 from coreml.mil.loader import BlobStorage, blob_file, mil_dtype, program_spec
 from manifests.identity import load_manifest
 
@@ -64,7 +64,8 @@ def bits_per_weight(package_dir: str | Path) -> dict:
     """{"bits_per_weight", "weight_bytes", "parameters"} of the package at `package_dir`.
 
     A value stored once counts once, and a weight carried by several HF names (a tied
-    embedding and head) is one tensor: the count is of what the program holds.
+    embedding and head) is one tensor: the count is of what the program holds, a table's hot
+    rows (their residual and slot map) included.
     """
     manifest = load_manifest(Path(package_dir))
     walk = _StoredBytes(Path(package_dir) / manifest["package"]["name"])
@@ -72,4 +73,6 @@ def bits_per_weight(package_dir: str | Path) -> dict:
     for var in weight_vars(manifest):
         parameters += walk.elements(var)
         stored += walk.stored(var)
+    for record in hot_rows_of(manifest).values():
+        stored += walk.stored(record["residual"]) + walk.stored(record["slot"])
     return {"bits_per_weight": 8 * stored / parameters, "weight_bytes": stored, "parameters": parameters}

@@ -55,6 +55,9 @@ class Calibration:
     windows: list[np.ndarray]
     original: dict[str, torch.Tensor]
     hessians: dict[str, np.ndarray] | None = None
+    # The whole calibration text and the BOS its windows open with (`row_counts` reads them).
+    text_ids: np.ndarray | None = None
+    bos_id: int | None = None
     _reference_logprobs: list[np.ndarray] | None = None
 
     @property
@@ -88,7 +91,15 @@ class Calibration:
                    for part in parts if len(part) > 1]
         if original is None:
             original = dict(model.state_dict(keep_vars=True))
-        return cls(model, windows, original)
+        return cls(model, windows, original, text_ids=ids, bos_id=bos_id)
+
+    def row_counts(self, rows: int) -> np.ndarray:
+        """How often each of `rows` embedding rows is read over the whole calibration text, cut
+        into windows as the calibration windows are (each opened by BOS, when the model has one)."""
+        counts = np.bincount(self.text_ids, minlength=rows)[:rows].astype(np.int64)
+        if self.bos_id is not None:
+            counts[self.bos_id] += -(-len(self.text_ids) // (WINDOW - 1))
+        return counts
 
     def kl_with(self, weights: dict[str, np.ndarray]) -> float:
         """Mean KL(reference || model with `weights` substituted) per token over the first

@@ -3,6 +3,7 @@
     code = affine_blocks(w, nbits=4, block=32)         # constexpr_blockwise_shift_scale
     code = kmeans_tiles(w, nbits=4, tile=(32, 32))      # constexpr_lut_to_dense
     code = gptq_affine(w, hessian, nbits=4, block=32)   # the same op, GPTQ-chosen codes
+    code = hot_rows(code, w, hot_ids)                   # + an int8 residual of the rows text uses most
     w_hat = code.decode()                               # what the op gives back, in float32
 
 A `ShiftScale` is `scale * (data - offset)` per block along the input axis; a `Palette` is
@@ -71,6 +72,54 @@ class Palette:
 
     def bits(self) -> int:
         return self.indices.size * self.nbits + self.lut.size * self.lut.itemsize * 8
+
+
+@dataclass(frozen=True)
+class HotRows:
+    """A table's code plus a code of what it misses on its most used rows: row i decodes to
+    `table[i] + residual[slot[i]]`, where residual row 0 is zero (slot 0: a cold row, as the
+    table codes it) and slot k > 0 is the k-th hot row. The package adds the two where the
+    table is read (`coreml.recipes.emit.emit_hot_rows`), never as one dense matrix."""
+
+    table: ShiftScale
+    residual: ShiftScale  # [hot rows + 1, cols], row 0 zero
+    slot: np.ndarray  # [rows] uint16
+
+    @property
+    def hot_ids(self) -> np.ndarray:
+        """The hot rows' ids in slot order."""
+        hot = np.flatnonzero(self.slot)
+        return hot[np.argsort(self.slot[hot])]
+
+    def decode(self) -> np.ndarray:
+        out = self.table.decode()
+        hot = self.hot_ids
+        out[hot] += self.residual.decode()[1:]
+        return out
+
+    def bits(self) -> int:
+        return self.table.bits() + self.residual.bits() + self.slot.size * self.slot.itemsize * 8
+
+
+def rows_of(code: ShiftScale, ids: np.ndarray) -> ShiftScale:
+    """The code of rows `ids` alone (a block code's parameters are per row)."""
+    return ShiftScale(code.data[ids], code.scale[ids], None if code.offset is None else code.offset[ids],
+                      code.nbits, code.signed)
+
+
+def hot_rows(table: ShiftScale, w: np.ndarray, hot_ids: np.ndarray, nbits: int = 8, block: int = 32,
+             dtype=np.float16) -> HotRows:
+    """`table` (a code of `w`) with the rows `hot_ids` corrected by a symmetric `nbits` code per
+    `block` of what the table misses there, `w[hot] - table[hot]`: about half a step of the
+    table's grid wide, so its 8-bit code errs by 1/254 of that, far under Q8_0's error on the row."""
+    hot_ids = np.asarray(hot_ids, dtype=np.int64)
+    if len(hot_ids) >= np.iinfo(np.uint16).max or len(np.unique(hot_ids)) != len(hot_ids):
+        raise ValueError(f"hot rows: {len(hot_ids)} ids, distinct and fewer than 65535 expected")
+    missed = np.asarray(w[hot_ids], np.float32) - rows_of(table, hot_ids).decode()
+    residual = symmetric_blocks(np.concatenate([np.zeros((1, w.shape[1]), np.float32), missed]), nbits, block, dtype)
+    slot = np.zeros(w.shape[0], np.uint16)
+    slot[hot_ids] = np.arange(1, len(hot_ids) + 1)
+    return HotRows(table, residual, slot)
 
 
 def _blocks(w: np.ndarray, block: int) -> np.ndarray:

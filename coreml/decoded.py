@@ -31,6 +31,20 @@ def weight_vars(manifest: dict) -> dict[str, tuple[str, ...]]:
             for const, hf_names in manifest["package"].get("weights", {}).items()}
 
 
+def hot_rows_of(manifest: dict) -> dict[str, dict]:
+    """The variable of each table a recipe wrote with hot rows -> their record (the residual's
+    and the slot map's variables: `coreml.recipes.emit.emit_hot_rows`)."""
+    chosen = manifest.get("selection", {}).get("weights", {})
+    return {entry["compressed_as"]: entry["hot_rows"] for entry in chosen.values() if "hot_rows" in entry}
+
+
+def with_hot_rows(table: np.ndarray, residual: np.ndarray, slot: np.ndarray) -> np.ndarray:
+    """The table as its package reads it: each hot row plus its residual row (`slot`: 0 cold)."""
+    rows = np.flatnonzero(slot)
+    table[rows] += residual[slot[rows]]
+    return table
+
+
 def _decompress(op: Operation, args: dict) -> np.ndarray:
     """coremltools' reference decompression of one constexpr op (iOS16 and iOS18 forms)."""
     from coremltools.converters.mil.mil.ops.defs.iOS16 import constexpr_ops as ios16
@@ -91,6 +105,14 @@ class StoredProgram:
                            f"{op.type if op else 'nothing'}, not by a const or constexpr op")
         return op
 
+    def readers(self, var: str) -> list[Operation]:
+        return [op for op in self.producers.values() if any(operand.name == var for operands in op.inputs.values()
+                                                              for operand in operands)]
+
+    def hot_rows(self, record: dict) -> tuple[np.ndarray, np.ndarray]:
+        """(the residual rows, float32, row 0 zero; the slot of each table row) of a hot-rows record."""
+        return self.value(record["residual"]).astype(np.float32), self.value(record["slot"]).astype(np.int64)
+
     def value(self, var: str) -> np.ndarray:
         op = self._op(var)
         if op.type == "const":
@@ -100,6 +122,22 @@ class StoredProgram:
             (operand,) = operands
             args[key] = operand.value if operand.name is None else self.value(operand.name)
         return np.asarray(_decompress(op, args))
+
+
+def hot_rows_head_norm(package_dir: str | Path) -> float | None:
+    """max_j |T_j|_2 + |R_j|_2 over a tied table's rows (T its code, R the hot row's residual,
+    zero for a cold row), the scale of the absolute terms the package's head sums for logit j
+    (`pipeline.ground.models.numerics.model_logits_bound`); None without hot rows on the head."""
+    program = StoredProgram(package_dir)
+    norm = None
+    for var, record in hot_rows_of(program.manifest).items():
+        if not any(op.type == "linear" for op in program.readers(var)):  # a table only looked up
+            continue
+        residual, slot = program.hot_rows(record)
+        rows = np.linalg.norm(program.value(var).astype(np.float32), axis=1)
+        rows += np.linalg.norm(residual, axis=1)[slot]
+        norm = max(norm or 0.0, float(rows.max()))
+    return norm
 
 
 def decoded_weights(package_dir: str | Path, scratch: ScratchFile | None = None) -> dict[str, np.ndarray]:
@@ -119,8 +157,11 @@ def decoded_weights(package_dir: str | Path, scratch: ScratchFile | None = None)
         if name not in out:
             out[name] = value if scratch is None else scratch.hold(value)
 
+    hot = hot_rows_of(program.manifest)
     for var, hf_names in weight_vars(program.manifest).items():
         value = program.value(var).astype(np.float32)
+        if var in hot:
+            value = with_hot_rows(value, *program.hot_rows(hot[var]))
         for name in hf_names:
             put(name, value, var)
     split = program.manifest["package"].get("head_split")

@@ -3,8 +3,9 @@
 test_survey and test_release both need it and a survey costs a compression, a gate and a
 scoring run per recipe, so it is built on first use under pytest's session temp folder:
 the FP32 chunk-KV package's gate, an 8-item slice of the cloze set, and a survey of
-int8-b32, int4-b32, palette4-gc32 and `mixed` with a bits-per-weight budget below its
-smallest choice (its precondition fails, which the survey must report).
+int8-b32, int4-b32, palette4-gc32, `mixed` with a bits-per-weight budget below its
+smallest choice (its precondition fails, which the survey must report), and
+gptq-int4-b32-zp-hot (its head summed from two products, gated through every part).
 """
 
 import functools
@@ -17,7 +18,7 @@ from pipeline.stages.survey import run_survey
 from fixtures.make_scoring_set import OUT as CLOZE
 from pipeline.stages.gates import align_package
 
-SURVEY_RECIPES = ("int8-b32", "int4-b32", "palette4-gc32", "mixed")
+SURVEY_RECIPES = ("int8-b32", "int4-b32", "palette4-gc32", "mixed", "gptq-int4-b32-zp-hot")
 # Surveyed again by worker processes: one recipe within budget on the fixture (its items scored), one over.
 WORKER_RECIPES = ("int8-b32", "int4-b32")
 SCORING_ITEMS = 8

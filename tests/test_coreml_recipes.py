@@ -62,8 +62,14 @@ def _decompressed_weights(manifest) -> dict[str, np.ndarray]:
     weights = {}
     for entry in manifest["selection"]["weights"].values():
         if entry["compressed"]:
+            value = np.asarray(values[entry["compressed_as"]], dtype=np.float32)
+            if "hot_rows" in entry:  # the table's hot rows each plus their residual row
+                slot = values[entry["hot_rows"]["slot"]].astype(np.int64)
+                rows = np.flatnonzero(slot)
+                value = value.copy()
+                value[rows] += values[entry["hot_rows"]["residual"]][slot[rows]]
             for hf_name in entry["hf_names"]:
-                weights[hf_name] = np.asarray(values[entry["compressed_as"]], dtype=np.float32)
+                weights[hf_name] = value
     return weights
 
 
@@ -196,6 +202,68 @@ def test_gptq_zero_point_recipe_stores_uint4_offsets_and_matches_its_reference(s
     _assert_matches_the_reference_with_decompressed_weights(manifest)
 
 
+def test_hot_rows_correct_the_most_read_rows_of_the_tied_table_in_both_its_uses(source, tmp_path):
+    """gptq-int4-b32-zp-hot: the table is gptq-int4-b32-zp's code, and the rows the calibration
+    text reads (here fewer than 4096, so all of them, most read first) carry an int8 residual
+    that the package adds where it looks rows up and where it computes the head. The package on
+    the executor equals the reference with the table plus its residual rows, and differs from
+    one with the correction in only one use, or in neither."""
+    import hashlib
+
+    from coreml.bits import bits_per_weight
+    from coreml.decoded import decoded_weights, hot_rows_head_norm
+    from pipeline.ground.reference import UNTIED_HEAD
+
+    ids = np.random.default_rng(9).integers(0, VOCAB // 2, 128 * 16).astype(np.int64)
+    hot = compress_package(source.path, "gptq-int4-b32-zp-hot", tmp_path / "hot", calibration_ids=ids)
+    plain = compress_package(source.path, "gptq-int4-b32-zp", tmp_path / "zp", calibration_ids=ids)
+    entry = hot["selection"]["weights"]["model_model_embed_tokens_weight"]
+    assert source["special_tokens"]["bos_token_id"] is None  # no BOS opens the windows: the text's own counts
+    counts = np.bincount(ids, minlength=VOCAB)
+    read = np.flatnonzero(counts)
+    expected = read[np.lexsort((read, -counts[read]))]
+    assert entry["hot_rows"]["rows"] == len(expected) < VOCAB
+    assert entry["hot_rows"]["ids_sha256"] == hashlib.sha256(expected.astype("<i4").tobytes()).hexdigest()
+
+    table = _decompressed_weights(plain)["model.embed_tokens.weight"]
+    with_rows = _decompressed_weights(hot)["model.embed_tokens.weight"]
+    assert np.array_equal(decoded_weights(hot.path)["model.embed_tokens.weight"], with_rows)
+    original = random_weights(seed=1)["model.embed_tokens.weight"]
+    cold = np.setdiff1d(np.arange(VOCAB), expected)
+    assert np.array_equal(with_rows[cold], table[cold])  # the same GPTQ code, read alike
+    error_hot, error_plain = (np.abs(w[expected] - original[expected]).max(axis=1) for w in (with_rows, table))
+    assert np.all(error_hot < error_plain / 8)  # 8-bit residual codes of a 4-bit code's error
+
+    model_args = ModelArgs.from_header({"arch": hot["architecture"]})
+    weights = {**random_weights(seed=1), **_decompressed_weights(hot)}
+    prompt = np.concatenate([expected[:40], cold[:10]]).astype(np.int32)
+    got = open_package(hot.path, backend="executor").predict({"input_ids": prompt[None]})["logits"][0]
+
+    def logits(lookup, head):
+        model = build_model(model_args, {**weights, "model.embed_tokens.weight": lookup, UNTIED_HEAD: head})
+        with torch.no_grad():
+            return model(torch.tensor(prompt, dtype=torch.long)).numpy()
+
+    expected_logits = logits(with_rows, with_rows)
+    norm = hot_rows_head_norm(hot.path)
+    assert norm >= np.linalg.norm(with_rows, axis=1).max()
+    bound = model_logits_bound(build_model(model_args, weights), len(prompt), hot_rows_head_norm=norm)
+    assert np.abs(got - expected_logits).max() <= bound
+    for lookup, head in ((table, with_rows), (with_rows, table), (table, table)):
+        assert np.abs(got - logits(lookup, head)).max() > 10 * bound
+    # Each variable of the saved program is made by one op, the logits output too.
+    spec = ct.utils.load_spec(str(hot.path / "model.mlpackage"))
+    (block,) = spec.mlProgram.functions["main"].block_specializations.values()
+    made = [output.name for op in block.operations for output in op.outputs]
+    assert len(made) == len(set(made)) and "logits" in made
+    # The stored residual (hot rows and a zero row, int8 per 32 with an fp16 scale) and a uint16
+    # slot per row, over gptq-int4-b32-zp's bytes.
+    extra = (len(expected) + 1) * ARCH["hidden_size"] * (1 + 2 / 32) + 2 * VOCAB
+    parameters = bits_per_weight(plain.path)["parameters"]
+    assert bits_per_weight(hot.path)["bits_per_weight"] == pytest.approx(
+        bits_per_weight(plain.path)["bits_per_weight"] + 8 * extra / parameters, rel=1e-12)
+
+
 def test_mixed_measures_on_calibration_ids_and_stores_each_layer_at_its_choice(source, tmp_path):
     ids = np.random.default_rng(5).integers(0, VOCAB, 128 * 16).astype(np.int64)
     # The fixture keeps 16960 of its 164416 parameters in fp32 (norms; k/v at the 2048 threshold):
@@ -210,7 +278,8 @@ def test_mixed_measures_on_calibration_ids_and_stores_each_layer_at_its_choice(s
         assert errors["gptq-int4-b64"] is not None, group
     # Every option that fits the budget everywhere was measured whole beside the plan, and none beat it.
     candidates = mixed["candidates"]
-    assert set(candidates) == {"plan", "gptq-int4-b32", "gptq-int4-b64", "gptq-int4-b64-emb8", "gptq-int4-b32-zp"}
+    assert set(candidates) == {"plan", "gptq-int4-b32", "gptq-int4-b64", "gptq-int4-b64-emb8", "gptq-int4-b32-zp",
+                               "gptq-int4-b32-zp-hot"}
     assert all(candidates["plan"]["measured_error"] <= c["measured_error"] for c in candidates.values())
     dtypes = _quantized_dtypes(manifest.path / "model.mlpackage")
     for entry in manifest["selection"]["weights"].values():
@@ -291,6 +360,10 @@ def test_calibration_windows_open_with_bos_when_the_model_has_one():
     assert [w[0] for w in with_bos] == [1, 1, 1] and all(len(w) == WINDOW for w in with_bos)
     assert np.array_equal(np.concatenate([w[1:] for w in with_bos]), ids[:3 * (WINDOW - 1)])  # the text, in order
     assert np.array_equal(np.concatenate(Calibration.of_model(model, ids, count=3).windows), ids)
+    # Rows read over the whole text (not only the windows measured), BOS once per window of it.
+    counts = Calibration.of_model(model, ids, count=1, bos_id=1).row_counts(VOCAB)
+    text = np.bincount(ids, minlength=VOCAB)
+    assert np.array_equal(np.delete(counts, 1), np.delete(text, 1)) and counts[1] == text[1] + 4  # 3 W ids: 4 windows
 
 
 def test_refusals(source, compressed, tmp_path):

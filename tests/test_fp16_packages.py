@@ -219,6 +219,16 @@ def test_an_fp16_package_compresses_to_fp16_weights_and_stays_exact(fp16_package
     assert gate.report["summary"]["exact"], gate.report["summary"]
 
 
+def test_hot_rows_are_refused_on_an_fp16_package_before_any_calibration(fp16_packages, tmp_path):
+    """Its head sums two products, each rounded to fp16 apart in an fp16 program: a bound not derived."""
+    from coreml.recipes import RecipePrecondition, compress_package
+
+    packages, _, _ = fp16_packages
+    with pytest.raises(RecipePrecondition, match="FP32 programs only.*float16"):
+        compress_package(packages / "chunk_kv", "gptq-int4-b32-zp-hot", tmp_path / "hot", calibration_ids=np.arange(300))
+    assert not (tmp_path / "hot").exists()
+
+
 def test_a_compressed_fp16_package_is_held_to_the_compression_budget(fp16_packages, tmp_path):
     """fp16's default budget bounds fp16 rounding, which the uncompressed package answers for; a
     recipe's loss is held to the compression budget on every target (what an fp16 survey uses)."""

@@ -24,7 +24,7 @@ from pipeline.ground.reference import load_reference
 from pipeline.stages.scoring import load_items, read_run, score_items
 from pipeline.ground.tokenizer import tokenizer_from_artifact
 
-MEASURED = ("int8-b32", "int4-b32", "palette4-gc32")
+MEASURED = ("int8-b32", "int4-b32", "palette4-gc32", "gptq-int4-b32-zp-hot")
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,8 @@ the manifest and gives each weight its steps: codes computed in numpy (`coreml.c
 written as iOS18 constexpr ops by `emit`) or coremltools 9.0 `linear_quantize_weights`.
 The families: `linear` (coremltools int8 per block), `affine` (affine and symmetric block
 codes), `palette` (k-means LUTs, their int8-quantized LUTs, sensitivity-weighted ones),
-`gptq`, `mixed` (a per-layer choice among the others under a size budget), `cmf_native`
+`gptq`, `hot_rows` (GPTQ, the tied table's most read rows corrected at int8), `mixed` (a
+per-layer choice among the others under a size budget), `cmf_native`
 (the source CMF's own codes). `compress` applies any of them. docs/COMPRESSION.md gives what
 each recipe stores and the SmolLM2 measurements behind the choices.
 
@@ -20,7 +21,7 @@ up front and a failure raises `RecipePrecondition` naming the weight. The manife
 `selection` records, for every constant, whether it was compressed, how, and if not, why.
 """
 
-from coreml.recipes import affine, cmf_native, gptq, linear, mixed, palette  # noqa: F401 (each registers its recipes)
+from coreml.recipes import affine, cmf_native, gptq, hot_rows, linear, mixed, palette  # noqa: F401 (each registers its recipes)
 from coreml.recipes.base import (EMBEDDING, RECIPES, WEIGHT_THRESHOLD, Context, Prepared, Recipe, RecipePrecondition,
                                  Selected, StepRecipe, UnknownRecipe, Weight, order_recipes,
                                  register_recipe)
@@ -31,7 +32,8 @@ from coreml.recipes.mixed import MIXED_BPW, choose_mixed
 # The order surveys and reports list the recipes in: the order they were added in.
 order_recipes(("int8-b32", "int4-b32", "int4-b32-emb8", "palette6-gc32", "palette4-gc32", "int8-b32-embfp16",
                "palette4-int8lut", "palette4-skm", "mixed", "cmf-native", "gptq-int4-b32", "gptq-int4-b64",
-               "int8-b32-fp16scale", "gptq-int4-b64-emb8", "int8-pc", "gptq-int4-b32-zp"))
+               "int8-b32-fp16scale", "gptq-int4-b64-emb8", "int8-pc", "gptq-int4-b32-zp",
+               "gptq-int4-b32-zp-hot"))
 
 __all__ = ["EMBEDDING", "MIXED_BPW", "RECIPES", "WEIGHT_THRESHOLD", "Context", "Prepared", "Recipe",
            "RecipePrecondition", "Selected", "StepRecipe", "UnknownRecipe", "Weight", "apply_recipe", "choose_mixed",

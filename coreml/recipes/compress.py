@@ -130,14 +130,18 @@ def plan_selection(weights: list[Weight], select: Callable[[Weight], Selected]) 
 
 
 def apply_recipe(mlmodel, program, recipe: Recipe, steps: dict[str, dict], encoders: Mapping[str, Encoder]):
-    """The compressed model: each step of `plan_selection`, on exactly the selected weights of
-    `program` (`mlmodel`'s, from `load_program`; rewritten in place).
+    """(the compressed model, the hot rows written by constant name): each step of
+    `plan_selection`, on exactly the selected weights of `program` (`mlmodel`'s, from
+    `load_program`; rewritten in place).
 
     `encoders` replaces a `code` step's own fit per weight (calibration-aware or carried codes).
     """
+    hot_rows = {}
     if "code" in steps:
-        WriteCodes({name: encoders[name] if name in encoders else step.encode
-                    for name, step in steps["code"].items()}).apply(program)
+        writer = WriteCodes({name: encoders[name] if name in encoders else step.encode
+                             for name, step in steps["code"].items()})
+        writer.apply(program)
+        hot_rows = writer.hot_rows
         recipe.after_codes(program)
     if "quantize" in steps:
         configs = {n: cto.OpLinearQuantizerConfig(**step.record()) for n, step in steps["quantize"].items()}
@@ -147,9 +151,11 @@ def apply_recipe(mlmodel, program, recipe: Recipe, steps: dict[str, dict], encod
     # above add only constexpr ops. coremltools' own compression API reruns all 92 default
     # passes here (20 s on SmolLM2) and finds nothing to change; the backend passes still run.
     return mil_convert(program, convert_to="mlprogram", convert_from="milinternal",
-                        specification_version=spec.specificationVersion, compute_units=mlmodel.compute_unit,
-                        model_description=spec.description, skip_model_load=True,
-                        pass_pipeline=ct.PassPipeline.EMPTY)
+                       specification_version=spec.specificationVersion, compute_units=mlmodel.compute_unit,
+                       model_description=spec.description, skip_model_load=True,
+                       pass_pipeline=ct.PassPipeline.EMPTY), hot_rows
+
+
 def _bind_compressed(mlpackage: Path, weights: list[Weight], selection: dict, recipe: str) -> None:
     """Record under each selected weight the variable that now feeds its consumers, and check
     that a decompression op produces it (coremltools skips a weight with only a warning) and
@@ -233,7 +239,9 @@ def compress_package(
     weights = program_weights(program, source["package"].get("weights", {}))
     prepared = unit.prepare(weights, Context(package_dir, source, calibration_ids, bpw))
     plan = plan_selection(weights, prepared.select)
-    compressed = apply_recipe(mlmodel, program, unit, plan["steps"], prepared.encoders)
+    compressed, hot_rows = apply_recipe(mlmodel, program, unit, plan["steps"], prepared.encoders)
+    for name, record in hot_rows.items():
+        plan["record"]["weights"][name]["hot_rows"] = record
     with staged_output(out_dir, force) as staging:
         compressed.save(str(staging / package_manifest.MODEL_NAME))
         _bind_compressed(staging / package_manifest.MODEL_NAME, weights, plan["record"], recipe)

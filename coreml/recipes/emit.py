@@ -1,6 +1,7 @@
 """Codes written into a MIL program as iOS18 constexpr ops that decode them to the replaced
 constant's dtype (float32, or fp16 in an fp16 program)."""
 
+import hashlib
 from collections.abc import Mapping
 from dataclasses import replace
 
@@ -10,7 +11,7 @@ from coremltools.converters.mil.mil import types
 from coremltools.converters.mil.mil.passes.graph_pass import AbstractGraphPass
 
 from coreml import codes
-from coreml.recipes.base import Encoder
+from coreml.recipes.base import Encoder, RecipePrecondition
 
 
 def _subbyte(values: np.ndarray, nbits: int, signed: bool) -> np.ndarray:
@@ -72,22 +73,64 @@ def emit_code(code, before_op, dtype: np.dtype = np.dtype(np.float32)) -> "mb.Va
     return out
 
 
+def emit_hot_rows(code: codes.HotRows, table: "mb.Var", before_op, dtype: np.dtype) -> dict:
+    """Add `code`'s correction of its hot rows wherever `table` (its table code's output) is read:
+    after a lookup `gather(table, ids)`, `+ gather(residual, gather(slot, ids))`; after a head
+    `linear(h, table)`, `+ gather(linear(h, residual), slot, axis=-1)`. Residual row 0 is zero,
+    so a cold row's share is an exact zero. Returns the record `coreml.decoded` reads the
+    weights back by."""
+    if dtype != np.float32:
+        raise RecipePrecondition(f"hot rows of {table.name}: an fp16 program would round each product apart "
+                                 "before the add, a bound not derived (tests/test_coreml_recipes.py holds FP32's)")
+    residual = emit_code(code.residual, before_op=before_op, dtype=dtype)
+    residual.op.name = f"{table.name}_hot_residual"
+    residual.set_name(residual.op.name)
+    slot = mb.const(val=code.slot, before_op=before_op, name=f"{table.name}_hot_slot")
+    for reader in list(table.child_ops):
+        block = reader.enclosing_block
+        following = block.operations.op_to_node[reader].next
+        after = following.op if following is not None else None  # None: appended at the block's end
+        read, name = reader.outputs[0], f"{table.name}_hot_{reader.name}"  # the builder's own names can repeat the program's
+        if reader.op_type == "gather" and reader.x is table and int(reader.axis.val) == 0 and int(reader.batch_dims.val) == 0:
+            rows = mb.gather(x=slot, indices=reader.indices, axis=0, before_op=after, name=f"{name}_slot")
+            share = mb.gather(x=residual, indices=rows, axis=0, before_op=after, name=f"{name}_rows")
+        elif reader.op_type == "linear" and reader.weight is table:
+            products = mb.linear(x=reader.x, weight=residual, before_op=after, name=f"{name}_products")
+            share = mb.gather(x=products, indices=slot, axis=-1, before_op=after, name=f"{name}_rows")
+        else:
+            raise RecipePrecondition(f"hot rows of {table.name}: read by {reader.op_type} {reader.name}, whose "
+                                     "axes this correction does not know")
+        total = mb.add(x=read, y=share, before_op=after, name=f"{name}_total")
+        block.replace_uses_of_var_after_op(anchor_op=total.op, old_var=read, new_var=total)
+        if read.name == total.name:  # a function output (the logits) keeps its name on the sum: the read gets another
+            read.set_name(f"{name}_table")
+    return {"residual": residual.name, "slot": slot.name, "rows": int(len(code.hot_ids)),
+            "ids_sha256": hashlib.sha256(code.hot_ids.astype("<i4").tobytes()).hexdigest()}
+
+
 class WriteCodes(AbstractGraphPass):
     """Replace each named float constant by the constexpr ops of the code `encode(value)` gives
-    (`value` widened to float32 exactly), decoding to the constant's own dtype."""
+    (`value` widened to float32 exactly), decoding to the constant's own dtype. A code with
+    hot rows writes its table so and its correction after each read (`emit_hot_rows`);
+    `hot_rows` gets the record of each, by constant name."""
 
     def __init__(self, encoders: Mapping[str, Encoder]):
         super().__init__()
         self.encoders = encoders
+        self.hot_rows: dict[str, dict] = {}
 
     def apply(self, prog):
         for function in prog.functions.values():
             for op in list(function.operations):
                 if op.op_type == "const" and op.name in self.encoders:
                     code = self.encoders[op.name](np.asarray(op.val.val, dtype=np.float32))
+                    dtype = np.dtype(types.nptype_from_builtin(op.outputs[0].dtype))
+                    hot = code if isinstance(code, codes.HotRows) else None
                     with function:
-                        new = emit_code(code, before_op=op, dtype=np.dtype(types.nptype_from_builtin(op.outputs[0].dtype)))
+                        new = emit_code(code if hot is None else hot.table, before_op=op, dtype=dtype)
                         op.enclosing_block.replace_uses_of_var_after_op(
                             anchor_op=op, old_var=op.outputs[0], new_var=new, no_check_var_types=True)
+                        new.set_name(op.name)
+                        if hot is not None:
+                            self.hot_rows[op.name] = emit_hot_rows(hot, new, op, dtype)
                         function.remove_ops([op])
-                    new.set_name(op.name)

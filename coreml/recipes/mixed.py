@@ -52,7 +52,8 @@ class MixedRecipe(Recipe):
 
 
 MIXED = register_recipe(MixedRecipe(
-    "mixed", options=("gptq-int4-b64", "gptq-int4-b32-zp", "gptq-int4-b32", "gptq-int4-b64-emb8", "int8-b32-fp16scale"),
+    "mixed", options=("gptq-int4-b64", "gptq-int4-b32-zp", "gptq-int4-b32-zp-hot", "gptq-int4-b32", "gptq-int4-b64-emb8",
+                      "int8-b32-fp16scale"),
     group="decoder layer (embedding on its own)",
     measure="calibration logit KL: per group coded alone (summed, minimised exactly under the budget), then the "
             "plan and every uniform option that fits, each coded whole"))

@@ -53,17 +53,20 @@ class TorchBackend:
     weights it intends (FP32, or its own decoded ones; `numerics` names them), and
     `cache_dtype` is the dtype its K/V cache keeps. A chunk attends over its own float32
     K/V and what it writes to a snapshot is rounded to that dtype, as the package does
-    (held as float32 values, which undo the rounding exactly).
+    (held as float32 values, which undo the rounding exactly). `hot_rows_head_norm`: the package
+    sums its head from a table's code and its hot rows' residual (`coreml.decoded.hot_rows_head_norm`),
+    which the exactness bound takes (`pipeline.ground.models.numerics.model_logits_bound`).
     """
 
     def __init__(self, model: Decoder, args: ModelArgs, context: int | None = None, chunk: int | None = None,
-                 cache_dtype=np.float32, numerics: str = "fp32"):
+                 cache_dtype=np.float32, numerics: str = "fp32", hot_rows_head_norm: float | None = None):
         self.model, self.args = model, args
         self.context = min(args.max_position_embeddings, DEFAULT_TORCH_CONTEXT) if context is None else context
         if chunk is not None and chunk < 1:
             raise BackendError(f"torch backend: chunk {chunk} must be at least 1")
         self.chunk = chunk
         self.cache_dtype, self.numerics = np.dtype(cache_dtype), numerics
+        self.hot_rows_head_norm = hot_rows_head_norm
         self.name = "torch-fp32" if numerics == "fp32" else f"torch-intended ({numerics})"
         self.weight_bytes = 4 * sum(p.numel() for p in model.parameters())  # FP32 bytes, whatever the dtype held
 

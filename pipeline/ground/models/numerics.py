@@ -62,10 +62,13 @@ def decoder_chain(layers: int, hidden: int, q_width: int, head_dim: int, interme
 
 
 def logits_bound(chain: int, hidden: int, final_norm: np.ndarray, head: np.ndarray, rel: float = 0.0,
-                 probable: bool = False) -> float:
+                 probable: bool = False, head_norm: float | None = None) -> float:
     """Max |Δ logit| between two float32 evaluations whose accumulations total `chain`, one side
-    carrying `rel` more relative error (rounded weights or caches)."""
-    scale = np.sqrt(hidden) * np.abs(final_norm).max() * np.linalg.norm(head, axis=1).max()
+    carrying `rel` more relative error (rounded weights or caches). `head_norm`: a bound on
+    the absolute terms of a head row's dot per |h|_2 larger than the row's own norm (a head
+    summed from parts)."""
+    norm = float(np.linalg.norm(head, axis=1).max())
+    scale = np.sqrt(hidden) * np.abs(final_norm).max() * max(norm, head_norm or 0.0)
     return (2 * (gamma_probable(chain) if probable else gamma(chain)) + rel) * float(scale)
 
 
@@ -104,20 +107,26 @@ def _gain(norm) -> np.ndarray:
 
 
 def model_logits_bound(model, tokens: int, fp16_cache: bool = False, weight_rtol: float = 0.0,
-                       probable: bool = False) -> float:
+                       probable: bool = False, hot_rows_head_norm: float | None = None) -> float:
     """`logits_bound` for a pipeline.ground.models Decoder attending over at most `tokens` positions.
 
     fp16_cache: one side reads its K/V back from fp16, each value within 2^-11 relative, so
     each layer's q . k and probabilities @ V gain 2^-11 of their sum|a*b|. weight_rtol: one
     side's weights differ from the other's by that much relative (every matrix on the path,
-    and the head)."""
+    and the head). hot_rows_head_norm: one side's head is a table's code T plus its hot rows'
+    residual R (`coreml.recipes.emit.emit_hot_rows`), logit j = h.T_j + h.R_j where the other
+    side takes h.fl(T_j + R_j): a sum of 2·hidden terms and one add on the one side, the table's
+    sum rounded once per element (u |h| |T_j + R_j|) on the other, whose absolute terms total at
+    most |h|_2 (|T_j|_2 + |R_j|_2), the norm given (`coreml.decoded.hot_rows_head_norm`). The
+    chain counts that longer head and the two roundings, and the scale takes the larger norm,
+    on both sides."""
     a = model.args
     rel = weight_rtol * (MATRICES_PER_LAYER * a.num_layers + 1)
     if fp16_cache:
         rel += 2 * a.num_layers * 2.0**-11
-    head = model.head
-    return logits_bound(_chain(model, tokens), a.hidden_size, _gain(model.model.norm), _weight(head),
-                        rel, probable)
+    chain = _chain(model, tokens) + (a.hidden_size + 2 if hot_rows_head_norm is not None else 0)
+    return logits_bound(chain, a.hidden_size, _gain(model.model.norm), _weight(model.head), rel, probable,
+                        hot_rows_head_norm)
 
 
 def model_cache_bound(model, tokens: int, probable: bool = False) -> float:

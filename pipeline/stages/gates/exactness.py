@@ -56,7 +56,7 @@ class Tolerance:
     why: str
 
 
-def exact_tolerances(model, context: int) -> tuple[Tolerance, Tolerance]:
+def exact_tolerances(model, context: int, hot_rows_head_norm: float | None = None) -> tuple[Tolerance, Tolerance]:
     """The summation-order bound of the intended numerics for `model` over `context` positions:
     (logits, K/V cache entries).
 
@@ -69,7 +69,8 @@ def exact_tolerances(model, context: int) -> tuple[Tolerance, Tolerance]:
     `pipeline.ground.models.numerics`' probable form: set by the model's shapes and weights (a
     deeper or wider model accumulates more roundings), never by a recipe's bit width nor by a
     measured difference. A compressed package's model is the reference with its own decoded
-    weights, whose norm and head scales enter as they are."""
+    weights, whose norm and head scales enter as they are; a head summed from a table's code and
+    its hot rows' residual enters with `hot_rows_head_norm` (`numerics.model_logits_bound`)."""
     from pipeline.ground.models.fp16 import Fp16Reference
     from pipeline.ground.models.numerics import (PROBABLE_LAMBDA, fp16_cache_bound, fp16_logits_bound,
                                                  model_cache_bound, model_logits_bound)
@@ -81,8 +82,10 @@ def exact_tolerances(model, context: int) -> tuple[Tolerance, Tolerance]:
         return (Tolerance(fp16_logits_bound(model.decoder, context, probable=True), 0.0, None, None, why),
                 Tolerance(fp16_cache_bound(model.decoder, context, probable=True), 0.0, None, None, why))
     why = (f"the same float32 arithmetic in another summation order: 2·γ̃_N(λ={PROBABLE_LAMBDA:g})·scale over "
-           f"this model's accumulation chain at {context} positions (pipeline/ground/models/numerics.py)")
-    return (Tolerance(model_logits_bound(model, context, probable=True), 0.0, None, None, why),
+           f"this model's accumulation chain at {context} positions (pipeline/ground/models/numerics.py)"
+           + (", the head summed from the table's code and its hot rows" if hot_rows_head_norm is not None else ""))
+    return (Tolerance(model_logits_bound(model, context, probable=True, hot_rows_head_norm=hot_rows_head_norm),
+                      0.0, None, None, why),
             Tolerance(model_cache_bound(model, context, probable=True), 0.0, None, None, why))
 
 

@@ -19,7 +19,7 @@ def intended_references(package_dir: Path, manifest: dict, bundle: Path) -> tupl
     output rounded to fp16, K/V fp16) of the model its conversion traced: the reference with
     the mitigations its manifest records (a compressed package: those of the package it was
     made from, whose weights, already rescaled, it decoded)."""
-    from coreml.decoded import decoded_weights
+    from coreml.decoded import decoded_weights, hot_rows_head_norm
     from coreml.kinds import package_kind
     from coreml.manifest import COMPRESSED_FORMAT
     from coreml.precisions import package_precision
@@ -51,7 +51,8 @@ def intended_references(package_dir: Path, manifest: dict, bundle: Path) -> tupl
     if compressed:
         model, _, _ = load_reference(bundle, replaced=decoded_weights(package_dir, ScratchFile()))
         return TorchBackend(model.eval(), args, context, cache_dtype=cache_dtype,
-                            numerics=f"recipe {manifest['recipe']['name']}, decoded weights"), fp32
+                            numerics=f"recipe {manifest['recipe']['name']}, decoded weights",
+                            hot_rows_head_norm=hot_rows_head_norm(package_dir)), fp32
     if cache_dtype == np.float16:
         return TorchBackend(fp32_model, args, context, cache_dtype=cache_dtype, numerics="fp32, fp16 K/V cache"), fp32
     return fp32, fp32

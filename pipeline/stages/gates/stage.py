@@ -55,7 +55,7 @@ def gate_backend(candidate, intended, fixtures: ReferenceFixtures, quality: Qual
     (FP32 weights). Returns the report body and, under "_scores", the item scores of the
     quality part (None where they were not measured; `measure_quality`)."""
     samples, clock = {}, _Clock()
-    tolerance, cache_tolerance = exact_tolerances(intended.model, intended.context)
+    tolerance, cache_tolerance = exact_tolerances(intended.model, intended.context, intended.hot_rows_head_norm)
     chunks = getattr(candidate, "chunks", None)
     fp16_cache = intended.cache_dtype == np.float16
     records, runs = [], None
