@@ -65,7 +65,7 @@ def bits_per_weight(package_dir: str | Path) -> dict:
 
     A value stored once counts once, and a weight carried by several HF names (a tied
     embedding and head) is one tensor: the count is of what the program holds, a table's hot
-    rows (their residual and slot map) included.
+    rows (their residual, slot map and ids) included.
     """
     manifest = load_manifest(Path(package_dir))
     walk = _StoredBytes(Path(package_dir) / manifest["package"]["name"])
@@ -74,5 +74,5 @@ def bits_per_weight(package_dir: str | Path) -> dict:
         parameters += walk.elements(var)
         stored += walk.stored(var)
     for record in hot_rows_of(manifest).values():
-        stored += walk.stored(record["residual"]) + walk.stored(record["slot"])
+        stored += sum(walk.stored(record[part]) for part in ("residual", "slot", "hot_ids"))
     return {"bits_per_weight": 8 * stored / parameters, "weight_bytes": stored, "parameters": parameters}

@@ -98,7 +98,8 @@ class HotRows:
         return out
 
     def bits(self) -> int:
-        return self.table.bits() + self.residual.bits() + self.slot.size * self.slot.itemsize * 8
+        """The table's and the residual's codes, the slot map, and the hot ids (int32) the head scatters to."""
+        return self.table.bits() + self.residual.bits() + self.slot.size * self.slot.itemsize * 8 + 32 * len(self.hot_ids)
 
 
 def rows_of(code: ShiftScale, ids: np.ndarray) -> ShiftScale:

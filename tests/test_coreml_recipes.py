@@ -256,9 +256,9 @@ def test_hot_rows_correct_the_most_read_rows_of_the_tied_table_in_both_its_uses(
     (block,) = spec.mlProgram.functions["main"].block_specializations.values()
     made = [output.name for op in block.operations for output in op.outputs]
     assert len(made) == len(set(made)) and "logits" in made
-    # The stored residual (hot rows and a zero row, int8 per 32 with an fp16 scale) and a uint16
-    # slot per row, over gptq-int4-b32-zp's bytes.
-    extra = (len(expected) + 1) * ARCH["hidden_size"] * (1 + 2 / 32) + 2 * VOCAB
+    # The stored residual (hot rows and a zero row, int8 per 32 with an fp16 scale), a uint16
+    # slot per row and the hot ids (int32), over gptq-int4-b32-zp's bytes.
+    extra = (len(expected) + 1) * ARCH["hidden_size"] * (1 + 2 / 32) + 2 * VOCAB + 4 * len(expected)
     parameters = bits_per_weight(plain.path)["parameters"]
     assert bits_per_weight(hot.path)["bits_per_weight"] == pytest.approx(
         bits_per_weight(plain.path)["bits_per_weight"] + 8 * extra / parameters, rel=1e-12)

@@ -75,10 +75,10 @@ def emit_code(code, before_op, dtype: np.dtype = np.dtype(np.float32)) -> "mb.Va
 
 def emit_hot_rows(code: codes.HotRows, table: "mb.Var", before_op, dtype: np.dtype) -> dict:
     """Add `code`'s correction of its hot rows wherever `table` (its table code's output) is read:
-    after a lookup `gather(table, ids)`, `+ gather(residual, gather(slot, ids))`; after a head
-    `linear(h, table)`, `+ gather(linear(h, residual), slot, axis=-1)`. Residual row 0 is zero,
-    so a cold row's share is an exact zero. Returns the record `coreml.decoded` reads the
-    weights back by."""
+    after a lookup `gather(table, ids)`, `+ gather(residual, gather(slot, ids))` (residual row 0
+    is zero, so a cold row's share is an exact zero); after a head `linear(h, table)`, the hot
+    columns' `linear(h, residual[1:])` added into the logits by a scatter (no second
+    vocabulary-wide tensor). Returns the record `coreml.decoded` reads the weights back by."""
     if dtype != np.float32:
         raise RecipePrecondition(f"hot rows of {table.name}: an fp16 program would round each product apart "
                                  "before the add, a bound not derived (tests/test_coreml_recipes.py holds FP32's)")
@@ -86,6 +86,7 @@ def emit_hot_rows(code: codes.HotRows, table: "mb.Var", before_op, dtype: np.dty
     residual.op.name = f"{table.name}_hot_residual"
     residual.set_name(residual.op.name)
     slot = mb.const(val=code.slot, before_op=before_op, name=f"{table.name}_hot_slot")
+    hot_ids = mb.const(val=code.hot_ids.astype(np.int32), before_op=before_op, name=f"{table.name}_hot_ids")
     for reader in list(table.child_ops):
         block = reader.enclosing_block
         following = block.operations.op_to_node[reader].next
@@ -94,17 +95,22 @@ def emit_hot_rows(code: codes.HotRows, table: "mb.Var", before_op, dtype: np.dty
         if reader.op_type == "gather" and reader.x is table and int(reader.axis.val) == 0 and int(reader.batch_dims.val) == 0:
             rows = mb.gather(x=slot, indices=reader.indices, axis=0, before_op=after, name=f"{name}_slot")
             share = mb.gather(x=residual, indices=rows, axis=0, before_op=after, name=f"{name}_rows")
+            total = mb.add(x=read, y=share, before_op=after, name=f"{name}_total")
         elif reader.op_type == "linear" and reader.weight is table:
+            rank = reader.x.rank
             products = mb.linear(x=reader.x, weight=residual, before_op=after, name=f"{name}_products")
-            share = mb.gather(x=products, indices=slot, axis=-1, before_op=after, name=f"{name}_rows")
+            hot = mb.slice_by_index(x=products, begin=[0] * (rank - 1) + [1], end=[0] * rank,
+                                    begin_mask=[True] * (rank - 1) + [False], end_mask=[True] * rank,
+                                    before_op=after, name=f"{name}_hot")  # the zero row's column dropped
+            total = mb.scatter(data=read, indices=hot_ids, updates=hot, axis=-1, mode="add", before_op=after,
+                               name=f"{name}_total")
         else:
             raise RecipePrecondition(f"hot rows of {table.name}: read by {reader.op_type} {reader.name}, whose "
                                      "axes this correction does not know")
-        total = mb.add(x=read, y=share, before_op=after, name=f"{name}_total")
         block.replace_uses_of_var_after_op(anchor_op=total.op, old_var=read, new_var=total)
         if read.name == total.name:  # a function output (the logits) keeps its name on the sum: the read gets another
             read.set_name(f"{name}_table")
-    return {"residual": residual.name, "slot": slot.name, "rows": int(len(code.hot_ids)),
+    return {"residual": residual.name, "slot": slot.name, "hot_ids": hot_ids.name, "rows": int(len(code.hot_ids)),
             "ids_sha256": hashlib.sha256(code.hot_ids.astype("<i4").tobytes()).hexdigest()}
 
 

@@ -11,8 +11,8 @@ the head, keeps the 4-bit code, whose GPTQ already weighs the head use.
 
 The package reads the table twice as before, each time adding the correction
 (`coreml.recipes.emit.emit_hot_rows`): the lookup `gather(T, ids) + gather(R, gather(slot,
-ids))` and the head `h T^T + gather(h R^T, slot, axis=-1)`. Its weights are one matrix,
-`T + R[slot]`, which `coreml.decoded` hands the gates' reference.
+ids))` and the head `h T^T` with `h R^T` added into its hot columns (a scatter). Its weights
+are one matrix, `T + R[slot]`, which `coreml.decoded` hands the gates' reference.
 """
 
 from dataclasses import dataclass, replace
@@ -49,9 +49,10 @@ class HotRowsStep(Code):
         return replace(self, table=self.table.for_shape(shape))
 
     def bits(self, shape: tuple[int, ...]) -> float:
-        """At most: `rows` hot rows (fewer where calibration reads fewer), the zero row, the slots."""
+        """At most: `rows` hot rows (fewer where calibration reads fewer), the zero row, the
+        slots, and the hot ids as int32 (the head's scatter indices)."""
         hot = min(self.rows, shape[0])
-        return self.table.bits(shape) + self.residual.bits((hot + 1, shape[1])) + SLOT_BITS * shape[0]
+        return self.table.bits(shape) + self.residual.bits((hot + 1, shape[1])) + SLOT_BITS * shape[0] + 32 * hot
 
     def encode(self, value: np.ndarray):
         raise RecipePrecondition(f"hot rows of a {list(value.shape)} table: chosen by calibration text, "
