@@ -212,7 +212,7 @@ def decompressed_weights(manifest) -> dict[str, np.ndarray]:
     from coreml.mil.loader import load_program
 
     constants = Executor(load_program(manifest.path / "model.mlpackage")).constants
-    hot = hot_rows_of(manifest)
+    hot = hot_rows_of(manifest.data)
 
     def value(var: str) -> np.ndarray:
         table = np.asarray(constants[var], np.float32)
