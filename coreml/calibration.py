@@ -9,12 +9,15 @@ the weights the package holds. Calibration ids come from `pipeline.ground.text_r
 (`text_roles(lines)["calibration"]`, tokenized), never from the quality text.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from coreml import codes
+from coreml.cache import ResultCache, content_key
 from manifests.chain import upstream_path
 from pipeline.ground.backend_protocol import kl_rows, log_softmax
 from pipeline.ground.reference import load_reference
@@ -58,6 +61,10 @@ class Calibration:
     # The whole calibration text and the BOS its windows open with (`row_counts` reads them).
     text_ids: np.ndarray | None = None
     bos_id: int | None = None
+    # Where Hessians and codes measured on these windows are shared (`coreml.cache`), and the
+    # identity of the model's weights they are measured on (its bundle manifest's sha256).
+    cache: ResultCache | None = None
+    weights_identity: str | None = None
     _reference_logprobs: list[np.ndarray] | None = None
 
     @property
@@ -70,13 +77,24 @@ class Calibration:
 
     @classmethod
     def from_package(cls, package_dir: Path, manifest: dict, calibration_ids: np.ndarray,
-                     count: int = WINDOWS) -> "Calibration":
+                     count: int = WINDOWS, cache: ResultCache | None = None) -> "Calibration":
         """`count` windows of WINDOW tokens, each opened by the model's BOS when it has one
         (`special_tokens.bos_token_id`), as the quality gate's windows are: a model trained
-        with BOS first (Gemma) is measured on the inputs it will be judged on."""
+        with BOS first (Gemma) is measured on the inputs it will be judged on. `cache`: where
+        its Hessians and codes are shared with other recipes' (`coreml.cache`)."""
         model, _, _ = load_reference(upstream_path(package_dir, manifest["source"]))
         model.eval()
-        return cls.of_model(model, calibration_ids, count, manifest["special_tokens"]["bos_token_id"])
+        calib = cls.of_model(model, calibration_ids, count, manifest["special_tokens"]["bos_token_id"])
+        calib.cache, calib.weights_identity = cache, manifest["source"]["manifest_sha256"]
+        return calib
+
+    def cached_code(self, make: Callable[[], object], *inputs) -> object:
+        """The code `make()` gives, computed from `inputs` (arrays and parameters, as
+        `coreml.cache.content_key` takes them), from the cache when one is shared."""
+        if self.cache is None:
+            return make()
+        arrays, record = self.cache.arrays(content_key("code", *inputs), lambda: codes.code_arrays(make()))
+        return codes.code_from_arrays(arrays, record)
 
     @classmethod
     def of_model(cls, model: torch.nn.Module, calibration_ids: np.ndarray, count: int = WINDOWS,
@@ -126,7 +144,11 @@ class Calibration:
         the output error, cross terms kept), float64 [in, in]; the tied embedding's is its
         head use's. Gathered once per calibration (every GPTQ option of `mixed` reads them)."""
         if self.hessians is None:
-            self.hessians = self._input_statistics(lambda x: x.T @ x)
+            if self.cache is None or self.weights_identity is None:
+                self.hessians = self._input_statistics(lambda x: x.T @ x)
+            else:
+                key = content_key("input_hessians", self.weights_identity, *self.windows)
+                self.hessians, _ = self.cache.arrays(key, lambda: (self._input_statistics(lambda x: x.T @ x), {}))
         return self.hessians
 
     def _input_statistics(self, statistic) -> dict[str, np.ndarray]:

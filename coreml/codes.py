@@ -102,6 +102,24 @@ class HotRows:
         return self.table.bits() + self.residual.bits() + self.slot.size * self.slot.itemsize * 8 + 32 * len(self.hot_ids)
 
 
+def code_arrays(code: ShiftScale | HotRows) -> tuple[dict[str, np.ndarray], dict]:
+    """`code` as named arrays and a JSON record (`code_from_arrays` gives it back), for `coreml.cache`."""
+    if isinstance(code, HotRows):
+        parts = {"table": code_arrays(code.table), "residual": code_arrays(code.residual)}
+        arrays = {f"{part}.{name}": a for part, (named, _) in parts.items() for name, a in named.items()}
+        return {**arrays, "slot": code.slot}, {"kind": "hot_rows", **{part: r for part, (_, r) in parts.items()}}
+    arrays = {"data": code.data, "scale": code.scale, **({"offset": code.offset} if code.offset is not None else {})}
+    return arrays, {"kind": "shift_scale", "nbits": code.nbits, "signed": code.signed}
+
+
+def code_from_arrays(arrays: dict[str, np.ndarray], record: dict) -> ShiftScale | HotRows:
+    if record["kind"] == "hot_rows":
+        parts = {part: code_from_arrays({k.split(".", 1)[1]: a for k, a in arrays.items() if k.startswith(f"{part}.")},
+                                        record[part]) for part in ("table", "residual")}
+        return HotRows(parts["table"], parts["residual"], arrays["slot"])
+    return ShiftScale(arrays["data"], arrays["scale"], arrays.get("offset"), record["nbits"], record["signed"])
+
+
 def rows_of(code: ShiftScale, ids: np.ndarray) -> ShiftScale:
     """The code of rows `ids` alone (a block code's parameters are per row)."""
     return ShiftScale(code.data[ids], code.scale[ids], None if code.offset is None else code.offset[ids],

@@ -264,6 +264,34 @@ def test_hot_rows_correct_the_most_read_rows_of_the_tied_table_in_both_its_uses(
         bits_per_weight(plain.path)["bits_per_weight"] + 8 * extra / parameters, rel=1e-12)
 
 
+def test_a_calibration_cache_shares_hessians_and_codes_and_changes_no_byte(source, tmp_path, monkeypatch):
+    """One survey's GPTQ recipes measure the same Hessians and make the same codes: made once into
+    a shared folder (coreml.cache), found there by the next recipe without computing them again
+    (here: gptq-int4-b32-zp-hot after gptq-int4-b32-zp, whose layer and table codes it shares),
+    and the package is the one made without a cache, byte for byte."""
+    from coreml.calibration import Calibration
+
+    ids = np.random.default_rng(9).integers(0, VOCAB, 128 * 16).astype(np.int64)
+    alone = compress_package(source.path, "gptq-int4-b32-zp-hot", tmp_path / "alone", calibration_ids=ids)
+    cache = tmp_path / "cache"
+    compress_package(source.path, "gptq-int4-b32-zp", tmp_path / "zp", calibration_ids=ids, calibration_cache=cache)
+    entries = sorted(path.name for path in cache.iterdir())
+    assert len(entries) == 1 + 21  # the Hessians; the embedding's and 4 x 5 layer matrices' codes
+
+    def computed(*args, **kwargs):
+        raise AssertionError("computed again, not read from the cache")
+
+    monkeypatch.setattr(Calibration, "_input_statistics", computed)
+    monkeypatch.setattr(codes, "gptq_affine", computed)
+    shared = compress_package(source.path, "gptq-int4-b32-zp-hot", tmp_path / "shared", calibration_ids=ids,
+                              calibration_cache=cache)
+    assert sorted(path.name for path in cache.iterdir()) == entries
+    for name in ("model.mlmodel", "weight.bin"):
+        (a,), (b,) = ((m.path / "model.mlpackage").rglob(name) for m in (alone, shared))
+        assert a.read_bytes() == b.read_bytes(), name
+    assert shared["selection"] == alone["selection"]
+
+
 def test_mixed_measures_on_calibration_ids_and_stores_each_layer_at_its_choice(source, tmp_path):
     ids = np.random.default_rng(5).integers(0, VOCAB, 128 * 16).astype(np.int64)
     # The fixture keeps 16960 of its 164416 parameters in fp32 (norms; k/v at the 2048 threshold):

@@ -21,6 +21,7 @@ from typing import ClassVar, NamedTuple
 import numpy as np
 
 from coreml import calibration
+from coreml.cache import ResultCache
 from coreml.calibration import Calibration
 from pipeline.ground.errors import CmfdeployError
 from pipeline.ground.registry import Registry
@@ -157,10 +158,12 @@ class Context:
     manifest: dict
     calibration_ids: np.ndarray | None
     bpw: float  # the mixed recipe's budget in bits per weight
+    calibration_cache: Path | None = None  # Hessians and codes shared with other recipes' (`coreml.cache`)
 
     def calibration(self, windows: int = calibration.WINDOWS) -> Calibration:
         """The reference model of the package's upstream on `windows` calibration windows."""
-        return Calibration.from_package(self.package_dir, self.manifest, self.calibration_ids, windows)
+        cache = None if self.calibration_cache is None else ResultCache(self.calibration_cache)
+        return Calibration.from_package(self.package_dir, self.manifest, self.calibration_ids, windows, cache)
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from coremltools.converters.mil.frontend.milproto import load as milproto
 from coremltools.models.utils import _convert_model_spec_to_pymil_prog
 from coremltools.optimize.coreml._quantization_passes import linear_quantize_weights as LinearQuantizeWeights
 
+from coreml import cache as cache_module
 from coreml import calibration, codes
 from coreml import manifest as package_manifest
 from coreml.recipes.base import RECIPES, WEIGHT_THRESHOLD, Context, Encoder, Recipe, RecipePrecondition, Selected, Weight
@@ -212,6 +213,7 @@ def compress_package(
     *,
     calibration_ids: np.ndarray | None = None,
     bpw: float = MIXED_BPW,
+    calibration_cache: str | Path | None = None,
 ) -> Manifest:
     """Apply `recipe` to the verified package at `package_dir`, writing `out_dir` atomically.
 
@@ -219,6 +221,8 @@ def compress_package(
     token ids of calibration text, never the quality text) through the package's reference
     model, and refuse without them; `bpw` is mixed's budget in bits per weight.
     `cmf-native` reads the source CMF through the package's identity chain.
+    `calibration_cache`: a folder where calibration Hessians and GPTQ codes are shared with
+    other compressions of the same package (`coreml.cache`; one survey's recipes).
     """
     package_dir, out_dir = Path(package_dir), Path(out_dir)
     unit = RECIPES.lookup(recipe, out_dir)
@@ -237,7 +241,8 @@ def compress_package(
     mlmodel = ct.models.MLModel(str(mlpackage), skip_model_load=True)
     program = load_program(mlmodel)
     weights = program_weights(program, source["package"].get("weights", {}))
-    prepared = unit.prepare(weights, Context(package_dir, source, calibration_ids, bpw))
+    cache = None if calibration_cache is None else Path(calibration_cache)
+    prepared = unit.prepare(weights, Context(package_dir, source, calibration_ids, bpw, cache))
     plan = plan_selection(weights, prepared.select)
     compressed, hot_rows = apply_recipe(mlmodel, program, unit, plan["steps"], prepared.encoders)
     for name, record in hot_rows.items():
@@ -261,7 +266,7 @@ def compress_package(
                 "seconds": round(time.perf_counter() - start, 2),
                 "code": package_manifest.source_digest([*sorted(Path(__file__).parent.glob("*.py")),
                                                         Path(package_manifest.__file__), Path(codes.__file__),
-                                                        Path(calibration.__file__)]),
+                                                        Path(calibration.__file__), Path(cache_module.__file__)]),
             },
         })
     return Manifest(out_dir, manifest.data)

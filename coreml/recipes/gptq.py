@@ -54,7 +54,8 @@ class GptqRecipe(CodeRecipe):
         for w in weights:
             step = self.steps(w)["code"]
             if w.hf_names and w.size > WEIGHT_THRESHOLD and isinstance(step, GptqAffine) and w.hf_names[0] in hessians:
-                encoders[w.name] = lambda value, h=hessians[w.hf_names[0]], s=step: s.encode_for(value, h)
+                encoders[w.name] = lambda value, h=hessians[w.hf_names[0]], s=step: calib.cached_code(
+                    lambda: s.encode_for(value, h), s.record(), value, h)
         return encoders
 
 

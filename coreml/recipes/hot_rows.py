@@ -58,9 +58,8 @@ class HotRowsStep(Code):
         raise RecipePrecondition(f"hot rows of a {list(value.shape)} table: chosen by calibration text, "
                                  "which a data-free fit does not have")
 
-    def encode_for(self, value: np.ndarray, hessian: np.ndarray | None, counts: np.ndarray) -> codes.HotRows:
-        """`hessian`: the head use's (a tied table); None for a table only looked up, min/max coded."""
-        table = self.table.encode(value) if hessian is None else self.table.encode_for(value, hessian)
+    def corrected(self, table: codes.ShiftScale, value: np.ndarray, counts: np.ndarray) -> codes.HotRows:
+        """`table`, the table step's code of `value`, with its hot rows by `counts` (reads per row)."""
         read = np.flatnonzero(counts)
         hot = read[np.lexsort((read, -counts[read]))][:self.rows]
         return codes.hot_rows(table, value, hot, self.residual.nbits, self.residual.block_size,
@@ -88,8 +87,16 @@ class HotRowsRecipe(GptqRecipe):
             step = self.steps(w)["code"]
             if isinstance(step, HotRowsStep):
                 encoders[w.name] = lambda value, h=hessians.get(w.hf_names[0]), s=step, c=calib.row_counts(w.shape[0]): \
-                    s.encode_for(value, h, c)
+                    s.corrected(_table_code(calib, s.table, value, h), value, c)
         return encoders
+
+
+def _table_code(calib: Calibration, step: GptqAffine, value: np.ndarray, hessian: np.ndarray | None):
+    """The table's code as `step` alone codes it (the same GPTQ code, and cache entry, as the
+    recipe without hot rows); min/max for a table only looked up (no head use's Hessian)."""
+    if hessian is None:
+        return step.encode(value)
+    return calib.cached_code(lambda: step.encode_for(value, hessian), step.record(), value, hessian)
 
 
 # gptq-int4-b32-zp with 4096 hot rows: on Gemma 3 4.53 bits per weight, the table's own loss

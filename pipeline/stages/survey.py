@@ -21,6 +21,7 @@ once or not at all. Nested artifacts were written inside the staging folder; the
 `manifests.chain` follows it, pinned by manifest sha256.
 """
 
+import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -57,6 +58,7 @@ from pipeline.ground.workers import LOCAL, Executor, bundle_job_memory, return_f
 FORMAT = "cmfdeploy.survey/1"
 FOLDER_FORMAT = "cmfdeploy.survey_folder/1"
 REPORT_NAME = "survey.json"
+CALIBRATION_CACHE = ".calibration-cache"
 ALL_RECIPES = tuple(RECIPES)
 DEPLOY_RULE = ("the smallest package (bytes on disk) that passed all three parts (exact, within the budget, "
                "invariants) and whose program can claim the target's compute unit (coreml.ane)")
@@ -147,6 +149,7 @@ def survey_recipe(name: str, package_dir: Path, staging: Path, context: dict) ->
     extra = {}
     if RECIPES[name].calibration:  # the recipe measures on calibration text itself
         extra["calibration_ids"] = context["calibration_ids"]
+        extra["calibration_cache"] = context["calibration_cache"]
         if context["mixed_bpw"] is not None:
             extra["bpw"] = context["mixed_bpw"]
     try:
@@ -311,6 +314,7 @@ def survey_context(settings: dict, manifest: dict | None = None) -> dict:
         "calibration_ids": calibration_ids(quality.tokenizer, Path(settings["quality_text"])),
         "mixed_bpw": settings["mixed_bpw"],
         "all_figures": settings["all_figures"],
+        "calibration_cache": settings.get("calibration_cache"),
     }
 
 
@@ -403,6 +407,10 @@ def run_survey(
         scoring.write_run(quality.fp32_scores, staging / "scores" / "fp32", artifact=package_dir,
                           backend_name=quality.fp32.name, items_path=items_path)
         baseline_run = read_json(staging / "scores" / "fp32" / MANIFEST_NAME)
+        # The recipes' calibration Hessians and GPTQ codes, made once and shared by every worker
+        # (coreml.cache), removed before the folder's inventory.
+        cache = staging / CALIBRATION_CACHE
+        settings["calibration_cache"] = context["calibration_cache"] = str(cache)
         bar = tqdm(total=len(recipes), desc="survey", unit="recipe", disable=not progress)
         if jobs == 1 and executor.in_process:
             records = []
@@ -413,6 +421,7 @@ def run_survey(
             records = _recipes_in_workers(recipes, staging, settings, jobs, bar, executor,
                                           bundle_job_memory(quality.bundle))
         bar.close()
+        shutil.rmtree(cache, ignore_errors=True)
         fp32_summary = scoring.summarize(quality.fp32_scores)
         survey = {
             "format": FORMAT,
