@@ -3,6 +3,7 @@ mlx-lm's own q4 and q8 beside them on the same windows.
 
     python benchmarks/compress_bench.py PACKAGE_DIR [--recipes int4-b32 mixed@5.5 ...] [--mlx-lm 4 8] [--work DIR]
     python benchmarks/compress_bench.py PACKAGE_DIR --diagnose [--out report]
+    python benchmarks/compress_bench.py PACKAGE_DIR --recipes gptq-int4-b32-zp mixed --shared-cache   # as a survey shares
 
 PACKAGE_DIR is an FP32 chunk_kv (or stateless) package, e.g. SmolLM2-135M:
 `cmfdeploy bundle build/smollm2/*/SmolLM2-135M-Instruct-f32.cmf -o B` then
@@ -238,7 +239,9 @@ def _result(model: Model, source: Path, rows: dict, how: str) -> dict:
             "recipes": rows}
 
 
-def run_recipes(package: Path, recipes: list[str], work: Path, mlx_bits: list[int], exact: bool = False) -> dict:
+def run_recipes(package: Path, recipes: list[str], work: Path, mlx_bits: list[int], exact: bool = False,
+                shared: bool = False) -> dict:
+    """`shared`: the recipes share calibration Hessians and GPTQ codes as a survey's do (`coreml.cache`)."""
     model = Model.of_package(package)
     rows = {"fp32": _fp32_row(model)}
     base = rows["fp32"]
@@ -246,6 +249,8 @@ def run_recipes(package: Path, recipes: list[str], work: Path, mlx_bits: list[in
         recipe, _, budget = spec.partition("@")
         start = time.perf_counter()
         extra = {"calibration_ids": model.calibration} if RECIPES[recipe].calibration else {}
+        if shared and extra:
+            extra["calibration_cache"] = work / ".calibration-cache"
         if budget:
             extra["bpw"] = float(budget)
         manifest = compress_package(package, recipe, work / spec, force=True, **extra)
@@ -471,6 +476,8 @@ def main() -> int:
                         help="also run mlx-lm's own q4 / q8 (group 64) on the same windows")
     parser.add_argument("--exact", action="store_true",
                         help="also run each package once on the MIL executor against the reference of its weights")
+    parser.add_argument("--shared-cache", action="store_true",
+                        help="recipes share calibration Hessians and GPTQ codes, as one survey's do (coreml.cache)")
     parser.add_argument("--diagnose", action="store_true")
     parser.add_argument("--hot-rows", nargs="*", type=int, default=[], metavar="COUNT",
                         help="with --diagnose on a tied model: also score the table with its COUNT most frequent "
@@ -486,7 +493,8 @@ def main() -> int:
             if args.window:
                 result = run_codes(args.package, args.window, args.recipes, args.work or Path(tmp), args.mlx_lm)
             else:
-                result = run_recipes(args.package, args.recipes, args.work or Path(tmp), args.mlx_lm, args.exact)
+                result = run_recipes(args.package, args.recipes, args.work or Path(tmp), args.mlx_lm, args.exact,
+                                     args.shared_cache)
     args.out.with_suffix(".json").write_text(json.dumps(result, indent=1))
     args.out.with_suffix(".md").write_text(markdown(result) + "\n")
     print(markdown(result))
