@@ -52,6 +52,8 @@ BUDGET ?=
 # ALL_FIGURES=1: score the scoring set for every package, not only those within budget on the
 # held-out text (over budget there, no item can change the verdict; it costs ~100 s a gate on SmolLM2).
 ALL_FIGURES ?=
+# MIXED_BPW=5.5: the mixed recipe's budget in bits per weight (default 4.5, coreml.recipes.mixed).
+MIXED_BPW ?=
 # Recipes the survey runs at a time, and package kinds the conversion makes at a time, each in
 # its own process with an equal share of the cores.
 SURVEY_JOBS ?= 2
@@ -179,7 +181,8 @@ $(ALIGN)/stateful.passed: $(ALIGN)/chunk_kv.passed
 
 $(SURVEY)/survey.json: $(ALIGN)/chunk_kv.passed $(ITEMS)
 	$(CLI) survey $(PKG)/chunk_kv --fp32-gate $(ALIGN)/chunk_kv --fixtures $(REFERENCE) --target $(TARGET) \
-	  -o $(SURVEY) --recipes $(RECIPES) $(QUALITY_FLAGS) $(SURVEY_SCORES) --jobs $(SURVEY_JOBS) $(EXECUTOR_FLAGS) --force
+	  -o $(SURVEY) --recipes $(RECIPES) $(QUALITY_FLAGS) $(SURVEY_SCORES) \
+	  $(if $(MIXED_BPW),--mixed-bpw $(MIXED_BPW)) --jobs $(SURVEY_JOBS) $(EXECUTOR_FLAGS) --force
 
 $(SCORE_RUN)/manifest.json: $(ALIGN)/chunk_kv.passed $(ITEMS)
 	$(CLI) score $(PKG)/chunk_kv $(ITEMS) -o $(SCORE_RUN) --force
