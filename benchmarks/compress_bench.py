@@ -207,8 +207,9 @@ def exactness(model: Model, manifest, weights: dict[str, np.ndarray]) -> dict:
 
 def decompressed_weights(manifest) -> dict[str, np.ndarray]:
     """HF name -> the package's constant as the MIL executor's constexpr ops decode it (a table
-    with hot rows: as the package reads it, `coreml.decoded.with_hot_rows`)."""
-    from coreml.decoded import hot_rows_of, with_hot_rows
+    with hot rows: as the package reads it, `coreml.codes.with_hot_rows`)."""
+    from coreml.codes import with_hot_rows
+    from coreml.decoded import hot_rows_of
     from coreml.mil.executor import Executor
     from coreml.mil.loader import load_program
 

@@ -92,14 +92,19 @@ class HotRows:
         return hot[np.argsort(self.slot[hot])]
 
     def decode(self) -> np.ndarray:
-        out = self.table.decode()
-        hot = self.hot_ids
-        out[hot] += self.residual.decode()[1:]
-        return out
+        return with_hot_rows(self.table.decode(), self.residual.decode(), self.slot)
 
     def bits(self) -> int:
         """The table's and the residual's codes, the slot map, and the hot ids (int32) the head scatters to."""
         return self.table.bits() + self.residual.bits() + self.slot.size * self.slot.itemsize * 8 + 32 * len(self.hot_ids)
+
+
+def with_hot_rows(table: np.ndarray, residual: np.ndarray, slot: np.ndarray) -> np.ndarray:
+    """`table` (decoded, written in place) as a hot-rows package reads it: each hot row plus its
+    residual row (`slot`: 0 cold, k the k-th hot row)."""
+    rows = np.flatnonzero(slot)
+    table[rows] += residual[slot[rows]]
+    return table
 
 
 def code_arrays(code: ShiftScale | HotRows) -> tuple[dict[str, np.ndarray], dict]:

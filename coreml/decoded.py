@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from coreml.codes import with_hot_rows
 from coreml.mil.errors import MilError
 from coreml.mil.loader import Operation, load_program
 from manifests.identity import load_manifest
@@ -32,17 +33,10 @@ def weight_vars(manifest: dict) -> dict[str, tuple[str, ...]]:
 
 
 def hot_rows_of(manifest: dict) -> dict[str, dict]:
-    """The variable of each table a recipe wrote with hot rows -> their record (the residual's
-    and the slot map's variables: `coreml.recipes.emit.emit_hot_rows`)."""
+    """The variable of each table a recipe wrote with hot rows -> their record (the residual's,
+    the slot map's and the hot ids' variables: `coreml.recipes.emit.emit_hot_rows`)."""
     chosen = manifest.get("selection", {}).get("weights", {})
     return {entry["compressed_as"]: entry["hot_rows"] for entry in chosen.values() if "hot_rows" in entry}
-
-
-def with_hot_rows(table: np.ndarray, residual: np.ndarray, slot: np.ndarray) -> np.ndarray:
-    """The table as its package reads it: each hot row plus its residual row (`slot`: 0 cold)."""
-    rows = np.flatnonzero(slot)
-    table[rows] += residual[slot[rows]]
-    return table
 
 
 def _decompress(op: Operation, args: dict) -> np.ndarray:
