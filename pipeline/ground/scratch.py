@@ -38,7 +38,7 @@ class ScratchSpace(CmfdeployError):
 
 class ScratchFile:
     """An unlinked sparse file that arrays are written into through shared maps; what `hold` and
-    `concatenate` return are views of those maps, which keep them (and the file) alive."""
+    `empty` return are views of those maps, which keep them (and the file) alive."""
 
     def __init__(self, directory: str | None = None):
         self._directory = directory or tempfile.gettempdir()
@@ -58,20 +58,6 @@ class ScratchFile:
         """An array of `shape` and `dtype` in this file, to be written (unwritten, it reads as zeros)."""
         dtype = np.dtype(dtype)
         return self._room(int(np.prod(shape)) * dtype.itemsize).view(dtype).reshape(shape)
-
-    def concatenate(self, parts: list[np.ndarray]) -> np.ndarray:
-        """`np.concatenate(parts)` in this file; `parts` is emptied as each is written, so no
-        part outlives its write and the whole is never memory of the process."""
-        dtype = np.result_type(*parts)
-        if any(part.shape[1:] != parts[0].shape[1:] for part in parts):
-            raise ValueError(f"scratch: parts of shapes {[part.shape for part in parts]} do not concatenate")
-        out = self.empty((sum(len(part) for part in parts), *parts[0].shape[1:]), dtype)
-        start = 0
-        while parts:
-            part = parts.pop(0)
-            out[start:start + len(part)] = part
-            start += len(part)
-        return out
 
     def _room(self, nbytes: int) -> np.ndarray:
         """`nbytes` of the map, page-aligned, in the current segment or a new one."""

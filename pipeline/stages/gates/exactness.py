@@ -239,32 +239,40 @@ def run_checked(chunks: ChunkSchedule, intended, ids: np.ndarray, schedule: list
     single_tokens pattern 3x faster). A batched chunk is the same float32 arithmetic in
     another summation order, which the tolerances already allow for (`exact_tolerances`:
     FP32's summation-order bound), so the bounds are the chunk-by-chunk ones, unchanged."""
-    snapshot, got, want, outside, start, pending, held = chunks.empty(), [], [], 0, 0, [], 0
-    # Both sides' logits go to a scratch file as each chunk (or batch) is made, and are joined
-    # there at the end: a long case's are 1 GB a side on a 262k vocabulary, and neither side's
-    # stays memory of the process while the other computes (pipeline.ground.scratch).
+    snapshot, outside, start, pending, held = chunks.empty(), 0, 0, [], 0
+    # Both sides' logits are written, as each chunk (or batch) is made, into their rows of one
+    # array per side in a scratch file: a long case's are 1 GB a side on a 262k vocabulary,
+    # neither side's stays memory of the process while the other computes
+    # (pipeline.ground.scratch), and no copy joins them afterwards.
     scratch = ScratchFile()
+    sides = {}
+
+    def write(side: str, at: int, logits: np.ndarray) -> None:
+        if side not in sides:
+            sides[side] = scratch.empty((len(ids), *logits.shape[1:]), logits.dtype)
+        sides[side][at:at + len(logits)] = logits
 
     def check() -> int:
         # Chunks of one length per batch: unpadded, so the reference writes exactly the slots
         # the chunk covers and the whole written cache is compared, as it was chunk by chunk.
         refs = [None] * len(pending)
-        for size in {len(part) for _, part, _ in pending}:
-            alike = [i for i, (_, part, _) in enumerate(pending) if len(part) == size]
+        for size in {len(part) for _, part, _, _ in pending}:
+            alike = [i for i, (_, part, _, _) in enumerate(pending) if len(part) == size]
             for i, ref in zip(alike, intended.advance_arrays([pending[i][:2] for i in alike])):
                 refs[i] = ref
-        want.extend(scratch.hold(logits) for logits, _ in refs)
+        for (logits, _), (_, _, _, at) in zip(refs, pending):
+            write("want", at, logits)
         return sum(cache_outside(new, ref, cache_tolerance)
-                   for (_, (ref_keys, ref_values, _)), (_, _, after) in zip(refs, pending)
+                   for (_, (ref_keys, ref_values, _)), (_, _, after, _) in zip(refs, pending)
                    for new, ref in zip(after, (ref_keys, ref_values)))
 
     for size in schedule:
         part = ids[start:start + size]
         before = chunks.cache_arrays(snapshot)
         logits, snapshot = chunks.run(snapshot, part)
-        got.append(scratch.hold(logits))
-        del logits  # the scratch copy is the one kept; this one would outlive the reference's batch
-        pending.append((before, part, chunks.cache_arrays(snapshot)[:2]))
+        write("got", start, logits)
+        del logits  # the scratch rows are the ones kept; this copy would outlive the reference's batch
+        pending.append((before, part, chunks.cache_arrays(snapshot)[:2], start))
         held += 4 * (before[0].size + before[1].size)  # as the reference holds them: float32
         if held >= REFERENCE_BATCH_BYTES:
             outside += check()
@@ -272,7 +280,7 @@ def run_checked(chunks: ChunkSchedule, intended, ids: np.ndarray, schedule: list
         start += size
     if pending:
         outside += check()
-    return {"got": scratch.concatenate(got), "want": scratch.concatenate(want), "cache_outside": outside}
+    return {"got": sides["got"], "want": sides["want"], "cache_outside": outside}
 
 
 def exactness_chunks(chunks: ChunkSchedule, intended, fixtures: ReferenceFixtures, patterns, samples: dict,
