@@ -165,6 +165,8 @@ def test_the_stateful_gate_reads_fp32_scores_of_its_bundle_and_refuses_others(
                      "--scores-out", str(fp32_run)]) == 0
         assert main(["align", str(fixture_stateful), "-o", str(gated), *common, "--fp32-scores", str(fp32_run)]) == 0
     assert read_json(fp32_run / MANIFEST_NAME)["backend"] == "torch-fp32"
+    # Scoring FP32 for the others is this gate's work, so its report shows what it cost.
+    assert read_json(tmp_path / "chunk-gate" / "alignment.json")["seconds"]["fp32_scores"] > 0
     quality, scored_itself = read_json(gated / "alignment.json")["quality"], gate[1]["quality"]
     assert quality["items_top1_changed"] == scored_itself["items_top1_changed"]
     assert quality["perplexity"] == scored_itself["perplexity"]
