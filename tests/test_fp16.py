@@ -332,6 +332,32 @@ def test_naive_fp16_is_inf_on_the_hazard_token_and_the_preflight_names_the_layer
         check_mitigated(findings, where="hazard")
 
 
+def test_the_preflight_takes_the_logits_peaks_a_block_of_rows_at_a_time(hazard, monkeypatch):
+    """The longest window's logits are 1 GB on a 262k vocabulary, so the preflight takes their
+    peak a block of rows at a time. Every other finding is the same computation, so the same
+    bits; the logits' peak is the same dot products in blocks of another shape, which BLAS
+    may sum in another order: within the head's summation-order bound of the peak of the
+    whole logits at once, 2·γ(hidden)·max|h|_2·max|head row|_2."""
+    from pipeline.ground.models import fp16
+    from pipeline.ground.models.numerics import gamma
+
+    model, args, ids = hazard
+    whole = preflight_findings(model, args, {"text": ids})
+    monkeypatch.setattr(fp16, "LOGITS_BLOCK_BYTES", 5 * args.vocab_size * 4)  # 5 rows a block
+    blocked = preflight_findings(model, args, {"text": ids})
+    for side in ("fp32", "fp16"):
+        assert blocked[side]["layers"] == whole[side]["layers"] and blocked[side]["nonfinite"] == whole[side]["nonfinite"]
+        assert {k: v for k, v in blocked[side]["model"].items() if k != "logits"} == \
+            {k: v for k, v in whole[side]["model"].items() if k != "logits"}
+    with torch.no_grad():
+        hidden = model.hidden(torch.as_tensor(ids))
+        logits = model.logits_of(hidden)
+        bound = 2 * gamma(args.hidden_size) * float(hidden.norm(dim=-1).max() * model.head.weight.norm(dim=-1).max())
+    peak = blocked["fp32"]["model"]["logits"]
+    assert abs(peak["value"] - float(logits.abs().max())) <= bound
+    assert abs(float(logits[peak["position"]].abs().max()) - peak["value"]) <= bound
+
+
 def test_the_mitigated_hazard_model_is_finite_and_close_to_fp32(hazard):
     model, args, ids = hazard
     findings = preflight_findings(model, args, {"text": ids})
