@@ -4,7 +4,9 @@ preconditions, the mixed-precision chooser, manifests and refusals.
 """
 
 import contextlib
+import os
 import shutil
+from pathlib import Path
 
 import coremltools as ct
 from coremltools.models.utils import _apply_graph_pass
@@ -275,7 +277,7 @@ def test_a_calibration_cache_shares_hessians_and_codes_and_changes_no_byte(sourc
     alone = compress_package(source.path, "gptq-int4-b32-zp-hot", tmp_path / "alone", calibration_ids=ids)
     cache = tmp_path / "cache"
     compress_package(source.path, "gptq-int4-b32-zp", tmp_path / "zp", calibration_ids=ids, calibration_cache=cache)
-    entries = sorted(path.name for path in cache.iterdir())
+    entries = sorted(path.name for path in cache.iterdir() if path.is_dir())
     assert len(entries) == 1 + 21  # the Hessians; the embedding's and 4 x 5 layer matrices' codes
 
     def computed(*args, **kwargs):
@@ -285,11 +287,48 @@ def test_a_calibration_cache_shares_hessians_and_codes_and_changes_no_byte(sourc
     monkeypatch.setattr(codes, "gptq_affine", computed)
     shared = compress_package(source.path, "gptq-int4-b32-zp-hot", tmp_path / "shared", calibration_ids=ids,
                               calibration_cache=cache)
-    assert sorted(path.name for path in cache.iterdir()) == entries
+    assert sorted(path.name for path in cache.iterdir() if path.is_dir()) == entries
     for name in ("model.mlmodel", "weight.bin"):
         (a,), (b,) = ((m.path / "model.mlpackage").rglob(name) for m in (alone, shared))
         assert a.read_bytes() == b.read_bytes(), name
     assert shared["selection"] == alone["selection"]
+
+
+@pytest.mark.skipif(not Path("/proc/locks").exists(), reason="sees the second worker wait in /proc/locks (Linux)")
+def test_a_worker_that_wants_an_entry_another_is_making_waits_for_it(tmp_path):
+    """Both workers of a survey start with GPTQ recipes, which need the same Hessians: the
+    second waits for the first's entry instead of making it beside it. The first's `make`
+    returns only once the second is seen waiting on the entry's lock (/proc/locks lists a
+    blocked flock with "->") or has called its own `make`, so this holds however the two
+    threads are scheduled."""
+    import threading
+
+    from coreml.cache import ResultCache, content_key
+
+    cache, key = ResultCache(tmp_path / "cache"), content_key("entry", np.arange(4))
+    first_making, second_made, results = threading.Event(), threading.Event(), {}
+
+    def first_make():
+        first_making.set()
+        inode = os.stat(cache.folder / f".{key}.lock").st_ino
+        for _ in range(6000):  # a minute at most, then the assertions below say what happened
+            if second_made.is_set() or any("->" in line and f":{inode} " in line
+                                           for line in Path("/proc/locks").read_text().splitlines()):
+                break
+            threading.Event().wait(0.01)
+        return {"x": np.arange(4.0)}, {"made_by": "first"}
+
+    def second_make():
+        second_made.set()
+        return {"x": np.zeros(4)}, {"made_by": "second"}
+
+    first = threading.Thread(target=lambda: results.update(first=cache.arrays(key, first_make)))
+    first.start()
+    assert first_making.wait(60)
+    results["second"] = cache.arrays(key, second_make)
+    first.join()
+    assert not second_made.is_set()
+    assert results["second"][1] == {"made_by": "first"} and np.array_equal(results["second"][0]["x"], np.arange(4.0))
 
 
 def test_mixed_measures_on_calibration_ids_and_stores_each_layer_at_its_choice(source, tmp_path):
