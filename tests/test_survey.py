@@ -347,3 +347,18 @@ def test_a_survey_in_two_worker_processes_measures_what_one_process_does(survey)
         got, want = record["gate"]["quality"], serial["gate"]["quality"]
         assert abs(np.log1p(got["ppl_change"]) - np.log1p(want["ppl_change"])) <= 4 * bound
         assert record["gate"]["exact"] and record["scoring"].keys() == serial["scoring"].keys()
+
+
+def test_the_workers_take_one_calibration_recipe_first_and_others_beside_it():
+    """The calibration-aware recipes go first (the longest), but the Hessians they share are made
+    by the first while the others wait for them (coreml.cache): the other workers start with
+    recipes that need none. Every recipe is taken once; one worker takes them as before."""
+    from coreml.recipes import RECIPES
+    from pipeline.stages.survey import survey_order
+
+    recipes = ("int8-b32", "gptq-int4-b32", "int4-b32", "mixed", "palette4-gc32", "gptq-int4-b64")
+    assert survey_order(recipes, 2) == ["gptq-int4-b32", "int8-b32", "mixed", "gptq-int4-b64", "int4-b32",
+                                        "palette4-gc32"]
+    assert survey_order(recipes, 3) == ["gptq-int4-b32", "int8-b32", "int4-b32", "mixed", "gptq-int4-b64",
+                                        "palette4-gc32"]
+    assert survey_order(recipes, 1) == sorted(recipes, key=lambda name: not RECIPES[name].calibration)

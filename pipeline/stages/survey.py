@@ -327,15 +327,23 @@ def _recipes_in_workers(recipes: tuple[str, ...], staging: Path, settings: dict,
     context once, reads the FP32 baseline from scores/fp32, then surveys the recipes it is
     given into the same staging folder (its recipe's own subfolders)."""
     setup = {"staging": str(staging), "settings": {**settings, "baseline": str(staging / "scores" / "fp32")}}
-    # Calibration-aware recipes measure the model before they code it, the longest compressions
-    # (mixed: 170 s of one worker on SmolLM2): started first, they do not leave one worker
-    # running alone at the end. Records come back in the order asked.
-    longest_first = sorted(recipes, key=lambda name: not RECIPES[name].calibration)
+    longest_first = survey_order(recipes, jobs)
     records = run_in_workers("pipeline.stages.survey:survey_worker", setup, longest_first, jobs, where=staging,
                              shared=(staging,), executor=executor, done=lambda recipe, record: bar.update(),
                              memory_per_job=memory_per_job)
     by_recipe = dict(zip(longest_first, records))
     return [by_recipe[name] for name in recipes]
+
+
+def survey_order(recipes: tuple[str, ...], jobs: int) -> list[str]:
+    """The order the workers take `recipes` in. Calibration-aware recipes measure the model before
+    they code it, the longest compressions (mixed: 170 s of one worker on SmolLM2): started first,
+    they do not leave one worker running alone at the end. But they share one set of Hessians
+    (`coreml.cache`), which the first of them makes while the others wait for it, so the other
+    workers start with a recipe that needs none. Records come back in the order asked."""
+    calibrated = [name for name in recipes if RECIPES[name].calibration]
+    others = [name for name in recipes if not RECIPES[name].calibration]
+    return calibrated[:1] + others[:jobs - 1] + calibrated[1:] + others[jobs - 1:]
 
 
 def survey_worker(setup: dict):
