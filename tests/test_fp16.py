@@ -139,6 +139,7 @@ def mitigation_bound(model, mitigated, tokens: int) -> float:
 @pytest.mark.parametrize("name", sorted(MITIGATIONS))
 def test_each_mitigation_keeps_the_fp32_function(family_model, name):
     family, model, args, ids = family_model
+    before = {key: value.clone() for key, value in model.state_dict().items()}
     mitigated = mitigated_model(model, args, MITIGATIONS[name])
     with torch.no_grad():
         want, got = model(ids), mitigated(ids)
@@ -148,8 +149,11 @@ def test_each_mitigation_keeps_the_fp32_function(family_model, name):
     delta = max(float((got - want).abs().max()), float((chunked - want).abs().max()))
     print(f"{family} {name}: max |Δ logit| {delta:.3g} <= {bound:.3g}")
     assert delta <= bound
-    # The source model is left as it was.
+    # The source model is left as it was, every weight and gain (the copy shares the weights it
+    # does not scale, and binds new tensors to those it does).
     assert model.model.embed_tokens.weight is not mitigated.model.embed_tokens.weight
+    assert all(torch.equal(value, before[key]) for key, value in model.state_dict().items())
+    assert model.model.norm.offset == (args.norm_style == "gemma")
 
 
 def test_residual_scale_scales_the_stream_and_leaves_the_embedding_scale(family_model):

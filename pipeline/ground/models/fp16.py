@@ -252,7 +252,10 @@ def mitigated_model(model: Decoder, args: ModelArgs, mitigations: Fp16Mitigation
         # (1 + w) form cannot be rebuilt from: refused by name rather than run wrong.
         raise Fp16MitigationError(f"mitigated_model: {args.arch_name}'s decoded weights carry a residual scale "
                                   f"{mitigations.residual_scale:g} in its (1 + w) norm gains; rebuilding them is not supported")
-    safe = copy.deepcopy(model)
+    # The copy shares every weight it does not scale: each rescaling binds a new tensor to the
+    # copy's own Parameter, never writes into one. So a mitigated model costs the weights it
+    # scales (Gemma 3's tied table, 670 MB), not a second model (1.07 GB).
+    safe = copy.deepcopy(model, memo={id(p): nn.Parameter(p.data, requires_grad=False) for p in model.parameters()})
     if mitigations.residual_scale != 1.0:
         _scale_residual(safe, mitigations.residual_scale, weights_scaled)
     if mitigations.rmsnorm == "max_scaled":
