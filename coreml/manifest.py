@@ -64,6 +64,16 @@ def set_model_metadata(mlmodel, *, description: str, license_: str, version: str
     mlmodel.user_defined_metadata.update(user)
 
 
+def save_model(mlmodel, mlpackage: Path) -> None:
+    """Save `mlmodel` at `mlpackage`, and remove the temporary package coremltools converted it
+    into. coremltools removes that only at interpreter exit (atexit): a long stage or test
+    session would hold a copy of every package it made in the temp folder, and a worker that
+    is killed, or ends by os._exit, leaves them there for good (hundreds of MB a package)."""
+    mlmodel.save(str(mlpackage))
+    if getattr(mlmodel, "is_temp_package", False):
+        shutil.rmtree(mlmodel.package_path, ignore_errors=True)
+
+
 def carry_tokenizer(source_dir: str | Path, package_dir: str | Path) -> dict | None:
     """Copy the tokenizer files of a package's source artifact (the bundle, or the package a
     compressed one was made from) into `package_dir`; the manifest's `tokenizer` record.

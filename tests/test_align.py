@@ -5,6 +5,7 @@ runtime that mis-decodes a compressed weight, and the same gate over the MLX run
 import gc
 import json
 import shutil
+import tempfile
 
 import numpy as np
 import pytest
@@ -272,6 +273,22 @@ def test_an_mlx_artifact_is_gated_by_the_same_code(items):
     assert invariants["branch_A_B_A_bitwise"]["passed"] and invariants["right_pad_prefix_equals_short"]["passed"]
     assert invariants["dirty_tail_bitwise"]["passed"] is None and "not_offered" in invariants["dirty_tail_bitwise"]
     assert report["quality"]["ppl_change"] == 0.0 and report["passed"]
+
+
+def test_fp32_logits_are_held_in_a_file_nothing_names(items, tmp_path, monkeypatch):
+    """The quality part's FP32 logits (1 GB a window on a 262k vocabulary) lie in an unlinked
+    scratch file: a gate that is killed leaves nothing in the temp folder."""
+    from pipeline.ground.reference import load_reference
+
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    model, args, _ = load_reference(FIXTURE_CMF)
+    fp32 = TorchBackend(model, args, args.max_position_embeddings)
+    quality = QualityInputs(fp32, FIXTURE_CMF, DEFAULT_QUALITY_TEXT, items, fp32.context)
+    for tokens, logits in zip(quality.windows, quality.fp32_logits):
+        np.testing.assert_array_equal(logits, fp32.logits(tokens))
+    assert list(temp.iterdir()) == []
 
 
 @pytest.mark.parametrize("text, budget", [

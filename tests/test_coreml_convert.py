@@ -7,6 +7,7 @@ module; each test reads the packages it needs.
 """
 
 import shutil
+import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -241,6 +242,16 @@ def test_tampered_bundle_is_refused_before_anything_is_built(built, tmp_path):
     with pytest.raises(IdentityError, match="weights.safetensors"):
         export_coreml(bundle, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_conversion_leaves_nothing_in_the_temp_folder(built, tmp_path, monkeypatch):
+    """coremltools converts into a temporary package that it removes only at interpreter exit:
+    a long stage, or a worker that is killed, kept a copy of every package it made there."""
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    export_coreml(built[0], tmp_path / "packages", kinds=("stateless", "stateful"))
+    assert list(temp.iterdir()) == []
 
 
 def test_unknown_kind_is_refused(built, tmp_path):

@@ -6,6 +6,7 @@ preconditions, the mixed-precision chooser, manifests and refusals.
 import contextlib
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import coremltools as ct
@@ -431,6 +432,15 @@ def test_calibration_windows_open_with_bos_when_the_model_has_one():
     counts = Calibration.of_model(model, ids, count=1, bos_id=1).row_counts(VOCAB)
     text = np.bincount(ids, minlength=VOCAB)
     assert np.array_equal(np.delete(counts, 1), np.delete(text, 1)) and counts[1] == text[1] + 4  # 3 W ids: 4 windows
+
+
+def test_compressing_leaves_nothing_in_the_temp_folder(source, tmp_path, monkeypatch):
+    """The compressed program is converted into a temporary package, as an export's is."""
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    compress_package(source.path, "int8-b32", tmp_path / "int8")
+    assert list(temp.iterdir()) == []
 
 
 def test_refusals(source, compressed, tmp_path):

@@ -508,5 +508,5 @@ def save_single(ref: Reference, package_dir: Path, step: Callable[[str], None], 
     describe_model(mlmodel, block, ref, description)
     step(f"{block['kind']}: save")
     package_dir.mkdir(parents=True)
-    mlmodel.save(str(package_dir / package_manifest.MODEL_NAME))
+    package_manifest.save_model(mlmodel, package_dir / package_manifest.MODEL_NAME)
     return finish_package(package_dir, ref, block, checks, time.perf_counter() - start)

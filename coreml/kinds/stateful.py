@@ -18,6 +18,7 @@ import numpy as np
 from coreml.kinds.base import (CACHE_MEANING, PackageKind, chunked_prompt_lines, feature, position_feature,
                                register_kind)
 from coreml.layout import enumerated_lengths
+from coreml.manifest import MODEL_NAME, save_model
 from coreml.kinds.cache_runner import KVSnapshot, CacheRunner, package_features, input_ids_array
 from coreml.package import open_package
 
@@ -122,7 +123,6 @@ class Stateful(PackageKind):
 
     def export(self, ref: Reference, package_dir: Path, step: Callable[[str], None]) -> Manifest:
         from coreml.kinds.export import describe_model, finish_package
-        from coreml.manifest import MODEL_NAME
         from coreml.multifunction import merge_functions
 
         from coreml.kinds.export import traced_check_record
@@ -136,7 +136,7 @@ class Stateful(PackageKind):
             step("stateful: save multifunction")
             mlmodel = merge_functions(functions, block["default_function"])
             describe_model(mlmodel, block, ref, self.description, features=False)
-            mlmodel.save(str(package_dir / MODEL_NAME))
+            save_model(mlmodel, package_dir / MODEL_NAME)
         if ref.precision.compute_precision == "float32":
             step("stateful: measure the fp16-cache error")
             checks = self.measure(package_dir / MODEL_NAME, ref)
@@ -176,7 +176,7 @@ class Stateful(PackageKind):
             errors = self.check_traced(traced, ref, name, checks)
         mlmodel = convert_traced(traced, block, function, ref.precision)
         describe_model(mlmodel, block, ref, self.description)
-        mlmodel.save(str(path))
+        save_model(mlmodel, path)
         return errors
 
     def check_traced(self, traced, ref: Reference, name: str, checks) -> dict[str, float]:

@@ -248,7 +248,7 @@ def compress_package(
     for name, record in hot_rows.items():
         plan["record"]["weights"][name]["hot_rows"] = record
     with staged_output(out_dir, force) as staging:
-        compressed.save(str(staging / package_manifest.MODEL_NAME))
+        package_manifest.save_model(compressed, staging / package_manifest.MODEL_NAME)
         _bind_compressed(staging / package_manifest.MODEL_NAME, weights, plan["record"], recipe)
         size = package_manifest.package_bytes(staging / package_manifest.MODEL_NAME)
         manifest = package_manifest.write_package_manifest(staging, {

@@ -5,7 +5,6 @@ text, not the gate fixtures) and on the scoring set: perplexity change, mean KL(
 package), pooled top-1 agreement, the fraction of items whose top-1 candidate changed.
 """
 
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import numpy as np
 
 from manifests.identity import file_identity, portable_name, sha256_file
 from pipeline.ground.backend_protocol import kl_rows, log_softmax
+from pipeline.ground.scratch import ScratchFile
 from pipeline.stages.gates.budget import Budget
 from pipeline.stages.gates.lineage import upstream_of
 from pipeline.stages.gates.report import GateFailed
@@ -45,15 +45,13 @@ class QualityInputs:
     @property
     def fp32_logits(self) -> list[np.ndarray]:
         """FP32's logits per window, as the model returned them (float32), computed once and
-        kept in files mapped read-only: a 262k vocabulary's logits over a 1024-token window are
-        1 GB, and a survey measures every recipe against them."""
+        held in a scratch file (`ScratchFile`): a 262k vocabulary's logits over a 1024-token
+        window are 1 GB, and a survey measures every recipe against them. The file is unlinked
+        from the start, so a gate that is killed leaves no gigabytes behind in the temp folder."""
         if self._fp32_logits is None:
-            self._scratch = tempfile.TemporaryDirectory(prefix="cmfdeploy-fp32-logits-")
-            self._fp32_logits = []
-            for index, window in enumerate(self.windows):
-                path = Path(self._scratch.name) / f"{index}.npy"
-                np.save(path, np.asarray(self.fp32.logits(window), np.float32), allow_pickle=False)
-                self._fp32_logits.append(np.load(path, mmap_mode="r", allow_pickle=False))
+            scratch = ScratchFile()
+            self._fp32_logits = [scratch.hold(np.asarray(self.fp32.logits(window), np.float32))
+                                 for window in self.windows]
         return self._fp32_logits
 
     def use_fp32_scores(self, run_dir: Path) -> None:
