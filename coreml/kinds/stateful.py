@@ -18,7 +18,6 @@ import numpy as np
 from coreml.kinds.base import (CACHE_MEANING, PackageKind, chunked_prompt_lines, feature, position_feature,
                                register_kind)
 from coreml.layout import enumerated_lengths
-from coreml.manifest import MODEL_NAME, save_model
 from coreml.kinds.cache_runner import KVSnapshot, CacheRunner, package_features, input_ids_array
 from coreml.package import open_package
 
@@ -123,6 +122,7 @@ class Stateful(PackageKind):
 
     def export(self, ref: Reference, package_dir: Path, step: Callable[[str], None]) -> Manifest:
         from coreml.kinds.export import describe_model, finish_package
+        from coreml.manifest import MODEL_NAME, save_model
         from coreml.multifunction import merge_functions
 
         from coreml.kinds.export import traced_check_record
@@ -166,6 +166,7 @@ class Stateful(PackageKind):
     def _save_function(self, ref: Reference, block: dict, name: str, function: dict, path: Path) -> dict | None:
         from coreml.kinds.export import (TRACE_LENGTH, convert_traced, describe_model, example_ids, position_tensor,
                                          trace_module)
+        from coreml.manifest import save_model
 
         dims = function["dims"]
         length = min(TRACE_LENGTH, dims["T"][1])
