@@ -49,8 +49,9 @@ ITEMS ?= fixtures/scoring/cloze.jsonl
 # compressed package's ppl=2%,top1=0.95 on every target, an uncompressed one's precision's
 # (coreml.precisions: fp32 ppl=2%,top1=0.95; fp16 ppl=0.5%,top1=0.99).
 BUDGET ?=
-# ALL_FIGURES=1: score the scoring set for every package, not only those within budget on the
-# held-out text (over budget there, no item can change the verdict; it costs ~100 s a gate on SmolLM2).
+# ALL_FIGURES=1: measure every part of every package, not only those of packages within budget on
+# the held-out text (over budget there, neither the scoring set, ~100 s a gate on SmolLM2, nor
+# exactness and the invariants, 250-360 s a compressed gate on Gemma 3, can change the verdict).
 ALL_FIGURES ?=
 # MIXED_BPW=5.5: the mixed recipe's budget in bits per weight (default 4.5, coreml.recipes.mixed).
 MIXED_BPW ?=

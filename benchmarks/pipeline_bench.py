@@ -179,7 +179,8 @@ def print_report(models: dict[str, dict]) -> None:
                 continue
             g, q = r["gate"], r["gate"]["quality"]
             print(f"| {r['name']} | {r['package']['bits_per_weight']:.2f} | {r['package']['size_bytes']} | "
-                  f"{r['package']['bytes_vs_fp32']:.3f} | {g['exact']} | {g['max_abs']:.3g} | "
+                  f"{r['package']['bytes_vs_fp32']:.3f} | {'not measured' if g['exact'] is None else g['exact']} | "
+                  f"{'-' if g['max_abs'] is None else format(g['max_abs'], '.3g')} | "
                   f"{100 * q['ppl_change']:+.2f}% | {q['top1_agreement']:.4f} | {q['kl_mean']:.3g} | "
                   f"{'not measured' if q['items_top1_changed'] is None else format(q['items_top1_changed'], '.3f')} | "
                   f"{g['passed']} |")

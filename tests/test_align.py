@@ -70,11 +70,12 @@ def int8_stateless(fixture_packages, tmp_path_factory):
 
 def test_report_shows_each_steps_cost(gates):
     """Loading (lineage, the package, the references) and each part, in order, in the report
-    and on its page; the chunk patterns only where the backend runs chunks."""
+    and on its page (quality first: it decides whether the others can change the verdict); the
+    chunk patterns only where the backend runs chunks."""
     out, reports = gates
-    loading = ["lineage", "open_package", "references"]
-    assert list(reports["stateless"]["seconds"]) == loading + ["one_shot", "branching", "quality"]
-    assert list(reports["chunk_kv"]["seconds"]) == loading + ["chunk_patterns", "one_shot", "branching", "quality"]
+    loading = ["lineage", "open_package", "references", "quality"]
+    assert list(reports["stateless"]["seconds"]) == loading + ["one_shot", "branching"]
+    assert list(reports["chunk_kv"]["seconds"]) == loading + ["chunk_patterns", "one_shot", "branching"]
     page = (out / "chunk_kv" / "alignment.md").read_text()
     cost = page[page.index("## Cost"):]
     assert all(step.replace("_", " ") in cost for step in reports["chunk_kv"]["seconds"])
@@ -168,21 +169,29 @@ def test_over_budget_is_a_result_and_exactness_stands_apart(int8_stateless, item
     assert status == 1
     err = capsys.readouterr().err
     report = read_json(tmp_path / "gate" / "alignment.json")
-    assert report["summary"]["exact"] and not report["summary"]["within_budget"]
+    assert not report["summary"]["within_budget"] and not report["passed"]
     assert report["quality"]["over_budget"] == ["top1_agreement"] and "over the budget" in err
-    assert report["recipe"] == "int8-b32" and report["exactness"]["patterns"] == ["one_shot"]  # stateless
+    assert report["recipe"] == "int8-b32"
     assert report["quality"]["ppl_change"] != 0.0  # the decoded weights really are the lossy ones
     page = (tmp_path / "gate" / "alignment.md").read_text()
     assert "OVER BUDGET" in page
-    # Over budget on the held-out text: the items cannot change the verdict, so they were not scored...
+    # Over budget on the held-out text: neither the items nor parts 1 and 3 can change the
+    # verdict, so none of them was measured, and the report says so rather than "passed"...
     assert report["quality"]["items_top1_changed"] is None and "top1_agreement" in report["quality"]["items_not_measured"]
     assert "not measured: over budget on top1_agreement" in page
-    # ...unless asked for, and then the items budget (no top-1 may change) is judged too.
+    assert report["summary"]["exact"] is None and report["summary"]["invariants_passed"] is None
+    assert report["records"] == [] and report["invariants"] == [] and "top1_agreement" in report["exactness"]["not_measured"]
+    assert "not run" in page and "Parts 1 and 3 not measured" in page
+    assert "not exact" not in err and "invariants failed" not in err
+    # ...unless asked for: then every part is measured, and the items budget (no top-1 may change) judged too.
     status = main(["align", str(int8_stateless), "--fixtures", str(FIXTURE_REFERENCE), "-o", str(tmp_path / "all"),
                    "--items", str(items), "--budget", "ppl=2%,top1=1.0,items=0", "--all-figures"])
-    full = read_json(tmp_path / "all" / "alignment.json")["quality"]
+    report = read_json(tmp_path / "all" / "alignment.json")
+    full = report["quality"]
     assert status == 1 and "items_not_measured" not in full and full["items_top1_changed"] is not None
     assert full["over_budget"] == ["top1_agreement"] + (["items_top1_changed"] if full["items_top1_changed"] > 0 else [])
+    assert report["summary"]["exact"] and report["summary"]["invariants_passed"] and not report["passed"]
+    assert report["exactness"]["patterns"] == ["one_shot"] and "not_measured" not in report["exactness"]  # stateless
 
 
 def test_a_gate_over_budget_is_returned_as_a_failed_result_not_raised(int8_stateless, items, tmp_path):
@@ -190,7 +199,7 @@ def test_a_gate_over_budget_is_returned_as_a_failed_result_not_raised(int8_state
     CLI turns the failure into an error line and exit status 1."""
     gate = align_package(int8_stateless, FIXTURE_REFERENCE, tmp_path / "gate", items=items, budget="ppl=2%,top1=1.0")
     assert gate.passed is False and gate.report["passed"] is False
-    assert gate.report["summary"]["exact"] and not gate.report["summary"]["within_budget"]
+    assert gate.report["summary"]["exact"] is None and not gate.report["summary"]["within_budget"]
     assert read_json(tmp_path / "gate" / "alignment.json")["records"] == json.loads(json.dumps(gate.report["records"]))
     assert gate.failure().startswith(f"{int8_stateless}: gate failed: over the budget ppl=2%,top1=1 ")
     assert gate.scores is None  # over budget on the text: the scoring set was not measured

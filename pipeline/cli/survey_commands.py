@@ -56,7 +56,7 @@ def _survey(args: argparse.Namespace) -> int:
     for record in survey["recipes"]:
         if record["status"] == "measured":
             gate, quality = record["gate"], record["gate"]["quality"]
-            verdict = ("passed" if gate["passed"] else "NOT EXACT (a bug)" if not gate["exact"] else
+            verdict = ("passed" if gate["passed"] else "NOT EXACT (a bug)" if gate["exact"] is False else
                        "over budget" if not gate["within_budget"] else "invariants FAILED")
             units = "+".join(gate.get("compute_units", []))
             print(f"{record['name']}: {record['package']['bits_per_weight']:.2f} bits/weight, "

@@ -184,8 +184,8 @@ def survey_recipe(name: str, package_dir: Path, staging: Path, context: dict) ->
                        "sha256": sha256_file(gate_dir / gates.REPORT_NAME),
                        "manifest_sha256": sha256_file(gate_dir / MANIFEST_NAME)},
             "tolerance": report["tolerance"],
-            "max_abs": summary["max_abs"],
-            "outside": summary["outside"],
+            "max_abs": summary.get("max_abs"),  # absent where exactness was not measured
+            "outside": summary.get("outside"),
             "compute_units": report["compute_units"]["claimable"],
             "quality": {k: quality[k] for k in ("ppl_change", "top1_agreement", "kl_mean", "items_top1_changed",
                                                 "over_budget")},
@@ -208,6 +208,8 @@ def deployed_recipe(records: Iterable[dict], claim: str = "cpu") -> str | None:
 
 
 def _exactness_cell(gate: dict) -> str:
+    if gate["exact"] is None:
+        return "not measured²"
     if gate["exact"]:
         return "exact"
     return f'<span style="color:red">**NOT EXACT** (max \\|Δ\\| {gate["max_abs"]:.3g}): a bug</span>'
@@ -221,8 +223,8 @@ def _budget_cell(gate: dict) -> str:
     return "within" if gate["within_budget"] else "over: " + ", ".join(gate["quality"]["over_budget"])
 
 
-def _or_not_measured(value):
-    return "not measured¹" if value is None else value
+def _or_not_measured(value, note: str = "¹"):
+    return f"not measured{note}" if value is None else value
 
 
 def survey_markdown(survey: dict) -> str:
@@ -238,7 +240,7 @@ def survey_markdown(survey: dict) -> str:
               _exactness_cell(r["gate"]), _ppl_cell(r["gate"]["quality"]["ppl_change"]),
               r["gate"]["quality"]["top1_agreement"], r["gate"]["quality"]["kl_mean"],
               _or_not_measured(r["gate"]["quality"]["items_top1_changed"]), _budget_cell(r["gate"]),
-              r["gate"]["invariants_passed"], _or_not_measured(r["scoring"].get("top1_accuracy")),
+              _or_not_measured(r["gate"]["invariants_passed"], "²"), _or_not_measured(r["scoring"].get("top1_accuracy")),
               ", ".join(r["gate"].get("compute_units", [])),
               "**deployed**" if r["name"] == deployed else ""] for r in measured]
     budget = survey["budget"]
@@ -263,6 +265,10 @@ def survey_markdown(survey: dict) -> str:
         lines += ["", "¹ The scoring set is scored only for a package within budget on the held-out text: over budget "
                   "there, no item can change its verdict. `survey --all-figures` (make `ALL_FIGURES=1`) scores every "
                   "recipe."]
+    if any(r["gate"]["exact"] is None for r in measured):
+        lines += ["", "² Exactness and the invariants are measured only for a package within budget: the quality part "
+                  "measures the package's intended numerics, so over budget no other part can change its verdict. "
+                  "`survey --all-figures` measures them for every recipe."]
     if unmet:
         lines += ["## Not measured (precondition unmet)", ""]
         lines += [f"- `{r['name']}` ({r['precondition']['stage']}): {r['precondition']['reason']}" for r in unmet]
@@ -278,7 +284,7 @@ def size_vs_error_plot(path: Path, survey: dict) -> Path:
     def label(r: dict) -> str:
         gate = r["gate"]
         return r["name"] + (" (deployed)" if r["name"] == deployed else "" if gate["passed"] else
-                            " (NOT EXACT)" if not gate["exact"] else " (over budget)")
+                            " (NOT EXACT)" if gate["exact"] is False else " (over budget)")
 
     # A package with no finite logit has no perplexity to plot: the table says so.
     points = [(label(r), r["package"]["bits_per_weight"], 100 * r["gate"]["quality"]["ppl_change"],

@@ -22,8 +22,8 @@ class GateFailed(CmfdeployError):
 
 def summarize(records: list[dict]) -> dict:
     compared = [r for r in records if "max_abs" in r]
-    if not compared:
-        return {"comparisons": len(records), "passed": all(r["passed"] for r in records)}
+    if not compared:  # none at all where the gate did not measure exactness (`gate_backend`)
+        return {"comparisons": len(records), "passed": all(r["passed"] for r in records) if records else None}
     return {
         "comparisons": len(records),
         "max_abs": max(r["max_abs"] for r in compared),
@@ -39,13 +39,13 @@ def summarize(records: list[dict]) -> dict:
 def failure(report: dict) -> str:
     """What failed, in one line (the CLI's message for a failed gate)."""
     s, parts = report["summary"], []
-    if not s["exact"]:
+    if s["exact"] is False:
         failing = [r for r in report["records"] if not r["passed"]]
         parts.append(f"not exact ({len(failing)} comparisons outside FP32's bound, first "
                      f"{failing[0]['case']}/{failing[0]['pattern']}, max |Δ| {failing[0].get('max_abs')})")
     if not s["within_budget"]:
         parts.append(f"over the budget {report['quality']['budget']['spec']} on {report['quality']['over_budget']}")
-    if not s["invariants_passed"]:
+    if s["invariants_passed"] is False:
         parts.append("invariants failed: " + ", ".join(i["name"] for i in report["invariants"] if i["passed"] is False))
     return "gate failed: " + "; ".join(parts)
 
@@ -85,7 +85,8 @@ def markdown(report: dict) -> str:
         "",
         f"Bound: |Δ| <= {report['tolerance']['atol']:.3g} on every logit and {report['cache_tolerance']['atol']:.3g} "
         f"on every cache entry ({report['tolerance']['why']}); "
-        f"patterns {', '.join(report['exactness']['patterns'])}.",
+        f"patterns {', '.join(report['exactness']['patterns'])}." if "not_measured" not in report["exactness"] else
+        f"Parts 1 and 3 not measured: {report['exactness']['not_measured']}.",
         "",
         md_table(["check", "case", "pattern", "max |Δ|", "p99 |Δ|", "outside", "cache outside", "top-1", "KL", "passed"],
                  [[r["check"], r["case"], r["pattern"], r.get("max_abs"), r.get("p99_abs"), r.get("outside"),
