@@ -91,7 +91,7 @@ def markdown(report: dict) -> str:
         md_table(["check", "case", "pattern", "max |Δ|", "p99 |Δ|", "outside", "cache outside", "top-1", "KL", "passed"],
                  [[r["check"], r["case"], r["pattern"], r.get("max_abs"), r.get("p99_abs"), r.get("outside"),
                    r.get("cache_outside", ""), r.get("top1_agreement"), r.get("kl_mean"), r["passed"]]
-                  for r in report["records"]]),
+                  for r in report["records"]]) if report["records"] else "",
         "## 2. Quality against FP32",
         "",
         f"{q['tokens']} held-out tokens of quality text, {q['items']} scoring items; measured on `{q['measured_on']}`.",
@@ -112,7 +112,8 @@ def markdown(report: dict) -> str:
                   ["non-finite logits", q.get("nonfinite_logits", 0), "0, always", q.get("nonfinite_logits", 0) == 0]]),
         "## 3. Invariants",
         "",
-        md_table(["invariant", "max |Δ|", "passed"], invariant_rows(report["invariants"])),
+        md_table(["invariant", "max |Δ|", "passed"], invariant_rows(report["invariants"])) if report["invariants"] else
+        "Not measured (part 1 says why).\n",
         "![error distribution](alignment.png)",
         "",
         "## Cost",
