@@ -17,6 +17,7 @@ from pipeline.stages.gates.budget import COMPRESSED_BUDGET, Budget, parse_budget
 from pipeline.stages.gates.exactness import (
     ALL_PATTERNS,
     COMPRESSED_PATTERNS,
+    Tolerance,
     exact_tolerances,
     exactness_chunks,
     exactness_one_shot,
@@ -67,9 +68,8 @@ def gate_backend(candidate, intended, fixtures: ReferenceFixtures, quality: Qual
     clock.lap("quality")
     records, invariants, not_measured = [], [], None
     if quality_record["within_budget"] or all_figures:
-        records, invariants = _exactness_and_invariants(candidate, intended, fixtures, samples, clock, frozen=frozen,
-                                                        patterns=patterns, check=check,
-                                                        tolerances=(tolerance, cache_tolerance))
+        records, invariants = _exactness_and_invariants(candidate, intended, fixtures, samples, clock, tolerance,
+                                                        cache_tolerance, frozen=frozen, patterns=patterns, check=check)
         exact = all(r["passed"] for r in records)
         invariants_passed = all(i["passed"] is not False for i in invariants)
     else:
@@ -96,11 +96,11 @@ def gate_backend(candidate, intended, fixtures: ReferenceFixtures, quality: Qual
     }
 
 
-def _exactness_and_invariants(candidate, intended, fixtures: ReferenceFixtures, samples: dict, clock: _Clock, *,
-                              frozen: bool, patterns, check: str, tolerances) -> tuple[list, list]:
+def _exactness_and_invariants(candidate, intended, fixtures: ReferenceFixtures, samples: dict, clock: _Clock,
+                              tolerance: Tolerance, cache_tolerance: Tolerance, *, frozen: bool, patterns,
+                              check: str) -> tuple[list, list]:
     """Parts 1 and 3: every chunk pattern (a backend with `chunks`) or one shot, then the
     invariants over those runs; their records."""
-    tolerance, cache_tolerance = tolerances
     chunks = getattr(candidate, "chunks", None)
     fp16_cache = intended.cache_dtype == np.float16
     records, runs = [], None
