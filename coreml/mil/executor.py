@@ -42,6 +42,7 @@ import numpy as np
 from coreml.mil.errors import MilError, UnsupportedOp
 from coreml.mil.loader import FeatureSpec, Function, Operation, Program, TensorSpec
 from coreml.mil.ops import OPS
+from pipeline.ground.halves import as_dtype
 from pipeline.ground.pages import is_mapped, release_pages
 from pipeline.ground.scratch import ScratchFile
 
@@ -60,7 +61,7 @@ class StateCell:
         data = np.asarray(data)
         if data.shape != self.value.shape:
             raise MilError(f"state {self.name!r}: write of shape {data.shape} into {self.value.shape}")
-        self.value = data.astype(self.value.dtype)
+        self.value = as_dtype(data, self.value.dtype) if data.dtype != self.value.dtype else data.copy()
 
 
 class State:
@@ -112,7 +113,7 @@ def _op_label(op: Operation) -> str:
 
 def _widened(value):
     """An fp16 operand as float32 (exact: every fp16 value is a float32 value); others as they are."""
-    return value.astype(np.float32) if isinstance(value, np.ndarray) and value.dtype == np.float16 else value
+    return as_dtype(value, np.float32) if isinstance(value, np.ndarray) and value.dtype == np.float16 else value
 
 
 def _conform(value, spec: TensorSpec | None, where: str):
@@ -121,7 +122,7 @@ def _conform(value, spec: TensorSpec | None, where: str):
         return value
     value = np.asarray(value)
     if value.dtype != spec.dtype.numpy:
-        value = value.astype(spec.dtype.numpy)
+        value = as_dtype(value, spec.dtype.numpy)
     if spec.shape:  # scalars (no dims) are left unchecked
         if value.ndim != len(spec.shape):
             raise MilError(f"{where}: result shape {value.shape} does not match the declared {spec.shape}")

@@ -18,16 +18,18 @@ import numpy as np
 
 from coreml.mil.errors import MilError
 from coreml.mil.loader import DTYPE_BY_NAME, unpack_subbyte
+from pipeline.ground.halves import as_dtype
 
 
 @dataclass(frozen=True)
 class OpDef:
     fn: Callable
     lists: frozenset[str]  # inputs that bind a variadic list of values (concat's `values`)
-    # The op only moves values (slices, reshapes, joins, picks): it computes nothing, so an fp16
-    # operand needs no widening and its result no rounding, and the executor passes it as stored
-    # (a single-token step of an fp16 chunk-KV program otherwise widens the whole stacked cache
-    # once per layer's slice: SmolLM2's 30 layers, 40 % of a step).
+    # The op only moves values (slices, reshapes, joins, picks, a state's reads and writes) or
+    # converts them (cast): it sums nothing, so an fp16 operand needs no widening and the
+    # executor passes it as stored (a single-token step of an fp16 chunk-KV program otherwise
+    # widens the whole stacked cache once per layer's slice: SmolLM2's 30 layers, 40 % of a
+    # step; a stateful step widened its fp16 state before casting it, twice per cache).
     moves: bool = False
 
 
@@ -123,9 +125,10 @@ def gelu(x, mode="EXACT"):
     raise MilError(f"gelu: mode {mode!r} is not one of EXACT, TANH_APPROXIMATION, SIGMOID_APPROXIMATION")
 
 
-@op("cast")
+@op("cast", moves=True)
 def cast(x, dtype):
-    return np.asarray(x).astype(DTYPE_BY_NAME[str(dtype)].numpy)
+    # Converted from the stored operand: fp16 to fp32 is exact, and to fp16 rounds the same value.
+    return as_dtype(np.asarray(x), DTYPE_BY_NAME[str(dtype)].numpy)
 
 
 @op("select")
@@ -406,18 +409,18 @@ def scatter_nd(data, indices, updates, mode="add", validate_indices=False):
 
 
 # ---- states ------------------------------------------------------------------------------------
-@op("read_state")
+@op("read_state", moves=True)
 def read_state(input):  # noqa: A002 - MIL's parameter name
     return input.value
 
 
-@op("write_state")
+@op("write_state", moves=True)
 def write_state(input, data):  # noqa: A002
     input.write(data)
     return ()
 
 
-@op("coreml_update_state")
+@op("coreml_update_state", moves=True)
 def coreml_update_state(state, value):
     state.write(value)
     return value

@@ -3,9 +3,10 @@
 The reference of those numerics (`pipeline.stages.gates.references`) is built from the
 package itself. The package is held to FP32's summation-order bound (`exact_tolerances`,
 derived from its shapes and weights) against it, one shot on every fixture case and, for
-packages that run in chunks, chunk by chunk on every chunk pattern: each chunk of the
-reference starts from the package's own cache, and the caches both write must agree too,
-so by induction the whole schedule is checked without carrying a rounding flip along.
+packages that run in chunks, chunk by chunk on every chunk pattern: each run of the
+reference (a chunk, or a few short ones: `run_checked`) starts from the package's own cache,
+and the caches both write must agree too, so by induction the whole schedule is checked
+without carrying a rounding flip along.
 """
 
 from collections.abc import Callable
@@ -31,6 +32,9 @@ COMPRESSED_PATTERNS = ("one_shot", "split_3")
 # fp16 caches SmolLM2's stateful gate peaked 1.8 GB over its baseline. A batch still reads the
 # weights once for several single-token chunks (SmolLM2: 10 a batch, Gemma 3: 3).
 REFERENCE_BATCH_BYTES = 128 * 2**20
+# The most tokens of consecutive chunks the reference checks as one run over a float32 cache
+# (`reference_runs`): its logits are 64 MB on a 262k vocabulary.
+REFERENCE_RUN_TOKENS = 64
 # Comparisons go through logits this many bytes of rows at a time: a 262k vocabulary's logits
 # over 1024 positions are 1 GB, and a comparison's temporaries are about eight times its block
 # (|Δ|, then both log-softmaxes and the KL terms in float64): a 64 MB block held 0.4-0.5 GB of
@@ -161,7 +165,15 @@ def cache_outside(got: np.ndarray, want: np.ndarray, tol: Tolerance) -> int:
     other side of a rounding boundary lands one fp16 step away (exactly 0 for float32 steps
     below the bound). Every entry within `atol` passes whatever its step and scale, so the
     full rule runs on the others alone: a single-token chunk rewrites one slot of a cache the
-    whole of which is compared (Gemma 3's 38 MB a step, 1024 steps a long case)."""
+    whole of which is compared (Gemma 3's 38 MB a step, 1024 steps a long case). Entries of
+    the same bits differ by exactly 0, so only the others, and any non-finite entry, are looked
+    at as floats: the slots a chunk left alone are compared at the cost of reading them."""
+    got, want = np.asarray(got), np.asarray(want)
+    if got.dtype == want.dtype and got.dtype.itemsize in (2, 4) and got.shape == want.shape:
+        bits = np.dtype(f"u{got.itemsize}")
+        suspect = np.not_equal(got.view(bits), want.view(bits))
+        suspect |= ~np.isfinite(got)
+        got, want = got[suspect], want[suspect]
     got32, want32 = np.asarray(got, np.float32), np.asarray(want, np.float32)
     delta = np.subtract(got32, want32)
     # Not `delta > atol`: a NaN (an inf or NaN written) must go on to be counted.
@@ -230,15 +242,42 @@ def chunk_patterns(n: int, window: int | None = None) -> dict[str, list[int]]:
     return patterns
 
 
+def reference_runs(schedule: list[int], cache_dtype) -> list[list[int]]:
+    """The chunks of `schedule` grouped into the runs the reference checks them by, in order:
+    with a float32 cache, consecutive chunks of up to REFERENCE_RUN_TOKENS tokens in all are
+    one run (a longer chunk is a run of its own); with an fp16 cache, every chunk is a run."""
+    runs: list[list[int]] = []
+    for size in schedule:
+        if (runs and np.dtype(cache_dtype) == np.float32
+                and sum(runs[-1]) + size <= REFERENCE_RUN_TOKENS):
+            runs[-1].append(size)
+        else:
+            runs.append([size])
+    return runs
+
+
 def run_checked(chunks: ChunkSchedule, intended, ids: np.ndarray, schedule: list[int],
                 cache_tolerance: Tolerance) -> dict:
-    """`ids` through the package in chunks of `schedule`, each chunk also through the reference
-    `intended` (a TorchBackend) from the package's own cache before it: logits of both and the
-    written-cache check. The reference's chunks depend on the package's caches only, so they
-    run in batches of branches (one weight read for many single-token chunks: SmolLM2's
-    single_tokens pattern 3x faster). A batched chunk is the same float32 arithmetic in
-    another summation order, which the tolerances already allow for (`exact_tolerances`:
-    FP32's summation-order bound), so the bounds are the chunk-by-chunk ones, unchanged."""
+    """`ids` through the package in chunks of `schedule`, checked by the reference `intended`
+    (a TorchBackend) in runs (`reference_runs`), each from the package's own cache before it:
+    logits of both and the written-cache check.
+
+    With a float32 cache, a run of several chunks is one chunk of the reference: where the
+    package's later chunk reads the K/V its earlier one wrote, the reference computes them
+    itself. Both are the same float32 function of the same tokens and cache in another
+    summation order, which the bound is for (`exact_tolerances`: the one-shot pattern holds the
+    package's whole chain of `context` positions to it, and a run is a shorter chain), and each
+    chunk's logits are still compared with the reference's row by row. The caches are compared
+    where the run ends: every slot its chunks wrote is there (slot = position, none written
+    twice), so each written entry is checked once, as before. A single-token pattern then costs
+    the reference a forward of 64 tokens per 64 steps instead of one per step (or per batch of
+    3 on Gemma 3's 38 MB caches). An fp16 cache is checked chunk by chunk: the package's later
+    chunk reads the earlier one's K/V rounded to fp16, which one reference chunk would attend
+    unrounded, a difference of fp16's unit roundoff rather than of summation order.
+
+    The reference's runs depend on the package's caches only, so they go in batches of branches
+    (one weight read for many single-token chunks of an fp16 cache: SmolLM2's single_tokens
+    pattern 3x faster); a batched run is again the same arithmetic in another summation order."""
     snapshot, outside, start, pending, held = chunks.empty(), 0, 0, [], 0
     # Both sides' logits are written, as each chunk (or batch) is made, into their rows of one
     # array per side in a scratch file: a long case's are 1 GB a side on a 262k vocabulary,
@@ -253,8 +292,8 @@ def run_checked(chunks: ChunkSchedule, intended, ids: np.ndarray, schedule: list
         sides[side][at:at + len(logits)] = logits
 
     def check() -> int:
-        # Chunks of one length per batch: unpadded, so the reference writes exactly the slots
-        # the chunk covers and the whole written cache is compared, as it was chunk by chunk.
+        # Runs of one length per batch: unpadded, so the reference writes exactly the slots
+        # the run covers and the whole written cache is compared.
         refs = [None] * len(pending)
         for size in {len(part) for _, part, _, _ in pending}:
             alike = [i for i, (_, part, _, _) in enumerate(pending) if len(part) == size]
@@ -266,18 +305,18 @@ def run_checked(chunks: ChunkSchedule, intended, ids: np.ndarray, schedule: list
                    for (_, (ref_keys, ref_values, _)), (_, _, after, _) in zip(refs, pending)
                    for new, ref in zip(after, (ref_keys, ref_values)))
 
-    for size in schedule:
-        part = ids[start:start + size]
-        before = chunks.cache_arrays(snapshot)
-        logits, snapshot = chunks.run(snapshot, part)
-        write("got", start, logits)
-        del logits  # the scratch rows are the ones kept; this copy would outlive the reference's batch
-        pending.append((before, part, chunks.cache_arrays(snapshot)[:2], start))
+    for run in reference_runs(schedule, intended.cache_dtype):
+        before, run_start = chunks.cache_arrays(snapshot), start
+        for size in run:
+            logits, snapshot = chunks.run(snapshot, ids[start:start + size])
+            write("got", start, logits)
+            del logits  # the scratch rows are the ones kept; this copy would outlive the reference's batch
+            start += size
+        pending.append((before, ids[run_start:start], chunks.cache_arrays(snapshot)[:2], run_start))
         held += 4 * (before[0].size + before[1].size)  # as the reference holds them: float32
         if held >= REFERENCE_BATCH_BYTES:
             outside += check()
             pending, held = [], 0
-        start += size
     if pending:
         outside += check()
     return {"got": sides["got"], "want": sides["want"], "cache_outside": outside}
