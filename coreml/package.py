@@ -108,8 +108,6 @@ class MacPackage(_Package):
 
         from coreml.mil.loader import feature_spec
 
-        if sys.platform != "darwin":
-            raise PackageError(f"{mlpackage}: backend 'macos' needs macOS (this is {sys.platform})")
         self.model = ct.models.MLModel(str(mlpackage), function_name=function_name)
         spec = self.model.get_spec()
         described = {f.name: f for f in spec.description.functions}
@@ -143,10 +141,19 @@ def open_package(path: str | Path, backend: str = "auto", function_name: str | N
     """Open the package at `path`. backend: "auto" (Core ML on macOS, else the executor),
     "executor"/"coreml-executor" or "macos"/"coreml-macos". `function_name` picks a function of
     a multifunction package (default: the package's default function)."""
+    engine = package_engine(path, backend)
+    located = locate(path)
+    return engine(*located, function_name)
+
+
+def package_engine(path: str | Path, backend: str = "auto") -> type[_Package]:
+    """The engine class `open_package(path, backend)` opens the package with (its `backend`
+    attribute names it), found without opening: refused when unknown or not on this platform."""
     engine = backend.removeprefix("coreml-")
     if engine == "auto":
         engine = "macos" if sys.platform == "darwin" else "executor"
     if engine not in ENGINES:
         raise PackageError(f"{path}: backend {backend!r} is not one of auto, coreml-executor, coreml-macos")
-    located = locate(path)
-    return (ExecutorPackage if engine == "executor" else MacPackage)(*located, function_name)
+    if engine == "macos" and sys.platform != "darwin":
+        raise PackageError(f"{path}: backend 'macos' needs macOS (this is {sys.platform})")
+    return ExecutorPackage if engine == "executor" else MacPackage

@@ -5,6 +5,7 @@ runtime that mis-decodes a compressed weight, and the same gate over the MLX run
 import gc
 import json
 import shutil
+import sys
 import tempfile
 
 import numpy as np
@@ -69,11 +70,11 @@ def int8_stateless(fixture_packages, tmp_path_factory):
 
 
 def test_report_shows_each_steps_cost(gates):
-    """Loading (lineage, the package, the references) and each part, in order, in the report
-    and on its page (quality first: it decides whether the others can change the verdict); the
-    chunk patterns only where the backend runs chunks."""
+    """Loading (lineage, the references) and each part, in order, in the report and on its page
+    (quality first: it decides whether the others can change the verdict; the package is opened
+    after it, for parts 1 and 3); the chunk patterns only where the backend runs chunks."""
     out, reports = gates
-    loading = ["lineage", "open_package", "references", "quality"]
+    loading = ["lineage", "references", "quality", "open_package"]
     assert list(reports["stateless"]["seconds"]) == loading + ["one_shot", "branching"]
     assert list(reports["chunk_kv"]["seconds"]) == loading + ["chunk_patterns", "one_shot", "branching"]
     page = (out / "chunk_kv" / "alignment.md").read_text()
@@ -162,7 +163,12 @@ def test_a_runtime_that_misdecodes_a_weight_is_not_exact_though_quality_cannot_t
     assert own["within_budget"], own
 
 
-def test_over_budget_is_a_result_and_exactness_stands_apart(int8_stateless, items, tmp_path, capsys):
+def test_over_budget_is_a_result_and_exactness_stands_apart(int8_stateless, items, tmp_path, capsys, monkeypatch):
+    from coreml import runner
+
+    opened = []
+    open_backend = runner.open_package_backend
+    monkeypatch.setattr(runner, "open_package_backend", lambda *a, **k: opened.append(a) or open_backend(*a, **k))
     # Agreement cannot exceed 1: this budget refuses any package that is not FP32 itself.
     status = main(["align", str(int8_stateless), "--fixtures", str(FIXTURE_REFERENCE), "-o", str(tmp_path / "gate"),
                    "--items", str(items), "--budget", "ppl=2%,top1=1.0,items=0"])
@@ -183,6 +189,8 @@ def test_over_budget_is_a_result_and_exactness_stands_apart(int8_stateless, item
     assert report["records"] == [] and report["invariants"] == [] and "top1_agreement" in report["exactness"]["not_measured"]
     assert "not run" in page and "Parts 1 and 3 not measured" in page
     assert "not exact" not in err and "invariants failed" not in err
+    # ...nor was the package opened (a compressed package's weights are decoded as it opens)...
+    assert opened == [] and report["candidate_backend"] == "coreml-executor" and "open_package" not in report["seconds"]
     # ...unless asked for: then every part is measured, and the items budget (no top-1 may change) judged too.
     status = main(["align", str(int8_stateless), "--fixtures", str(FIXTURE_REFERENCE), "-o", str(tmp_path / "all"),
                    "--items", str(items), "--budget", "ppl=2%,top1=1.0,items=0", "--all-figures"])
@@ -192,6 +200,7 @@ def test_over_budget_is_a_result_and_exactness_stands_apart(int8_stateless, item
     assert full["over_budget"] == ["top1_agreement"] + (["items_top1_changed"] if full["items_top1_changed"] > 0 else [])
     assert report["summary"]["exact"] and report["summary"]["invariants_passed"] and not report["passed"]
     assert report["exactness"]["patterns"] == ["one_shot"] and "not_measured" not in report["exactness"]  # stateless
+    assert len(opened) == 1 and "open_package" in report["seconds"]
 
 
 def test_a_gate_over_budget_is_returned_as_a_failed_result_not_raised(int8_stateless, items, tmp_path):
@@ -596,3 +605,13 @@ def test_a_single_token_step_gone_wrong_inside_a_reference_run_is_caught(fixture
         assert broken["cache_outside"] == 0 and outside.nonzero()[0].tolist() == [40]
     else:
         assert broken["cache_outside"] > 0 and outside[41:64].all() and not outside[:41].any()
+
+
+@pytest.mark.skipif(sys.platform == "darwin", reason="on macOS the macos backend is available")
+def test_a_backend_this_machine_lacks_is_refused_before_the_gate_runs(fixture_packages, items, tmp_path, capsys):
+    """The package opens only after quality, where parts 1 and 3 run; the backend asked for is
+    still refused at once, by name, with no report written."""
+    status = main(["align", str(fixture_packages / "stateless"), "--fixtures", str(FIXTURE_REFERENCE),
+                   "-o", str(tmp_path / "gate"), "--items", str(items), "--backend", "coreml-macos"])
+    assert status != 0 and "backend 'macos' needs macOS" in capsys.readouterr().err
+    assert not (tmp_path / "gate").exists()
