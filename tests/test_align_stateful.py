@@ -199,3 +199,28 @@ def test_a_gate_reads_fp32_scores_scored_on_the_bundle_itself(gate, fixture_stat
                      "--fp32-scores", str(run)]) == 0
     quality, scored_itself = read_json(tmp_path / "gated" / "alignment.json")["quality"], gate[1]["quality"]
     assert quality["items_top1_changed"] == scored_itself["items_top1_changed"]
+
+
+def test_the_fp16_cache_reference_reuses_fp32s_text_logits_and_scores_its_own_items(fixture_stateful, items,
+                                                                                    monkeypatch):
+    """The stateful kind's FP32 reference differs from FP32 only in the cache it keeps: a window
+    run in one pass never reads a cache, so its text logits are FP32's by construction and are
+    not computed again. Its items branch from fp16 snapshots, so they are scored."""
+    from pipeline.ground.torch_backend import TorchBackend
+    from pipeline.stages.gates import Budget, QualityInputs
+    from pipeline.stages.gates.quality import measure_quality
+    from pipeline.stages.gates.stage import DEFAULT_QUALITY_TEXT
+
+    manifest = read_json(fixture_stateful / MANIFEST_NAME)
+    bundle = upstream_of(fixture_stateful, manifest)[2]
+    intended, fp32 = intended_references(fixture_stateful, manifest, bundle)
+    assert intended is not fp32 and intended.model is fp32.model and intended.cache_dtype == np.float16
+    quality = QualityInputs(fp32, bundle, DEFAULT_QUALITY_TEXT, items, fp32.context)
+    fp32_logits = quality.fp32_logits
+    ran = []
+    logits = TorchBackend.logits
+    monkeypatch.setattr(TorchBackend, "logits", lambda self, ids: ran.append(self) or logits(self, ids))
+    record, scores = measure_quality(intended, quality, Budget())
+    assert ran == [] and len(fp32_logits) == len(quality.windows)
+    assert record["ppl_change"] == 0.0 and record["top1_agreement"] == 1.0 and record["measured_on"] == intended.name
+    assert scores is not None and len(scores) == len(quality.items) and record["items_top1_changed"] is not None

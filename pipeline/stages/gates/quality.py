@@ -105,11 +105,12 @@ def measure_quality(intended, inputs: QualityInputs, budget: Budget, all_figures
     still matter: a package within budget on the text, or every package with `all_figures`.
     Over budget on the text is over budget whatever the items say; the record says the
     figure was not measured and why. Intended numerics that are FP32's own (the same
-    object) have nothing to compare: no item can change, and no scores are returned.
+    object) have nothing to compare: no item can change, and no scores are returned. Where
+    only the text's logits are FP32's own (`_text_logits_are_fp32s`), the text is not run again.
     """
     from pipeline.stages.scoring import rank_differences, score_items
 
-    same = intended is inputs.fp32
+    same = _text_logits_are_fp32s(intended, inputs.fp32)
     nll = {"fp32": 0.0, "package": 0.0}
     kl_sum = agree = count = positions = nonfinite = 0
     for tokens, logits in zip(inputs.windows, inputs.fp32_logits):
@@ -155,7 +156,7 @@ def measure_quality(intended, inputs: QualityInputs, budget: Budget, all_figures
     over_text = over(("ppl_change", "top1_agreement", "kl_mean")) + (["nonfinite_logits"] if nonfinite else [])
     skipped = None
     scores = None
-    if same:
+    if intended is inputs.fp32:
         figures["items_top1_changed"] = 0.0
     elif over_text and not all_figures:
         figures["items_top1_changed"] = None
@@ -169,3 +170,12 @@ def measure_quality(intended, inputs: QualityInputs, budget: Budget, all_figures
             **({"items_not_measured": skipped} if skipped else {}),
             "budget": {**asdict(budget), "spec": budget.spec()}, "over_budget": over_budget,
             "within_budget": not over_budget, "measured_on": intended.name}, scores
+
+
+def _text_logits_are_fp32s(intended, fp32) -> bool:
+    """Whether `intended`'s logits of a held-out window are FP32's by construction: the same
+    object, or the same model run in one pass (no `chunk`) by another TorchBackend, where the
+    cache dtype never enters (it rounds only what a snapshot keeps: the stateful kind's FP32
+    reference, whose K/V cache is fp16). Its items still differ: they branch from snapshots."""
+    return intended is fp32 or (getattr(intended, "model", None) is not None and intended.model is fp32.model
+                                and getattr(intended, "chunk", 0) is None and fp32.chunk is None)
