@@ -615,3 +615,18 @@ def test_a_backend_this_machine_lacks_is_refused_before_the_gate_runs(fixture_pa
                    "-o", str(tmp_path / "gate"), "--items", str(items), "--backend", "coreml-macos"])
     assert status != 0 and "backend 'macos' needs macOS" in capsys.readouterr().err
     assert not (tmp_path / "gate").exists()
+
+
+def test_the_reference_writes_a_batchs_logits_into_the_rows_it_is_given(fixture_packages):
+    """`advance_arrays(..., logits_out=)`: the head writes each branch's rows, in order, into the
+    caller's array, and each branch's logits are views of it; the same products as without."""
+    backend = open_package_backend(fixture_packages / "chunk_kv")
+    intended, _ = _references(fixture_packages / "chunk_kv")
+    _, snapshot = backend.chunks.run(backend.chunks.empty(), np.arange(1, 9))
+    cache = backend.chunks.cache_arrays(snapshot)
+    branches = [(cache, np.array([7, 8, 9])), (cache, np.array([4, 5, 6]))]
+    out = np.full((6, intended.args.vocab_size), np.nan, np.float32)
+    written = intended.advance_arrays(branches, logits_out=out)
+    made = intended.advance_arrays(branches)
+    assert all(np.shares_memory(logits, out) for logits, _ in written)
+    np.testing.assert_array_equal(out, np.concatenate([logits for logits, _ in made]))

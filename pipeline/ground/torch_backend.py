@@ -131,39 +131,43 @@ class TorchBackend:
         branch past it is refused by `_ids`, naming the context)."""
         return min(-(-tokens // ROOM_STEP) * ROOM_STEP, self.context)
 
-    def advance_arrays(self, branches: list[tuple[tuple[np.ndarray, np.ndarray, int], np.ndarray]]
-                       ) -> list[tuple[np.ndarray, tuple[np.ndarray, np.ndarray, int]]]:
+    def advance_arrays(self, branches: list[tuple[tuple[np.ndarray, np.ndarray, int], np.ndarray]],
+                       logits_out: np.ndarray | None = None) -> list[tuple[np.ndarray, tuple[np.ndarray, np.ndarray, int]]]:
         """`advance` of each ((keys, values, position), ids) as one batch over numpy caches (a
         `ChunkSchedule.cache_arrays`: the gates run each chunk from the package's own cache),
-        with the caches each wrote as numpy arrays in `cache_dtype`."""
+        with the caches each wrote as numpy arrays in `cache_dtype`. `logits_out`: rows for the
+        branches' logits, in order, which the head writes (each branch's logits a view of them),
+        so a caller that keeps them somewhere gets them there without a copy or a scratch file."""
         caches = (torch.from_numpy(np.stack([snapshot[part] for snapshot, _ in branches])).to(torch.float32)
                   for part in (0, 1))
-        done = self._stacked_branches([(position, ids) for (_, _, position), ids in branches], *caches)
+        done = self._stacked_branches([(position, ids) for (_, _, position), ids in branches], *caches,
+                                      logits_out=logits_out)
         dtype = _TORCH_DTYPE[self.cache_dtype]  # exact: the written caches hold `_kept` values
         return [(logits, (after.keys.to(dtype).numpy(), after.values.to(dtype).numpy(), after.position))
                 for logits, after in done]
 
     @torch.no_grad()
     def _stacked_branches(self, branches: list[tuple[int, np.ndarray]], keys: torch.Tensor, values: torch.Tensor,
-                          last_only: bool = False) -> list[tuple[np.ndarray, KVCache]]:
+                          last_only: bool = False, logits_out: np.ndarray | None = None) -> list[tuple[np.ndarray, KVCache]]:
         """Each (position, ids) run after its own caches, stacked [B, ...] in `keys` / `values`."""
         tokens = [self._ids(ids, position) for position, ids in branches]
         hidden, keys, values = self.model.hidden_branches(tokens, [position for position, _ in branches], keys, values,
                                                           last_only=last_only)
         keys, values = self._kept(keys), self._kept(values)
-        logits = np.split(self._head(torch.cat(hidden)), np.cumsum([len(h) for h in hidden])[:-1])
+        logits = np.split(self._head(torch.cat(hidden), logits_out), np.cumsum([len(h) for h in hidden])[:-1])
         return [(rows, KVCache(keys[i], values[i], position + len(ids)))
                 for i, (rows, (position, ids)) in enumerate(zip(logits, branches))]
 
     def _fits(self, rows: int) -> bool:
         return rows * self.args.vocab_size * 4 <= HEAD_BLOCK_BYTES
 
-    def _head(self, hidden: torch.Tensor) -> np.ndarray:
+    def _head(self, hidden: torch.Tensor, out: np.ndarray | None = None) -> np.ndarray:
         """Logits [T, vocab] of final hidden rows [T, hidden]: in memory, or, over
-        HEAD_BLOCK_BYTES, written a block of rows at a time into a scratch file's map."""
-        if self._fits(len(hidden)):
+        HEAD_BLOCK_BYTES, written a block of rows at a time into a scratch file's map; into
+        `out`'s rows, a block at a time, where given."""
+        if out is None and self._fits(len(hidden)):
             return self.model.logits_of(hidden).numpy()
-        logits = ScratchFile().empty((len(hidden), self.args.vocab_size), np.float32)
+        logits = ScratchFile().empty((len(hidden), self.args.vocab_size), np.float32) if out is None else out
         step = max(1, HEAD_BLOCK_BYTES // (4 * self.args.vocab_size))
         for start in range(0, len(hidden), step):
             logits[start:start + step] = self.model.logits_of(hidden[start:start + step]).numpy()
