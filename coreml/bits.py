@@ -23,6 +23,7 @@ class _StoredBytes:
         function = model.mlProgram.functions[model.description.defaultFunctionName or "main"]
         block = function.block_specializations[function.opset]
         self.producers = {out.name: op for op in block.operations for out in op.outputs}
+        self.returned = dict(zip((f.name for f in model.description.output), block.outputs))
         self.files: dict[str, BlobStorage] = {}
         self.seen: set = set()
 
@@ -65,14 +66,21 @@ def bits_per_weight(package_dir: str | Path) -> dict:
 
     A value stored once counts once, and a weight carried by several HF names (a tied
     embedding and head) is one tensor: the count is of what the program holds, a table's hot
-    rows (their residual, slot map and ids) included.
+    rows (their residual, slot map and ids) included, and a split head's parts: stored beside
+    a tied table, their bytes count and their rows are that table's parameters again.
     """
     manifest = load_manifest(Path(package_dir))
     walk = _StoredBytes(Path(package_dir) / manifest["package"]["name"])
     stored = parameters = 0
+    carried = {name for names in weight_vars(manifest).values() for name in names}
     for var in weight_vars(manifest):
         parameters += walk.elements(var)
         stored += walk.stored(var)
+    split = manifest["package"].get("head_split")
+    for part in split["parts"] if split else ():
+        weight = walk.producers[walk.returned[part["output"]]].inputs["weight"].arguments[0].name
+        parameters += 0 if split["weight"] in carried else walk.elements(weight)
+        stored += walk.stored(weight)
     for record in hot_rows_of(manifest).values():
         stored += sum(walk.stored(record[part]) for part in ("residual", "slot", "hot_ids"))
     return {"bits_per_weight": 8 * stored / parameters, "weight_bytes": stored, "parameters": parameters}

@@ -270,9 +270,9 @@ def test_align_gates_the_fp16_package_in_the_neural_engine_layout(packages):
 
 
 def test_a_split_packages_decoded_weights_hold_its_head_as_an_untied_one(packages, fixture_bundle, prompt):
-    """The head's parts carry no HF name (a recipe selecting by name leaves them as they are while
-    it may compress the tied embedding): `decoded_weights` joins them as `lm_head.weight`, and
-    the reference built from them is untied, as the package computes it."""
+    """The head's parts hold no whole HF tensor, so `package.weights` does not list them (a recipe
+    may code them apart from the tied table the lookup reads): `decoded_weights` joins them as
+    `lm_head.weight`, and the reference built from them is untied, as the package computes it."""
     from coreml.decoded import decoded_weights
 
     decoded = decoded_weights(packages["split"]["chunk_kv"].path)
@@ -286,3 +286,61 @@ def test_a_split_packages_decoded_weights_hold_its_head_as_an_untied_one(package
         # The same values in both heads (fp16-rounded in both models): the same logits, bit for bit.
         assert torch.equal(untied(ids), load_reference(fixture_bundle, replaced={
             k: v for k, v in decoded.items() if k != "lm_head.weight"})[0](ids))
+
+
+@pytest.mark.parametrize("recipe", ["int8-pc", "palette4-gc32"])
+def test_a_recipe_codes_each_head_part_as_the_rows_of_the_table_it_codes(packages, tmp_path, recipe):
+    """The parts are selected as rows of the head's HF tensor (`Weight.rows`) and coded by the step
+    the recipe gives that tensor. A scale per row, or a LUT per tile of 32 rows (384 and 256 are
+    whole tiles), codes a row from that row alone, so every part decodes to exactly the rows of
+    the tied table the token lookup reads, coded whole."""
+    from coreml.decoded import decoded_weights
+    from coreml.recipes.compress import compress_package
+
+    out = compress_package(packages["split"]["chunk_kv"].path, recipe, tmp_path / recipe)
+    parts = sorted((e["rows"], e) for e in out.data["selection"]["weights"].values() if "rows" in e)
+    assert [rows for rows, _ in parts] == [rows for _, rows in PARTS]
+    assert all(e["compressed"] and e["hf_names"] == ["model.embed_tokens.weight"] for _, e in parts)
+    decoded = decoded_weights(out.path)
+    assert np.array_equal(decoded["lm_head.weight"], decoded["model.embed_tokens.weight"])
+
+
+def test_an_int8_lut_palette_quantizes_the_luts_alone_and_its_split_package_is_exact(packages, tmp_path):
+    """coremltools' LUT quantizer is given the palettes' LUTs by name: with a global config it
+    also quantized a constant the recipe left as it was (the split head's parts, before they were
+    selected), and the compression was refused. The package is then gated in full."""
+    from coreml.recipes.compress import compress_package
+    from pipeline.stages.gates import align_package
+
+    out = compress_package(packages["split"]["chunk_kv"].path, "palette4-int8lut", tmp_path / "lut")
+    chains = [e["chain"] for e in out.data["selection"]["weights"].values() if e["compressed"]]
+    layers = out.data["architecture"]["num_layers"]
+    assert len(chains) == 1 + 7 * layers + len(PARTS)  # the table, 7 linears per layer, the head's parts
+    assert all(chain == ["constexpr_blockwise_shift_scale", "constexpr_lut_to_dense"] for chain in chains)
+    items = tmp_path / "items.jsonl"
+    items.write_text("".join((ROOT / "fixtures" / "scoring" / "cloze.jsonl").read_text().splitlines(True)[:8]))
+    summary = align_package(out.path, FIXTURE_REFERENCE, tmp_path / "gate", items=items,
+                            all_figures=True).report["summary"]
+    assert summary["exact"] and summary["invariants_passed"]
+
+
+def test_a_split_packages_bits_count_its_head_parts_once_more(packages, tmp_path):
+    """The parts are stored beside the tied table: bits per weight counts their bytes over the same
+    parameters, so the split package stores exactly `head_split.bytes` more than the unsplit one."""
+    from coreml.bits import bits_per_weight
+
+    split, whole = bits_per_weight(packages["split"]["chunk_kv"].path), bits_per_weight(packages["whole"].path)
+    block = json.loads((packages["split"]["chunk_kv"].path / "manifest.json").read_text())["package"]
+    assert split["parameters"] == whole["parameters"]
+    assert split["weight_bytes"] - whole["weight_bytes"] == block["head_split"]["bytes"]
+
+
+@pytest.mark.parametrize("recipe", ["cmf-native", "mixed"])
+def test_a_recipe_of_whole_tensors_refuses_a_split_head_by_name(packages, tmp_path, recipe):
+    from coreml.recipes.base import RecipePrecondition
+    from coreml.recipes.compress import compress_package
+
+    calibration = {"calibration_ids": np.arange(300) % 1024} if recipe == "mixed" else {}
+    with pytest.raises(RecipePrecondition, match=rf"recipe {recipe}: head_parts_0\S* holds rows \[0, 384\] of "
+                                                  r"model.embed_tokens.weight \(a head split into 3 parts"):
+        compress_package(packages["split"]["chunk_kv"].path, recipe, tmp_path / recipe, **calibration)

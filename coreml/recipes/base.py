@@ -50,13 +50,19 @@ class RecipeRegistry(CmfdeployError):
 
 @dataclass(frozen=True)
 class Weight:
-    """A constant of the program: its MIL name, the HF names it carries, shape and consumers."""
+    """A constant of the program: its MIL name, the HF names it carries, shape and consumers.
+
+    `rows`: a part of a split head (`package.head_split`) holds rows [start, stop) of its HF
+    tensor, not the whole of it. A step codes it as it codes that tensor (each output row's
+    code depends on its own row alone, and a Hessian or moments on the input columns, which
+    the parts share); a recipe that needs the whole tensor refuses it (`whole_tensors`)."""
 
     name: str
     hf_names: tuple[str, ...]
     shape: tuple[int, ...]
     consumers: tuple[str, ...]  # op types
     uses: tuple[tuple[str, str], ...]  # (consumer op name, input parameter) pairs
+    rows: tuple[int, int] | None = None
 
     @property
     def size(self) -> int:
@@ -98,6 +104,17 @@ class Code(Step):
     """A step whose codes are computed in numpy and written as constexpr ops."""
 
     kind = "code"
+
+
+def whole_tensors(recipe: str, weights: list[Weight]) -> None:
+    """Refuse a head split into parts for `recipe`, which codes or measures whole HF tensors
+    (the CMF's own codes, a plan whose KL swaps whole tensors into the reference)."""
+    parts = [w for w in weights if w.rows is not None]
+    if parts:
+        raise RecipePrecondition(
+            f"recipe {recipe}: {parts[0].name} holds rows {list(parts[0].rows)} of {parts[0].hf_names[0]} "
+            f"(a head split into {len(parts)} parts for the Neural Engine's axis limit), and this recipe codes "
+            "whole tensors; convert with a part width of at least the vocabulary, or take a per-row recipe")
 
 
 def precondition(weight: Weight, params: dict) -> str | None:

@@ -32,7 +32,7 @@ import numpy as np
 
 from coreml.codes import ShiftScale
 from coreml.recipes.base import (WEIGHT_THRESHOLD, Code, Context, Prepared, Recipe, RecipePrecondition, Selected,
-                                 Weight, carried, register_recipe)
+                                 Weight, carried, register_recipe, whole_tensors)
 from manifests.chain import upstream_path
 from manifests.identity import read_json, MANIFEST_NAME
 from pipeline.ground.cmf import dtype_by_name, open_cmf
@@ -107,6 +107,7 @@ class NativeRecipe(Recipe):
         return {"cmf_native": {"exact": list(EXACT_DTYPES), "other dtypes": "kept FP32"}}
 
     def prepare(self, weights: list[Weight], context: Context) -> Prepared:
+        whole_tensors(self.name, weights)
         native = _native_plan(context.package_dir, context.manifest, weights)
 
         def select(weight: Weight) -> Selected:

@@ -78,9 +78,24 @@ def _float_blobs_mapped():
         milproto._load_value = original
 
 
-def program_weights(program, weight_names: Mapping[str, list[str]]) -> list[Weight]:
+def head_parts(program, package: dict) -> dict[str, tuple[str, tuple[int, int]]]:
+    """Constant name -> (the head's HF name, the rows it holds) of each part of a split head
+    (`package.head_split`): the weight of the linear that makes the part's logits output."""
+    split = package.get("head_split")
+    if split is None:
+        return {}
+    parts = {}
+    for function in program.functions.values():
+        outputs = {var.name: var for var in function.outputs}
+        for part in split["parts"]:
+            parts[outputs[part["output"]].op.weight.op.name] = (split["weight"], tuple(part["rows"]))
+    return parts
+
+
+def program_weights(program, weight_names: Mapping[str, list[str]],
+                    parts: Mapping[str, tuple[str, tuple[int, int]]] = {}) -> list[Weight]:
     """Every array constant of the program (nested blocks included), with the HF names the
-    conversion recorded."""
+    conversion recorded, or those of the head a part of a split head (`head_parts`) holds rows of."""
     def constants(block):
         for op in block.operations:
             for inner in op.blocks:
@@ -92,11 +107,12 @@ def program_weights(program, weight_names: Mapping[str, list[str]]) -> list[Weig
     for function in program.functions.values():
         for op in constants(function):
             consumers = {id(child): child for child in op.outputs[0].child_ops}.values()
+            head, rows = parts.get(op.name, (None, None))
             weights.append(Weight(
-                op.name, tuple(weight_names.get(op.name, ())), tuple(op.val.val.shape),
+                op.name, tuple(weight_names.get(op.name, [head] if head else ())), tuple(op.val.val.shape),
                 tuple(sorted({child.op_type for child in consumers})),
                 tuple((child.name, param) for child in consumers for param, var in child.inputs.items()
-                      if var is op.outputs[0])))
+                      if var is op.outputs[0]), rows))
     return weights
 
 
@@ -113,7 +129,8 @@ def plan_selection(weights: list[Weight], select: Callable[[Weight], Selected]) 
         if weight.size <= WEIGHT_THRESHOLD:
             below.append(weight)
             continue
-        entry = {"hf_names": list(weight.hf_names), "shape": list(weight.shape), "consumers": list(weight.consumers)}
+        entry = {"hf_names": list(weight.hf_names), "shape": list(weight.shape), "consumers": list(weight.consumers),
+                 **({"rows": list(weight.rows)} if weight.rows else {})}
         record[weight.name] = entry
         if not weight.hf_names:
             entry.update(compressed=False, reason="not a bundle weight (structural constant of the graph)")
@@ -240,7 +257,7 @@ def compress_package(
     start = time.perf_counter()
     mlmodel = ct.models.MLModel(str(mlpackage), skip_model_load=True)
     program = load_program(mlmodel)
-    weights = program_weights(program, source["package"].get("weights", {}))
+    weights = program_weights(program, source["package"].get("weights", {}), head_parts(program, source["package"]))
     cache = None if calibration_cache is None else Path(calibration_cache)
     prepared = unit.prepare(weights, Context(package_dir, source, calibration_ids, bpw, cache))
     plan = plan_selection(weights, prepared.select)

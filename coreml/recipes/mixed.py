@@ -18,7 +18,7 @@ from coreml import calibration
 from coreml.calibration import Calibration
 from pipeline.ground.scratch import ScratchFile
 from coreml.recipes.base import (RECIPES, WEIGHT_THRESHOLD, Context, Encoder, Prepared, Recipe, RecipePrecondition,
-                                 StepRecipe, Weight, carried, precondition, register_recipe)
+                                 StepRecipe, Weight, carried, precondition, register_recipe, whole_tensors)
 
 # Default budget of the mixed recipe in bits per weight, counted as mlx-lm and Core ML count
 # (every stored byte of codes, scales, offsets and LUTs, x 8, over the parameter count).
@@ -40,6 +40,7 @@ class MixedRecipe(Recipe):
         return {"mixed": {"options": list(self.options), "group": self.group, "measure": self.measure}}
 
     def prepare(self, weights: list[Weight], context: Context) -> Prepared:
+        whole_tensors(self.name, weights)
         below = sum(w.size for w in weights if w.hf_names and w.size <= WEIGHT_THRESHOLD)
         _require_budget(_groups(weights), _budget_bits(weights, context.bpw, below), self.options)  # before measuring
         calib = context.calibration(calibration.HESSIAN_WINDOWS)

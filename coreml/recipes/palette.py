@@ -55,8 +55,13 @@ class QuantizedLutRecipe(CodeRecipe):
         return how
 
     def after_codes(self, program) -> None:
+        """Quantize the LUT of each palette the code steps wrote, by name: a global config would
+        quantize every other constant over the threshold too (the parts of a split head, a
+        weight the recipe left as it was)."""
         lut = cto.OpLinearQuantizerConfig(**self.quantize_lut.record())
-        quantize_luts = LinearQuantizeWeights(cto.OptimizationConfig(global_config=lut))
+        luts = {op.lut.op.name: lut for function in program.functions.values()
+                for op in function.find_ops(op_type="constexpr_lut_to_dense") if op.lut.op.op_type == "const"}
+        quantize_luts = LinearQuantizeWeights(cto.OptimizationConfig(global_config=None, op_name_configs=luts))
         quantize_luts.joint_compression = True
         quantize_luts.apply(program)
 
