@@ -68,6 +68,32 @@ def test_torch_half_ops_compute_in_float32_and_round_once():
     assert torch.isinf(torch.full((4096,), 100.0, dtype=torch.float16).pow(2).sum())
 
 
+def test_the_references_linear_and_matmul_of_halves_follow_the_same_model(monkeypatch):
+    """The fp16 reference computes its linears and matmuls in float32 and rounds once
+    (`models.base.half_linear`, `models.base.matmul`; ATen's Half GEMM is a scalar loop), as
+    ATen's half ops do: each result is the exact (float64) one within a float32 sum's error
+    over n terms, gamma_n * sum|x*w| (any order), plus one fp16 rounding, u16 * |result|. That
+    holds across the blocks of rows a wide weight is widened in (shrunk here to 5 blocks)."""
+    from pipeline.ground.models import base
+
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(2, 5, 2048, generator=g).half(), (torch.randn(300, 2048, generator=g) / 8).half()
+    bias = torch.randn(300, generator=g).half()
+    monkeypatch.setattr(base, "HALF_BLOCK_BYTES", 64 * 4 * 2048)
+    for b in (bias, None):  # a bias is one more term of the float32 sum
+        b64 = None if b is None else b.double()
+        exact = torch.nn.functional.linear(x.double(), w.double(), b64)
+        magnitude = torch.nn.functional.linear(x.double().abs(), w.double().abs(), None if b is None else b64.abs())
+        bound = gamma(2048 + 1, 2.0**-24) * magnitude + U16 * exact.abs() * (1 + 1e-6)
+        candidates = {"half_linear": base.half_linear(x, w, b), "aten": torch.nn.functional.linear(x, w, b)}
+        if b is None:
+            candidates["matmul"] = base.matmul(x, w.T)
+        for name, got in candidates.items():
+            assert got.dtype == torch.float16 and got.shape == exact.shape, name
+            assert bool(((got.double() - exact).abs() <= bound).all()), name
+    assert base.matmul(x.float(), w.T.float()).dtype == torch.float32  # float32 operands: torch's own
+
+
 # -- the mitigations record
 
 

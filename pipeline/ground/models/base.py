@@ -15,6 +15,7 @@ from torch import nn
 
 from pipeline.ground.cmf.masks import TaskMask
 from pipeline.ground.errors import UnsupportedModel
+from pipeline.ground.halves import as_dtype
 from pipeline.ground.models.args import ModelArgs
 from pipeline.ground.models.errors import ContextOverflow, ModelConfigError
 from pipeline.ground.models.rope import rope_inv_freq
@@ -52,6 +53,11 @@ def _mask_buffer(bits: np.ndarray | None) -> torch.Tensor | None:
     return torch.tensor(bits, dtype=torch.float32)
 
 
+# Bytes of a weight an fp16 linear widens to float32 at a time (`half_linear`): a bounded copy,
+# never the whole weight (Gemma 3's tied head would be 671 MB).
+HALF_BLOCK_BYTES = 32 << 20
+
+
 class Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
@@ -59,7 +65,34 @@ class Linear(nn.Module):
         self.bias = None if bias is None else _frozen(bias)
 
     def forward(self, x):
+        if x.dtype == torch.float16:
+            return half_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+
+def half_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A linear of fp16 operands under the op-boundary model (pipeline.ground.models.fp16):
+    float32 sums, rounded once to fp16. ATen's Half GEMM on the CPU is that model too, but a
+    scalar loop: 1.1-4.9x float32's time at SmolLM2's shapes (its head on 320 rows: 4.4 s
+    against 0.9 s). So the weight is widened a block of output rows at a time (exact) and
+    multiplied in float32; each output is rounded once as it is written. Only the summation
+    order can differ from ATen's, which the fp16 bounds allow (numerics.fp16_logits_bound)."""
+    x32 = x.float()
+    step = max(1, HALF_BLOCK_BYTES // (4 * weight.shape[1]))
+    blocks = []  # out of place: scoring runs this under torch.vmap
+    for start in range(0, weight.shape[0], step):
+        rows = slice(start, start + step)
+        wide = torch.from_numpy(as_dtype(weight[rows].numpy(), np.float32))
+        blocks.append(F.linear(x32, wide, None if bias is None else bias[rows].float()).half())
+    return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=-1)
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`torch.matmul`; of fp16 operands, in float32 rounded once to fp16, as `half_linear`
+    computes (ATen's Half batched GEMM is the same scalar loop)."""
+    if a.dtype == torch.float16:
+        return torch.matmul(a.float(), b.float()).half()
+    return torch.matmul(a, b)
 
 
 def linear(weights: Weights, prefix: str, out_features: int | None, in_features: int | None) -> Linear:
@@ -128,9 +161,9 @@ class Attention(nn.Module):
         k = self._rope(self._heads(self.k_proj(x), self.kv_heads, self.k_norm), cos, sin)
         v = self._heads(self.v_proj(x), self.kv_heads, None)
         keys, values = step.write(key_cache, k), step.write(value_cache, v)
-        scores = self.score_probe(torch.matmul(q, self._repeat_kv(keys).transpose(2, 3))) * self.scale
+        scores = self.score_probe(matmul(q, self._repeat_kv(keys).transpose(2, 3))) * self.scale
         scores = scores.masked_fill(~(step.attend_sliding if self.sliding else step.attend), self.mask_value)
-        out = torch.matmul(torch.softmax(scores, dim=-1), self._repeat_kv(values))
+        out = matmul(torch.softmax(scores, dim=-1), self._repeat_kv(values))
         if self.head_mask is not None:
             out = out * self.head_mask.view(1, self.heads, 1, 1)
         out = out.transpose(1, 2).reshape(1, -1, self.heads * self.head_dim)
@@ -243,7 +276,7 @@ class CacheStep:
 
     def write(self, cache, new):
         """cache [1, kv, S, D] with slots position.. replaced by new [1, kv, T, D]."""
-        return cache * self.keep + torch.matmul(self.place.transpose(0, 1), new)
+        return cache * self.keep + matmul(self.place.transpose(0, 1), new)
 
 
 def _cos_sin(step: CacheStep, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

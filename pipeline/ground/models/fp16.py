@@ -17,7 +17,9 @@ convert a vector to float, compute and convert back (aten/src/ATen/native/cpu/So
 Vectorized<Half>). `tests/test_fp16.py` checks this on the machine it runs on: each half op
 equals the float32 op on the same half inputs, rounded once, up to one fp16 step where the
 float32 summation order differs. It is also the model the MIL executor emulates for an
-fp16-typed program, so both sides of an fp16 gate round at the same places.
+fp16-typed program, so both sides of an fp16 gate round at the same places. The decoder's
+linears and matmuls follow it in float32 GEMM instead of ATen's slow Half loop
+(`base.half_linear`, `base.matmul`).
 
 The overflow hazards (fp16's largest finite value is 65504):
 - the residual stream: massive activations on a few tokens (BOS, the first delimiter) reach
