@@ -12,7 +12,8 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import FIXTURE_REFERENCE, ROOT
+from _survey_models import cloze_slice
+from conftest import FIXTURE_REFERENCE
 
 from coreml.ane import HW_LIMIT, ane_report
 from coreml.convert import export_coreml
@@ -261,8 +262,7 @@ def test_the_release_snippet_concatenates_the_parts_and_feeds_enumerated_lengths
 def test_align_gates_the_fp16_package_in_the_neural_engine_layout(packages):
     from pipeline.stages.gates import align_package
 
-    items = packages["root"] / "items.jsonl"
-    items.write_text("".join((ROOT / "fixtures" / "scoring" / "cloze.jsonl").read_text().splitlines(True)[:8]))
+    items = cloze_slice(packages["root"] / "items.jsonl")
     gate = align_package(packages["split"]["chunk_kv"].path, FIXTURE_REFERENCE, packages["root"] / "gate", items=items)
     assert gate.passed, gate.failure()
     assert gate.report["quality"]["nonfinite_logits"] == 0
@@ -317,9 +317,7 @@ def test_an_int8_lut_palette_quantizes_the_luts_alone_and_its_split_package_is_e
     layers = out.data["architecture"]["num_layers"]
     assert len(chains) == 1 + 7 * layers + len(PARTS)  # the table, 7 linears per layer, the head's parts
     assert all(chain == ["constexpr_blockwise_shift_scale", "constexpr_lut_to_dense"] for chain in chains)
-    items = tmp_path / "items.jsonl"
-    items.write_text("".join((ROOT / "fixtures" / "scoring" / "cloze.jsonl").read_text().splitlines(True)[:8]))
-    summary = align_package(out.path, FIXTURE_REFERENCE, tmp_path / "gate", items=items,
+    summary = align_package(out.path, FIXTURE_REFERENCE, tmp_path / "gate", items=cloze_slice(tmp_path / "items.jsonl"),
                             all_figures=True).report["summary"]
     assert summary["exact"] and summary["invariants_passed"]
 
