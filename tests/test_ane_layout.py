@@ -288,12 +288,13 @@ def test_a_split_packages_decoded_weights_hold_its_head_as_an_untied_one(package
             k: v for k, v in decoded.items() if k != "lm_head.weight"})[0](ids))
 
 
-@pytest.mark.parametrize("recipe", ["int8-pc", "palette4-gc32"])
+@pytest.mark.parametrize("recipe", ["int8-pc", "palette4-gc32", "int4-b32"])
 def test_a_recipe_codes_each_head_part_as_the_rows_of_the_table_it_codes(packages, tmp_path, recipe):
     """The parts are selected as rows of the head's HF tensor (`Weight.rows`) and coded by the step
-    the recipe gives that tensor. A scale per row, or a LUT per tile of 32 rows (384 and 256 are
-    whole tiles), codes a row from that row alone, so every part decodes to exactly the rows of
-    the tied table the token lookup reads, coded whole."""
+    the recipe gives that tensor. A scale per row, a LUT per tile of 32 rows (384 and 256 are
+    whole tiles), or the GPU's scale per block of 32 inputs of a row, codes a row from that row
+    alone, so every part decodes to exactly the rows of the tied table the token lookup reads,
+    coded whole."""
     from coreml.decoded import decoded_weights
     from coreml.recipes.compress import compress_package
 
