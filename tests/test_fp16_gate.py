@@ -10,14 +10,12 @@ import json
 import pytest
 
 from _fp16_hazard import make_hazard_bundle
+from _survey_models import cloze_slice
 from pipeline.stages.gates import align_package, make_reference_fixtures
 from pipeline.stages.preflight import PreflightError, fp16_conversion, run_preflight
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
 CONTEXT = 128
-# Eight items keep the fp16 reference's scoring of the scoring set short; the gate's figures
-# on them are real, not a stub.
-ITEMS = 8
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +28,8 @@ def hazard(tmp_path_factory):
     run_preflight(bundle, root / "preflight", context=CONTEXT)
     lines = (ROOT / "fixtures" / "botchan.txt").read_text(encoding="utf-8").splitlines()
     make_reference_fixtures(root / "hazard.cmf", root / "reference", lines, context=CONTEXT)
-    items = root / "items.jsonl"
-    items.write_text("".join((ROOT / "fixtures" / "scoring" / "cloze.jsonl").read_text().splitlines(True)[:ITEMS]))
+    # A CI-sized slice keeps the fp16 reference's scoring short; the gate's figures on it are real.
+    cloze_slice(root / "items.jsonl")
     export_coreml(bundle, root / "mitigated", ["chunk_kv"], context=CONTEXT,
                   conversion=fp16_conversion(bundle, root / "preflight"))
     export_coreml(bundle, root / "naive", ["chunk_kv"], context=CONTEXT, conversion=Conversion("fp16"))
