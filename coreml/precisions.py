@@ -69,15 +69,16 @@ class Precision:
     def numpy_dtype(self) -> np.dtype:
         return np.dtype(self.float_dtype)
 
-    def ct_compute_precision(self):
-        """coremltools' compute_precision: FLOAT32, or FP16ComputePrecision whose op_selector keeps
-        the positional subgraph (`positional_values`) in float32 where `keeps_positional_fp32`."""
+    def ct_convert_options(self) -> dict:
+        """ct.convert's compute_precision, and for fp16 its pass pipeline: coremltools' own with
+        the fp16 pass swapped for `BLOCKWISE_FP16_PASS`, whose op_selector keeps the positional
+        subgraph (`positional_values`) in float32 where `keeps_positional_fp32`."""
         import coremltools as ct
 
         if self.compute_precision == "float32":
-            return ct.precision.FLOAT32
+            return {"compute_precision": ct.precision.FLOAT32}
         if not self.keeps_positional_fp32:
-            return ct.precision.FLOAT16
+            return {"compute_precision": ct.precision.FLOAT16, "pass_pipeline": _fp16_pipeline(lambda op: True)}
         positional: dict[int, set[str]] = {}  # per block, computed at the pass's first op of it
 
         def to_fp16(op) -> bool:
@@ -86,7 +87,63 @@ class Precision:
                 positional[id(block)] = _block_positional(block)
             return not any(o.name in positional[id(block)] for o in op.outputs)
 
-        return ct.transform.FP16ComputePrecision(op_selector=to_fp16)
+        return {"compute_precision": ct.precision.FLOAT16, "pass_pipeline": _fp16_pipeline(to_fp16)}
+
+
+# coremltools' fp16 pass with its overflow check done block by block (`_register_blockwise_fp16_pass`).
+BLOCKWISE_FP16_PASS = "cmfdeploy::add_fp16_cast"
+COREMLTOOLS_FP16_PASS = "common::add_fp16_cast"
+# Elements of a constant the overflow check judges at once: 4 MB of float32.
+OVERFLOW_CHECK_BLOCK = 1 << 20
+
+
+def _fp16_pipeline(op_selector):
+    from coremltools.converters.mil.mil.passes.pass_pipeline import PassPipeline
+
+    _register_blockwise_fp16_pass()
+    pipeline = PassPipeline()
+    pipeline.passes = [BLOCKWISE_FP16_PASS if name == COREMLTOOLS_FP16_PASS else name for name in pipeline.passes]
+    pipeline.set_options(BLOCKWISE_FP16_PASS, {"op_selector": op_selector})
+    return pipeline
+
+
+def _register_blockwise_fp16_pass() -> None:
+    """Register coremltools' `add_fp16_cast` with one change: its check that a float32 constant
+    fits fp16 (`fp16_overflow`) goes block by block. Its own takes abs of the whole constant, the
+    int64 indices of its finite-looking entries and their gathered values, about 4 copies at
+    once: 0.45 GB for SmolLM2-135M's 113 MB tied table, the conversion's peak, and 2.7 GB for
+    Gemma 3's. The rule is the same: an op stays float32 where a float32 constant it reads has an
+    entry with 65504 < |v| < 1e38 (|v| >= 1e38 stands for an infinity, which fp16 carries; NaN
+    fails both comparisons in either form). The class keeps coremltools' name, so the scope the
+    pass writes into the program is the same."""
+    from coremltools.converters.mil.mil.passes.defs.quantization import add_fp16_cast as coremltools_pass
+    from coremltools.converters.mil.mil.passes.pass_registry import PASS_REGISTRY
+
+    if BLOCKWISE_FP16_PASS in PASS_REGISTRY:
+        return
+
+    class add_fp16_cast(coremltools_pass):
+        @staticmethod
+        def fp16_overflow(op) -> bool:
+            for inputs in op.inputs.values():
+                for var in inputs if isinstance(inputs, (list, tuple)) else [inputs]:
+                    if var.op is not None and var.op.op_type == "const" and var.is_tensor_or_scalar_of(dtype="fp32"):
+                        if overflows_fp16(np.asarray(var.op.val.val)):
+                            return True
+            return False
+
+    namespace, name = BLOCKWISE_FP16_PASS.split("::")
+    PASS_REGISTRY.add(namespace, add_fp16_cast, override=False, name=name)
+
+
+def overflows_fp16(value: np.ndarray) -> bool:
+    """Whether an entry of a float32 `value` has 65504 < |v| < 1e38: fp16 cannot hold it."""
+    flat = value.reshape(-1)
+    for start in range(0, flat.size, OVERFLOW_CHECK_BLOCK):
+        magnitude = np.abs(flat[start:start + OVERFLOW_CHECK_BLOCK])
+        if np.any((magnitude > 65504) & (magnitude < 1e38)):
+            return True
+    return False
 
 
 def _block_positional(block) -> set[str]:

@@ -63,6 +63,32 @@ def test_precisions_are_registered_units():
         precision("fp8")
 
 
+@pytest.mark.parametrize("value", [65504.0, -65504.0, 65505.0, -7e4, 1e37, 1e38, -3e38, np.inf, -np.inf, np.nan])
+def test_the_fp16_pass_keeps_float32_exactly_where_coremltools_own_check_does(value):
+    """The conversion's fp16 pass is coremltools' `add_fp16_cast` with its constant overflow check
+    done block by block (a whole-constant check held four copies of SmolLM2's tied table). The
+    reference is coremltools' own check, on each edge of its rule (fp16's largest finite 65504,
+    1e38 standing for an infinity, NaN), placed in the second block of a constant."""
+    from coremltools.converters.mil import Builder as mb
+    from coremltools.converters.mil.mil.passes.defs.quantization import add_fp16_cast
+    from coremltools.converters.mil.mil.passes.pass_registry import PASS_REGISTRY
+    from coreml.precisions import BLOCKWISE_FP16_PASS, OVERFLOW_CHECK_BLOCK, overflows_fp16
+
+    constant = np.zeros(OVERFLOW_CHECK_BLOCK + 5, np.float32)
+    constant[OVERFLOW_CHECK_BLOCK + 3] = value
+
+    @mb.program(input_specs=[mb.TensorSpec(shape=constant.shape)])
+    def program(x):
+        return mb.add(x=x, y=constant)
+
+    (add,) = [op for op in program.functions["main"].operations if op.op_type == "add"]
+    FP16.ct_convert_options()  # registers the pass
+    expected = add_fp16_cast.fp16_overflow(add)
+    assert PASS_REGISTRY[BLOCKWISE_FP16_PASS].fp16_overflow(add) == expected
+    assert overflows_fp16(constant) == expected
+    assert expected == (65504 < abs(value) < 1e38)
+
+
 def test_every_activation_op_is_fp16_and_only_the_positional_prologue_float32(fp16_packages):
     root, manifests, _ = fp16_packages
     for kind, manifest in manifests.items():

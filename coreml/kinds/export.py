@@ -384,7 +384,7 @@ def convert_traced(traced, block: dict, function: dict, unit: Precision):
         states=states or None,
         convert_to="mlprogram",
         minimum_deployment_target=ct.target.iOS18,
-        compute_precision=unit.ct_compute_precision(),
+        **unit.ct_convert_options(),
     )
 
 
