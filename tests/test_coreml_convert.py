@@ -201,6 +201,30 @@ def test_a_failing_worker_is_a_typed_error_with_its_output(tmp_path):
                           lambda stage: None)
 
 
+@pytest.mark.parametrize("where", [0, 6, 9])  # the first block, the last row of a block, the last block
+def test_logits_compared_in_row_blocks_give_the_whole_comparison(monkeypatch, where):
+    """The export's checks compare logits a block of rows at a time (the reference's made per
+    block from its hidden states); the largest |Δ| is that of the whole arrays, a NaN anywhere
+    included."""
+    from coreml.kinds import export
+
+    monkeypatch.setattr(export, "COMPARE_BLOCK_BYTES", 7 * 5 * 4)  # 7 rows of 5 float32 logits
+    generator = torch.Generator().manual_seed(where)
+    # Small integers: every dot product is exact in float32, in any summation order.
+    head = torch.nn.Linear(3, 5, bias=False)
+    head.weight.data = torch.randint(-4, 5, (5, 3), generator=generator).float()
+    model = type("Head", (), {"logits_of": lambda self, hidden: head(hidden)})()
+    hidden = torch.randint(-4, 5, (10, 3), generator=generator).float()
+    with torch.no_grad():
+        want = head(hidden)
+        got = want + 1e-3 * torch.randn(10, 5, generator=generator)
+        got[where, 2] += 0.5
+        assert export.max_abs_delta(got, want) == float((got - want).abs().max())
+        assert export.max_abs_delta_to_reference(got, model, hidden) == float((got - want).abs().max())
+        got[where, 1] = float("nan")
+        assert np.isnan(export.max_abs_delta(got, want)) and np.isnan(export.max_abs_delta_to_reference(got, model, hidden))
+
+
 def test_schedule_check_refuses_a_graph_that_ignores_position(reference):
     graph = CachedStep(reference.model)
 
