@@ -308,8 +308,8 @@ def check_chunk_schedules(
     writes the wrong slots) shows up as a logit error. Each schedule (default: the model's
     `check_schedules`) is compared with the plain forward over all tokens and with
     `forward_cached` fed the same chunks, chunk by chunk (the plain forward's hidden states
-    held, and its logits made for a block of rows at a time). Returns max |Δ| per schedule; raises `ScheduleMismatch` naming the
-    first that fails.
+    held, and its logits made for a block of rows at a time). Returns max |Δ| per schedule;
+    raises `ScheduleMismatch` naming the first that fails.
     """
     tolerance = ref.tolerance if tolerance is None else tolerance
     schedules = ref.check_schedules if schedules is None else schedules
