@@ -1,9 +1,10 @@
 """Issue 21's failure mode through packages and gates: a fixture-sized model whose residual
 stream passes 65504 on "." (tests/_fp16_hazard.py). The fp16 package converted with the
 preflight's mitigations is finite and passes its gate (exact against the fp16 reference under
-the u16 bound, within the fp16 budget, invariants); the same package converted with the
-mitigations off is inf on "." and fails its gate. Also: `--precision fp16` without a preflight
-of this bundle, or with a refused one, builds nothing, and the survey takes a target."""
+the u16 bound, within the fp16 budget, invariants), and its stateful sibling's gate takes the
+same quality record from it; the same package converted with the mitigations off is inf on "."
+and fails its gate. Also: `--precision fp16` without a preflight of this bundle, or with a
+refused one, builds nothing, and the survey takes a target."""
 
 import json
 
@@ -30,21 +31,26 @@ def hazard(tmp_path_factory):
     make_reference_fixtures(root / "hazard.cmf", root / "reference", lines, context=CONTEXT)
     # A CI-sized slice keeps the fp16 reference's scoring short; the gate's figures on it are real.
     cloze_slice(root / "items.jsonl")
-    export_coreml(bundle, root / "mitigated", ["chunk_kv"], context=CONTEXT,
+    export_coreml(bundle, root / "mitigated", ["chunk_kv", "stateful"], context=CONTEXT,
                   conversion=fp16_conversion(bundle, root / "preflight"))
     export_coreml(bundle, root / "naive", ["chunk_kv"], context=CONTEXT, conversion=Conversion("fp16"))
     return root
 
 
-def _gate(hazard, name):
-    return align_package(hazard / name / "chunk_kv", hazard / "reference", hazard / f"gate-{name}",
-                         items=hazard / "items.jsonl")
+def _gate(hazard, name, kind="chunk_kv", **options):
+    return align_package(hazard / name / kind, hazard / "reference", hazard / f"gate-{name}-{kind}",
+                         items=hazard / "items.jsonl", **options)
 
 
-def test_the_mitigated_fp16_package_is_finite_and_passes_its_gate(hazard):
+@pytest.fixture(scope="module")
+def mitigated_gate(hazard):
+    return _gate(hazard, "mitigated")
+
+
+def test_the_mitigated_fp16_package_is_finite_and_passes_its_gate(hazard, mitigated_gate):
     manifest = json.loads((hazard / "mitigated" / "chunk_kv" / "manifest.json").read_text())
     assert manifest["numerics"]["mitigations"]["record"]["residual_scale"] < 1.0
-    gate = _gate(hazard, "mitigated")
+    gate = mitigated_gate
     report = gate.report
     assert report["quality"]["budget"]["spec"] == "ppl=0.5%,top1=0.99"  # the fp16 precision's default
     assert report["quality"]["nonfinite_logits"] == 0
@@ -74,3 +80,35 @@ def test_an_fp16_conversion_takes_only_a_safe_preflight_of_its_own_bundle(hazard
         run_preflight(unsafe, tmp_path / "unsafe-preflight", context=64)
     with pytest.raises(PreflightError, match="verdict"):
         fp16_conversion(unsafe, tmp_path / "unsafe-preflight")
+
+
+def test_the_stateful_gate_takes_the_chunk_kv_gates_quality_record_which_is_its_own(hazard, mitigated_gate, tmp_path):
+    from pipeline.stages.gates import GateFailed
+
+    from pipeline.stages.gates import QualityInputs, intended_references, parse_budget, upstream_of
+    from pipeline.stages.gates.quality import measure_quality
+    from pipeline.stages.gates.stage import DEFAULT_QUALITY_TEXT
+
+    reused = _gate(hazard, "mitigated", "stateful", quality_from=mitigated_gate.out_dir)
+    assert reused.passed, reused.failure()
+    record = reused.report["quality"]
+    assert record.pop("reused_from")["path"] == "../gate-mitigated-chunk_kv"
+    assert record == mitigated_gate.report["quality"]
+    # The stateful package's own record, measured here: the same ops on the same inputs in one
+    # process, so the same figures bit for bit.
+    stateful = hazard / "mitigated" / "stateful"
+    manifest = json.loads((stateful / "manifest.json").read_text())
+    intended, fp32 = intended_references(stateful, manifest, upstream_of(stateful, manifest)[2])
+    quality = QualityInputs(fp32, upstream_of(stateful, manifest)[2], DEFAULT_QUALITY_TEXT, hazard / "items.jsonl",
+                            fp32.context)
+    measured, _ = measure_quality(intended, quality, parse_budget(record["budget"]["spec"]))
+    assert measured == {k: v for k, v in record.items() if k != "identity"}
+    assert "by the gate at `../gate-mitigated-chunk_kv`" in (reused.out_dir / "alignment.md").read_text()
+    with pytest.raises(GateFailed, match=r"'quality.identity.budget' is 'ppl=0.5%,top1=0.99', here it is "
+                                         r"'ppl=0.4%,top1=0.99'"):
+        _gate(hazard, "mitigated", "stateful", quality_from=mitigated_gate.out_dir, force=True,
+              budget="ppl=0.4%,top1=0.99")
+    # The naive package intends fp16 without mitigations: another numerics.
+    with pytest.raises(GateFailed, match=r"'quality.identity.intended.mitigations.\w+' is"):
+        align_package(hazard / "naive" / "chunk_kv", hazard / "reference", tmp_path / "naive",
+                      items=hazard / "items.jsonl", quality_from=mitigated_gate.out_dir)

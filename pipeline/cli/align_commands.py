@@ -16,7 +16,8 @@ from pipeline.stages.gates import (
 def _align(args) -> int:
     gate = align_package(args.package, args.fixtures, args.out, budget=args.budget, quality_text=args.quality_text,
                          items=args.items, backend=args.backend, force=args.force, all_figures=args.all_figures,
-                         scores_out=args.scores_out, fp32_scores=args.fp32_scores)
+                         scores_out=args.scores_out, fp32_scores=args.fp32_scores,
+                         quality_from=args.quality_from)
     if not gate.passed:
         raise GateFailed(gate.failure())  # `main` prints it as one line and exits 1
     report = gate.report
@@ -65,6 +66,11 @@ def register(subparsers) -> None:
                         "the baseline later gates and surveys of the same bundle read with --fp32-scores)")
     p.add_argument("--fp32-scores", metavar="RUN",
                    help="FP32's scoring run of the same scoring set and bundle: read, not scored again")
+    p.add_argument("--quality-from", metavar="GATE",
+                   help="a gate of a package with the same intended numerics (the fp16 stateless, chunk-KV and "
+                        "stateful packages of one conversion): its quality record is taken, not measured again, "
+                        "where its identity (numerics, text, items, budget, versions) is this gate's; refused "
+                        "by field where not")
     p.add_argument("--force", action="store_true", help="replace an existing report directory")
     p.set_defaults(func=_align)
 

@@ -97,6 +97,49 @@ class QualityInputs:
                 "windows": len(self.windows), "tokens": int(sum(len(w) - 1 for w in self.windows))}
 
 
+def quality_identity(numerics, inputs: QualityInputs, budget: Budget, all_figures: bool) -> dict:
+    """Everything a quality record is a function of: the intended numerics (`IntendedNumerics`,
+    whatever the package's kind), the held-out text and scoring set (their tokenizer is the
+    bundle's, in `numerics`), what the record measures (`budget`, `all_figures`: which figures
+    `measure_quality` skips) and the code that measured it. Two gates with equal identities
+    measure the same record, so one may take the other's (`reuse_quality`)."""
+    from manifests.identity import environment
+
+    return {"intended": numerics.identity(), "text_sha256": sha256_file(inputs.text_path),
+            "items_sha256": sha256_file(inputs.items_path), "budget": budget.spec(), "all_figures": all_figures,
+            "packages": environment()["packages"]}
+
+
+def reuse_quality(gate_dir: Path, identity: dict, relative_to: Path) -> dict:
+    """The quality record of the verified gate at `gate_dir`, whose identity must equal
+    `identity` field by field; the first that differs is refused by name (GateFailed). The
+    record is returned with `reused_from`: that gate's folder (relative to `relative_to`) and
+    manifest sha256. A gate of the same intended numerics (the fp16 stateless, chunk-KV and
+    stateful packages of one conversion) thus measures quality once (300 s a gate on SmolLM2)."""
+    from manifests.identity import MANIFEST_NAME, read_json
+    from pipeline.stages.gates.report import REPORT_NAME, verify_alignment
+
+    gate_dir = Path(gate_dir)
+    verify_alignment(gate_dir)
+    record = read_json(gate_dir / REPORT_NAME)["quality"]
+    theirs = record.get("identity")
+    for field, ours, got in _differences(identity, theirs if isinstance(theirs, dict) else {}):
+        raise GateFailed(f"{gate_dir / REPORT_NAME}: field 'quality.identity.{field}' is {got!r}, here it is "
+                         f"{ours!r}: that gate's quality record is not of this package's intended numerics and inputs")
+    return {**record, "reused_from": {"path": portable_name(gate_dir, relative_to),
+                                      "manifest_sha256": sha256_file(gate_dir / MANIFEST_NAME)}}
+
+
+def _differences(ours: dict, theirs: dict, prefix: str = ""):
+    """(dotted field, ours, theirs) for each leaf that differs, missing ones included."""
+    for key in sorted(ours.keys() | theirs.keys()):
+        a, b = ours.get(key), theirs.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            yield from _differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            yield f"{prefix}{key}", a, b
+
+
 def measure_quality(intended, inputs: QualityInputs, budget: Budget, all_figures: bool = False) -> tuple[dict, list]:
     """The quality record of `intended` (any Backend) against FP32, and its item scores.
 

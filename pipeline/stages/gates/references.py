@@ -6,55 +6,103 @@ the package's own weights, decoded from its constexpr ops by coremltools (`corem
 K/V are kept in the cache dtype of the package's kind (`coreml.kinds`: fp16 for stateful).
 """
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from manifests.identity import MANIFEST_NAME, sha256_file
 
-def intended_references(package_dir: Path, manifest: dict, bundle: Path) -> tuple:
-    """(the package's intended numerics, FP32's), both TorchBackends on the reference model of
-    `bundle`; one and the same object for an FP32 package with a float32 cache.
+
+@dataclass(frozen=True)
+class IntendedNumerics:
+    """Everything the numerics a package intends are a function of; `intended_references`
+    builds its reference from this and nothing else. The kind enters only through the cache
+    dtype: the reference runs every kind's inputs the same way, so the fp16 stateless,
+    chunk-KV and stateful packages of one conversion intend the same numerics, and their gates'
+    quality records are one record (`pipeline.stages.gates.quality.quality_identity`).
+
+    `mitigations`: the fp16 mitigations record (None for FP32 compute); `decoded_from`: the
+    compressed package whose decoded weights replace the bundle's (None: the bundle's own)."""
+    bundle: Path
+    context: int
+    precision: str
+    compute_precision: str
+    cache_dtype: np.dtype
+    mitigations: dict | None
+    decoded_from: Path | None
+    recipe: str | None
+
+    def identity(self) -> dict:
+        """The fields as sha256 and values, the same on every machine the artifacts move to."""
+        weights = "bundle" if self.decoded_from is None else {
+            "recipe": self.recipe, "package_manifest_sha256": sha256_file(self.decoded_from / MANIFEST_NAME)}
+        return {"bundle_manifest_sha256": sha256_file(self.bundle / MANIFEST_NAME), "context": self.context,
+                "precision": self.precision, "cache_dtype": str(self.cache_dtype), "mitigations": self.mitigations,
+                "weights": weights}
+
+
+def intended_numerics(package_dir: Path, manifest: dict, bundle: Path) -> IntendedNumerics:
+    """What the package at `package_dir` (its verified `manifest`, converted from `bundle`) intends.
 
     An fp16 package intends the fp16 reference (`pipeline.ground.models.fp16`: every op's
     output rounded to fp16, K/V fp16) of the model its conversion traced: the reference with
     the mitigations its manifest records (a compressed package: those of the package it was
     made from, whose weights, already rescaled, it decoded)."""
-    from coreml.decoded import decoded_weights, hot_rows_head_norm
     from coreml.kinds import package_kind
     from coreml.manifest import COMPRESSED_FORMAT
     from coreml.precisions import package_precision
-    from pipeline.ground.reference import load_reference
-    from pipeline.ground.scratch import ScratchFile
-    from pipeline.ground.torch_backend import TorchBackend
     from pipeline.stages.gates.lineage import upstream_of
 
-    fp32_model, args, _ = load_reference(bundle)
-    kind, context = manifest["package"]["kind"], manifest["package"]["context"]
-    fp32 = TorchBackend(fp32_model, args, context)
     unit = package_precision(manifest["package"], package_dir)
-    cache_dtype = package_kind(kind, package_dir).cache_dtype(unit) or np.float32
     compressed = manifest["format"] == COMPRESSED_FORMAT
-    if unit.compute_precision == "float16":
-        from pipeline.ground.models.fp16 import Fp16Mitigations, fp16_reference, mitigated_model
+    fp16 = unit.compute_precision == "float16"
+    mitigations = None
+    if fp16:
+        from pipeline.ground.models.fp16 import Fp16Mitigations
 
         base = upstream_of(package_dir, manifest)[1] if compressed else manifest
         record = base.get("numerics", {}).get("mitigations")
-        mitigations = Fp16Mitigations() if record is None else Fp16Mitigations.from_record(
-            record["record"], f"{package_dir}: field 'numerics.mitigations.record'")
+        mitigations = (Fp16Mitigations() if record is None else Fp16Mitigations.from_record(
+            record["record"], f"{package_dir}: field 'numerics.mitigations.record'")).to_record()
+    cache_dtype = np.float16 if fp16 else package_kind(manifest["package"]["kind"], package_dir).cache_dtype(unit)
+    return IntendedNumerics(Path(bundle), manifest["package"]["context"], unit.name, unit.compute_precision,
+                            np.dtype(cache_dtype or np.float32), mitigations,
+                            Path(package_dir) if compressed else None,
+                            manifest["recipe"]["name"] if compressed else None)
+
+
+def intended_references(package_dir: Path, manifest: dict, bundle: Path) -> tuple:
+    """(the package's intended numerics, FP32's), both TorchBackends on the reference model of
+    `bundle`; one and the same object for an FP32 package with a float32 cache."""
+    from coreml.decoded import decoded_weights, hot_rows_head_norm
+    from pipeline.ground.reference import load_reference
+    from pipeline.ground.scratch import ScratchFile
+    from pipeline.ground.torch_backend import TorchBackend
+
+    numerics = intended_numerics(package_dir, manifest, bundle)
+    fp32_model, args, _ = load_reference(bundle)
+    context, compressed = numerics.context, numerics.decoded_from is not None
+    fp32 = TorchBackend(fp32_model, args, context)
+    if numerics.compute_precision == "float16":
+        from pipeline.ground.models.fp16 import Fp16Mitigations, fp16_reference, mitigated_model
+
+        mitigations = Fp16Mitigations.from_record(numerics.mitigations)
         # A compressed package's decoded weights are the model's own tensors; the rest stay the bundle's map.
         model, _, _ = load_reference(bundle, replaced=decoded_weights(package_dir, ScratchFile()) if compressed else None)
-        what = f"recipe {manifest['recipe']['name']}, decoded weights" if compressed else "bundle weights"
+        what = f"recipe {numerics.recipe}, decoded weights" if compressed else "bundle weights"
         mitigated = mitigated_model(model, args, mitigations, weights_scaled=compressed)
         del model
-        return TorchBackend(fp16_reference(mitigated), args, context, cache_dtype=np.float16,
+        return TorchBackend(fp16_reference(mitigated), args, context, cache_dtype=numerics.cache_dtype,
                             numerics=f"fp16 at op boundaries, {what}, mitigations {_mitigations_name(mitigations)}"), fp32
     if compressed:
         model, _, _ = load_reference(bundle, replaced=decoded_weights(package_dir, ScratchFile()))
-        return TorchBackend(model.eval(), args, context, cache_dtype=cache_dtype,
-                            numerics=f"recipe {manifest['recipe']['name']}, decoded weights",
+        return TorchBackend(model.eval(), args, context, cache_dtype=numerics.cache_dtype,
+                            numerics=f"recipe {numerics.recipe}, decoded weights",
                             hot_rows_head_norm=hot_rows_head_norm(package_dir)), fp32
-    if cache_dtype == np.float16:
-        return TorchBackend(fp32_model, args, context, cache_dtype=cache_dtype, numerics="fp32, fp16 K/V cache"), fp32
+    if numerics.cache_dtype == np.float16:
+        return TorchBackend(fp32_model, args, context, cache_dtype=numerics.cache_dtype,
+                            numerics="fp32, fp16 K/V cache"), fp32
     return fp32, fp32
 
 

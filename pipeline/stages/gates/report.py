@@ -94,7 +94,9 @@ def markdown(report: dict) -> str:
                   for r in report["records"]]) if report["records"] else "",
         "## 2. Quality against FP32",
         "",
-        f"{q['tokens']} held-out tokens of quality text, {q['items']} scoring items; measured on `{q['measured_on']}`.",
+        f"{q['tokens']} held-out tokens of quality text, {q['items']} scoring items; measured on `{q['measured_on']}`"
+        + (f", by the gate at `{q['reused_from']['path']}`: the same intended numerics, text, items and budget "
+           "(`quality.identity`), so the same record." if "reused_from" in q else "."),
         "",
         md_table(["figure", "value", "budget", "within"],
                  [["perplexity change", f"{q['ppl_change']:+.2%} ({q['perplexity']['fp32']:.4g} -> "

@@ -26,8 +26,8 @@ from pipeline.stages.gates.exactness import (
 from pipeline.stages.gates.fixtures import ReferenceFixtures
 from pipeline.stages.gates.invariants import GateRun, PatternsEqualOneShot, run_invariants
 from pipeline.stages.gates.lineage import resolve_lineage
-from pipeline.stages.gates.quality import QualityInputs, measure_quality
-from pipeline.stages.gates.references import intended_references
+from pipeline.stages.gates.quality import QualityInputs, measure_quality, quality_identity, reuse_quality
+from pipeline.stages.gates.references import intended_numerics, intended_references
 from pipeline.stages.gates.report import FORMAT, REPORT_NAME, GateFailed, failure, markdown, samples_plot, summarize
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -60,13 +60,16 @@ class Unopened:
 
 
 def gate_backend(candidate, intended, fixtures: ReferenceFixtures, quality: QualityInputs, budget: Budget, *,
-                 frozen: bool, patterns=ALL_PATTERNS, check: str = "chunked", all_figures: bool = False) -> dict:
+                 frozen: bool, patterns=ALL_PATTERNS, check: str = "chunked", all_figures: bool = False,
+                 reused_quality: dict | None = None) -> dict:
     """All three parts on `candidate` (any Backend, or one `Unopened`; its `chunks`, where it has
     them, for the chunk patterns and the snapshot checks) against `intended` (a TorchBackend of
     the numerics it intends): quality first, then exactness and the invariants where the
     package is within budget or `all_figures` asks. `frozen`: the fixtures' logits are the
     intended one-shot logits (FP32 weights). Returns the report body and, under "_scores", the
-    item scores of the quality part (None where they were not measured; `measure_quality`)."""
+    item scores of the quality part (None where they were not measured; `measure_quality`).
+    `reused_quality`: the quality record, taken from a gate of the same intended numerics
+    (`reuse_quality`), not measured again."""
     samples, clock = {}, _Clock()
     tolerance, cache_tolerance = exact_tolerances(intended.model, intended.context, intended.hot_rows_head_norm)
     candidate_name = candidate.name
@@ -74,7 +77,8 @@ def gate_backend(candidate, intended, fixtures: ReferenceFixtures, quality: Qual
     # over budget fails whatever parts 1 and 3 say. Those then run only where asked
     # (`all_figures`): they cost most of a compressed gate (on Gemma 3, 250-360 s of chunk
     # patterns against 100-200 s of quality), and a survey's low-bit recipes are mostly over.
-    quality_record, scores = measure_quality(intended, quality, budget, all_figures)
+    quality_record, scores = (reused_quality, None) if reused_quality is not None else \
+        measure_quality(intended, quality, budget, all_figures)
     clock.lap("quality")
     records, invariants, not_measured = [], [], None
     if quality_record["within_budget"] or all_figures:
@@ -169,7 +173,7 @@ class GateResult:
 def align_package(package_dir, fixtures_dir, out_dir, *, budget: Budget | str | None = None,
                   quality_text=DEFAULT_QUALITY_TEXT, items=DEFAULT_ITEMS, backend: str = "auto",
                   force: bool = False, quality: QualityInputs | None = None, scores_out=None,
-                  all_figures: bool = False, fp32_scores=None) -> GateResult:
+                  all_figures: bool = False, fp32_scores=None, quality_from=None) -> GateResult:
     """Gate the package at `package_dir`; write `out_dir/{alignment.json,.md,.png}` and a manifest.
 
     The report is written and returned whatever the outcome (`GateResult.passed`); GateFailed
@@ -178,7 +182,9 @@ def align_package(package_dir, fixtures_dir, out_dir, *, budget: Budget | str | 
     survey); `scores_out` writes the quality part's scoring run there
     (`pipeline.stages.scoring.write_run`) where the scoring set was measured; `all_figures`
     measures it even over budget (`measure_quality`); `fp32_scores` reads FP32's side of it
-    from that run (`QualityInputs.use_fp32_scores`).
+    from that run (`QualityInputs.use_fp32_scores`); `quality_from` takes the quality record
+    from that gate's report where it is of the same identity (`quality_identity`), and refuses
+    it by field where not.
     """
     from coreml.ane import ane_report
     from coreml.kinds import KINDS
@@ -192,6 +198,9 @@ def align_package(package_dir, fixtures_dir, out_dir, *, budget: Budget | str | 
     refuse_existing(out_dir, force)  # before minutes of gating, not after
     if scores_out is not None:
         refuse_existing(Path(scores_out), force)
+        if quality_from is not None:
+            raise GateFailed(f"{package_dir}: --scores-out with --quality-from: a reused quality record "
+                             "carries no item scores to write")
     clock = _Clock()  # the loading steps' cost; gate_backend's parts follow them in the report
     lineage = resolve_lineage(package_dir)
     budget = parse_budget(budget if budget is not None else default_budget(lineage.manifest)) \
@@ -211,10 +220,14 @@ def align_package(package_dir, fixtures_dir, out_dir, *, budget: Budget | str | 
     quality = quality or QualityInputs(fp32, lineage.bundle, quality_text, items, fp32.context)
     if fp32_scores is not None:
         quality.use_fp32_scores(fp32_scores)
+    identity = quality_identity(intended_numerics(package_dir, lineage.manifest, lineage.bundle), quality, budget,
+                                all_figures)
+    reused = reuse_quality(Path(quality_from), identity, out_dir) if quality_from is not None else None
     recipe = lineage.recipe
     body = gate_backend(candidate, intended, fixtures, quality, budget, frozen=recipe == "fp32",
                         patterns=ALL_PATTERNS if recipe == "fp32" else COMPRESSED_PATTERNS, check=kind,
-                        all_figures=all_figures)
+                        all_figures=all_figures, reused_quality=reused)
+    body["quality"]["identity"] = identity
     samples, scores = body.pop("_samples"), body.pop("_scores")
     if scores_out is not None and intended is quality.fp32:
         # FP32 is its own quality baseline: its scores are the baseline's, scored here (minutes
