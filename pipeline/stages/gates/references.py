@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from manifests.identity import MANIFEST_NAME, sha256_file
+from manifests.identity import MANIFEST_NAME, read_json, sha256_file
 
 
 @dataclass(frozen=True)
@@ -35,11 +35,20 @@ class IntendedNumerics:
 
     def identity(self) -> dict:
         """The fields as sha256 and values, the same on every machine the artifacts move to."""
-        weights = "bundle" if self.decoded_from is None else {
-            "recipe": self.recipe, "package_manifest_sha256": sha256_file(self.decoded_from / MANIFEST_NAME)}
+        weights = "bundle" if self.decoded_from is None else _decoded_weights_identity(self.decoded_from)
         return {"bundle_manifest_sha256": sha256_file(self.bundle / MANIFEST_NAME), "context": self.context,
                 "precision": self.precision, "cache_dtype": str(self.cache_dtype), "mitigations": self.mitigations,
                 "weights": weights}
+
+
+def _decoded_weights_identity(package_dir: Path) -> dict:
+    """What a compressed package's decoded weights are a function of: its recipe (name and
+    parameters) and the sha256 of its weight files, as its verified manifest records them. Not
+    the program's file, whose metadata holds the conversion's date, nor the manifest's own
+    sha256, which covers measured times."""
+    manifest = read_json(package_dir / MANIFEST_NAME)
+    return {"recipe": manifest["recipe"], "weight_files": {
+        name: entry["sha256"] for name, entry in sorted(manifest["files"].items()) if name.endswith("weight.bin")}}
 
 
 def intended_numerics(package_dir: Path, manifest: dict, bundle: Path) -> IntendedNumerics:
