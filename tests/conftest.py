@@ -14,22 +14,12 @@ FIXTURE_CMF = ROOT / "fixtures" / "botchan-llama-1m.cmf"
 FIXTURE_REFERENCE = ROOT / "fixtures" / "reference"
 
 
-# Modules that share a process-level cache (`_survey_models.built_survey`, `survey_in_workers`):
-# one worker runs all three, so the fixture's survey is built once, not once per worker.
-SURVEY_MODULES = {"test_survey.py", "test_release.py", "test_ray_executor.py"}
-
-
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """How `make test` spreads the suite over worker processes (`-n 2 --dist loadgroup`):
-    a module is one group, so its module fixtures (conversions, surveys) are built in one worker
-    only, and modules of real models and the survey group run first, so the longest groups do
-    not start last and leave one worker running alone at the end. Runs before xdist reads the
-    groups; a plain run keeps each module's tests together in their order."""
-    heavy = {item.path.name for item in items if item.get_closest_marker("slow")} | SURVEY_MODULES
+    """Modules of real models first: `make test` runs the suite in worker processes a module at
+    a time (`-n 2 --dist loadfile`), and the longest modules starting last would leave one
+    worker running alone at the end. A module's tests keep their order."""
+    heavy = {item.path.name for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path.name not in heavy)
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group("survey" if item.path.name in SURVEY_MODULES else item.path.name))
 
 
 @pytest.fixture(scope="session")
