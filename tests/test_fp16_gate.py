@@ -98,9 +98,9 @@ def test_the_stateful_gate_takes_the_chunk_kv_gates_quality_record_which_is_its_
     # process, so the same figures bit for bit.
     stateful = hazard / "mitigated" / "stateful"
     manifest = json.loads((stateful / "manifest.json").read_text())
-    intended, fp32 = intended_references(stateful, manifest, upstream_of(stateful, manifest)[2])
-    quality = QualityInputs(fp32, upstream_of(stateful, manifest)[2], DEFAULT_QUALITY_TEXT, hazard / "items.jsonl",
-                            fp32.context)
+    bundle = upstream_of(stateful, manifest)[2]
+    intended, fp32 = intended_references(stateful, manifest, bundle)
+    quality = QualityInputs(fp32, bundle, DEFAULT_QUALITY_TEXT, hazard / "items.jsonl", fp32.context)
     measured, _ = measure_quality(intended, quality, parse_budget(record["budget"]["spec"]))
     assert measured == {k: v for k, v in record.items() if k != "identity"}
     assert "by the gate at `../gate-mitigated-chunk_kv`" in (reused.out_dir / "alignment.md").read_text()

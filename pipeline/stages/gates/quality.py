@@ -97,7 +97,7 @@ class QualityInputs:
                 "windows": len(self.windows), "tokens": int(sum(len(w) - 1 for w in self.windows))}
 
 
-def quality_identity(numerics, inputs: QualityInputs, budget: Budget, all_figures: bool) -> dict:
+def quality_identity(numerics, text_path: Path, items_path: Path, budget: Budget, all_figures: bool) -> dict:
     """Everything a quality record is a function of: the intended numerics (`IntendedNumerics`,
     whatever the package's kind), the held-out text and scoring set (their tokenizer is the
     bundle's, in `numerics`), what the record measures (`budget`, `all_figures`: which figures
@@ -105,8 +105,8 @@ def quality_identity(numerics, inputs: QualityInputs, budget: Budget, all_figure
     measure the same record, so one may take the other's (`reuse_quality`)."""
     from manifests.identity import environment
 
-    return {"intended": numerics.identity(), "text_sha256": sha256_file(inputs.text_path),
-            "items_sha256": sha256_file(inputs.items_path), "budget": budget.spec(), "all_figures": all_figures,
+    return {"intended": numerics.identity(), "text_sha256": sha256_file(text_path),
+            "items_sha256": sha256_file(items_path), "budget": budget.spec(), "all_figures": all_figures,
             "packages": environment()["packages"]}
 
 

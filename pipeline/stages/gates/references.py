@@ -81,15 +81,17 @@ def intended_numerics(package_dir: Path, manifest: dict, bundle: Path) -> Intend
                             manifest["recipe"]["name"] if compressed else None)
 
 
-def intended_references(package_dir: Path, manifest: dict, bundle: Path) -> tuple:
+def intended_references(package_dir: Path, manifest: dict, bundle: Path,
+                        numerics: IntendedNumerics | None = None) -> tuple:
     """(the package's intended numerics, FP32's), both TorchBackends on the reference model of
-    `bundle`; one and the same object for an FP32 package with a float32 cache."""
+    `bundle`; one and the same object for an FP32 package with a float32 cache. `numerics`: the
+    package's `intended_numerics`, where the caller has them already."""
     from coreml.decoded import decoded_weights, hot_rows_head_norm
     from pipeline.ground.reference import load_reference
     from pipeline.ground.scratch import ScratchFile
     from pipeline.ground.torch_backend import TorchBackend
 
-    numerics = intended_numerics(package_dir, manifest, bundle)
+    numerics = numerics or intended_numerics(package_dir, manifest, bundle)
     fp32_model, args, _ = load_reference(bundle)
     context, compressed = numerics.context, numerics.decoded_from is not None
     fp32 = TorchBackend(fp32_model, args, context)

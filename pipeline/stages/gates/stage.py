@@ -215,14 +215,16 @@ def align_package(package_dir, fixtures_dir, out_dir, *, budget: Budget | str | 
     clock.lap("lineage")
     candidate = Unopened(package_engine(package_dir, backend).backend,
                          lambda: open_package_backend(package_dir, backend=backend))
-    intended, fp32 = intended_references(package_dir, lineage.manifest, lineage.bundle)
+    numerics = intended_numerics(package_dir, lineage.manifest, lineage.bundle)
+    identity = quality_identity(numerics, quality.text_path if quality else Path(quality_text),
+                                quality.items_path if quality else Path(items), budget, all_figures)
+    # Checked before the references are built: a record of other numerics or inputs is refused at once.
+    reused = reuse_quality(Path(quality_from), identity, out_dir) if quality_from is not None else None
+    intended, fp32 = intended_references(package_dir, lineage.manifest, lineage.bundle, numerics)
     clock.lap("references")
     quality = quality or QualityInputs(fp32, lineage.bundle, quality_text, items, fp32.context)
     if fp32_scores is not None:
         quality.use_fp32_scores(fp32_scores)
-    identity = quality_identity(intended_numerics(package_dir, lineage.manifest, lineage.bundle), quality, budget,
-                                all_figures)
-    reused = reuse_quality(Path(quality_from), identity, out_dir) if quality_from is not None else None
     recipe = lineage.recipe
     body = gate_backend(candidate, intended, fixtures, quality, budget, frozen=recipe == "fp32",
                         patterns=ALL_PATTERNS if recipe == "fp32" else COMPRESSED_PATTERNS, check=kind,
