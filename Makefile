@@ -101,10 +101,15 @@ $(INSTALLED): pyproject.toml Makefile
 # pytest 9 no longer reads). Each holds a real model's tests at a few GB, so the count is the
 # cores CI has, not every core a machine has.
 TEST_JOBS ?= 2
+TEST_ARGS ?=
+# Each worker's BLAS/OpenMP pools get its share of the cores: two torch pools of every core
+# side by side spin against each other (measured: the preflight tests ran 2.6-5x their serial time).
+TEST_THREADS ?= $(shell $(PY) -c "from pipeline.ground.workers import thread_share; print(thread_share($(TEST_JOBS)))")
 
 test: $(INSTALLED)
+	OMP_NUM_THREADS=$(TEST_THREADS) MKL_NUM_THREADS=$(TEST_THREADS) OPENBLAS_NUM_THREADS=$(TEST_THREADS) \
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_JOBS) --dist loadfile \
-	  --durations=25
+	  --durations=25 $(TEST_ARGS)
 
 # The suite again under each kernel switch that changes bits on x86, so a bound fitted to one
 # CPU's rounding fails here before a user's machine does. Each was checked to change results
