@@ -59,6 +59,9 @@ MIXED_BPW ?=
 # its own process with an equal share of the cores.
 SURVEY_JOBS ?= 2
 COREML_JOBS ?= 2
+# The score stage's worker processes: a package on the MIL executor scores an op at a time,
+# mostly on one core, so two workers are 1.5x one process on two cores.
+SCORE_JOBS ?= 2
 # Where those processes run: local, or ray, the Ray cluster at RAY_ADDRESS (empty: the one the
 # environment's RAY_ADDRESS names, else a Ray started here), whose nodes all see this folder
 # (build/ and fixtures/) at the same path.
@@ -206,7 +209,7 @@ $(SURVEY)/survey.json: $(ALIGN)/chunk_kv.passed $(ITEMS)
 	  $(if $(MIXED_BPW),--mixed-bpw $(MIXED_BPW)) --jobs $(SURVEY_JOBS) $(EXECUTOR_FLAGS) --force
 
 $(SCORE_RUN)/manifest.json: $(ALIGN)/chunk_kv.passed $(ITEMS)
-	$(CLI) score $(PKG)/chunk_kv $(ITEMS) -o $(SCORE_RUN) --force
+	$(CLI) score $(PKG)/chunk_kv $(ITEMS) -o $(SCORE_RUN) --jobs $(SCORE_JOBS) $(EXECUTOR_FLAGS) --force
 
 $(SURVEY)/release.done: $(SURVEY)/survey.json $(ALIGN)/stateless.passed
 	$(CLI) release $(SURVEY) -o dist --name $(NAME) --package $(PKG)/stateless $(ALIGN)/stateless --force

@@ -193,6 +193,30 @@ def test_run_directory_round_trip_and_refusal(tmp_path, cloze_results):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no temp folders left behind
 
 
+def test_scoring_in_worker_processes_is_one_processs_scoring(tmp_path, backend, tokenizer, capsys):
+    """`score --jobs 2`: two worker processes take batches of items; the run holds every item
+    in the items' order, scored as one process scores them. The batches are the same, so only
+    a product's summation order can differ (a worker's BLAS threads are its share of the
+    cores): each log-prob within 2 max|Δ logit| (pipeline/ground/models/numerics.py)."""
+    items = tmp_path / "items.jsonl"
+    items.write_text("".join(CLOZE.read_text().splitlines(keepends=True)[:36]))  # 4 full batches and a partial
+    out = tmp_path / "run"
+    assert cli_main(["score", str(CMF_PATH), str(items), "-o", str(out), "--jobs", "2"]) == 0
+    assert "36 items" in capsys.readouterr().out
+    serial = score_items(backend, tokenizer, load_items(items))
+    workers = read_run(out)
+    assert [r.id for r in workers] == [r.id for r in serial] == [item.id for item in load_items(items)]
+    bound = model_logits_bound(load_reference(CMF_PATH)[0], 128)
+    for one, other in zip(serial, workers):
+        assert one.n_tokens == other.n_tokens and one.gold == other.gold
+        assert np.all(np.abs(one.scores - other.scores) <= 2 * bound * np.array(one.n_tokens)), one.id
+    assert load_manifest(out, "cmfdeploy.scores/1")["backend"] == backend.name
+    items.write_text(items.read_text() + '{"id": "long", "context": "' + "the " * 200 + '", "candidates": [" a", " b"]}\n')
+    assert cli_main(["score", str(CMF_PATH), str(items), "-o", str(tmp_path / "r2"), "--jobs", "2"]) == 1
+    assert capsys.readouterr().err.startswith(f"ItemTooLong: {items}:37: item 'long': BOS + context + candidate is")
+    assert not (tmp_path / "r2").exists()
+
+
 def test_cli_score(tmp_path, capsys):
     items = tmp_path / "items.jsonl"
     items.write_text("".join(CLOZE.read_text().splitlines(keepends=True)[:6]))

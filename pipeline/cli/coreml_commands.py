@@ -6,7 +6,7 @@ from tqdm import tqdm
 
 from coreml.kinds import KINDS
 from coreml.precisions import PRECISIONS, precision
-from pipeline.ground.workers import ENGINES, Executor
+from pipeline.cli.worker_arguments import add_executor_arguments, executor_of
 
 # Kinds and recipes are checked by export_coreml and compress_package (typed errors naming the
 # known ones), not by argparse choices. The recipes are not listed here: coreml.recipes would
@@ -41,18 +41,6 @@ def register(subparsers) -> None:
     compress.add_argument("-o", "--out", required=True, help="output package directory")
     compress.add_argument("--force", action="store_true", help="replace an existing output")
     compress.set_defaults(func=_compress)
-
-
-def add_executor_arguments(parser: argparse.ArgumentParser) -> None:
-    """--executor and --address: where a stage's worker jobs run (`pipeline.ground.workers.Executor`)."""
-    parser.add_argument("--executor", choices=ENGINES, default="local",
-                        help="local worker processes, or the actors of a Ray cluster that sees the build folder at "
-                             "the same path (pip install cmfdeploy[cluster])")
-    parser.add_argument("--address", help="the Ray cluster's address (default: RAY_ADDRESS, else a Ray started here)")
-
-
-def executor_of(args: argparse.Namespace) -> Executor:
-    return Executor(args.executor, args.address)
 
 
 def _coreml(args: argparse.Namespace) -> int:

@@ -3,7 +3,7 @@
 import argparse
 
 from pipeline.cli.align_commands import add_quality_arguments
-from pipeline.cli.coreml_commands import add_executor_arguments, executor_of
+from pipeline.cli.worker_arguments import add_executor_arguments, executor_of
 
 
 def register(subparsers) -> None:

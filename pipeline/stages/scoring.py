@@ -210,11 +210,18 @@ def _score_batch(backend: Backend, items: list[Item], encoded: list) -> list[Ite
             for item, (logits, _), (_, suffixes) in zip(items, prefilled, encoded)]
 
 
+def item_batches(prefixes: list[np.ndarray]) -> list[list[int]]:
+    """The items (indices) each batch holds, `ITEM_BATCH` at a time, items of like prefix
+    lengths together (a batch pads its prefixes to its longest: 9% more tokens in the file
+    order of SmolLM2's cloze set, 0.4% sorted)."""
+    order = sorted(range(len(prefixes)), key=lambda i: len(prefixes[i]))
+    return [order[start:start + ITEM_BATCH] for start in range(0, len(order), ITEM_BATCH)]
+
+
 def score_items(backend: Backend, tokenizer: Tokenizer, items: list[Item],
                 progress: Callable[[int], None] | None = None) -> list[ItemScores]:
-    """Every item's scores, in the items' order; `ITEM_BATCH` items at a time where the backend
-    batches, items of like prefix lengths together (a batch pads its prefixes to its longest:
-    9% more tokens in the file order of SmolLM2's cloze set, 0.4% sorted)."""
+    """Every item's scores, in the items' order; a batch of `item_batches` at a time where the
+    backend batches. A batch's items are scored alike whichever others the call holds."""
     done = progress or (lambda count: None)
     if not (hasattr(backend, "prefill_batch") and hasattr(backend, "extend_batch")):
         results = []
@@ -223,13 +230,84 @@ def score_items(backend: Backend, tokenizer: Tokenizer, items: list[Item],
             done(1)
         return results
     encoded = [_encoded(backend, tokenizer, item) for item in items]
-    order = sorted(range(len(items)), key=lambda i: len(encoded[i][0]))
     scored = {}
-    for start in range(0, len(order), ITEM_BATCH):
-        batch = order[start:start + ITEM_BATCH]
+    for batch in item_batches([prefix for prefix, _ in encoded]):
         scored.update(zip(batch, _score_batch(backend, [items[i] for i in batch], [encoded[i] for i in batch])))
         done(len(batch))
     return [scored[i] for i in range(len(items))]
+
+
+def score_items_in_workers(artifact: Path, items_path: Path, items: list[Item], tokenizer_from: Path, backend: str,
+                           jobs: int, progress: Callable[[int], None], executor=None) -> tuple[list[ItemScores], str]:
+    """`score_items` over `jobs` worker processes (`pipeline.ground.workers`), each opening the
+    backend once and taking a batch of `item_batches` at a time: the batches are the ones one
+    process scores, so an item's scores differ from one process's only where a worker's single
+    BLAS thread sums a product in another order. (scores in the items' order, backend name).
+    On the MIL executor most of an item's time is single-threaded (an op at a time, in
+    Python), so two workers score SmolLM2's fp16 chunk-KV package 1.5x as fast as one process."""
+    from pipeline.ground.workers import LOCAL, job_memory, run_in_workers
+
+    tokenizer = tokenizer_from_artifact(tokenizer_from)
+    batches = item_batches([encode_item(tokenizer, item)[0] for item in items])
+    setup = {"artifact": str(artifact), "items": str(items_path), "tokenizer": str(tokenizer_from), "backend": backend}
+    weights = _fp32_weight_bytes(artifact)
+
+    def done(batch: list[int], answer: dict) -> None:
+        if "refused" in answer:  # the first refused item stops the run, as it does in one process
+            raise ItemTooLong(answer["refused"])
+        progress(len(batch))
+
+    answers = run_in_workers("pipeline.stages.scoring:scoring_worker", setup, batches, jobs, where=artifact,
+                             shared=[path if path.is_dir() else path.parent for path in (artifact, items_path)],
+                             executor=executor or LOCAL, done=done,
+                             memory_per_job=None if weights is None else job_memory(weights))
+    scored = {}
+    for batch, answer in zip(batches, answers):
+        scored.update(zip(batch, (_from_row(row) for row in answer["scores"])))
+    return [scored[i] for i in range(len(items))], answers[0]["backend"]
+
+
+def scoring_worker(setup: dict):
+    """A worker of `score_items_in_workers`: the items of each batch it is given, scored."""
+    from pipeline.stages.backends import open_backend
+
+    items = load_items(setup["items"])
+    tokenizer = tokenizer_from_artifact(setup["tokenizer"])
+    runner = open_backend(setup["artifact"], setup["backend"])
+    # Every item is checked before any is scored, as one process does: an item that does not
+    # fit is the user's input, refused by name in the first answer, not a worker that failed.
+    try:
+        for item in items:
+            _encoded(runner, tokenizer, item)
+        refused = None
+    except ItemTooLong as exc:
+        refused = str(exc)
+
+    def handle(batch: list[int]) -> dict:
+        if refused:
+            return {"refused": refused}
+        return {"backend": runner.name, "scores": [_row(r) for r in score_items(runner, tokenizer, [items[i] for i in batch])]}
+
+    return handle
+
+
+def _fp32_weight_bytes(artifact: Path) -> int | None:
+    """The model's FP32 weight bytes, as a backend of `artifact` holds them (its worker's memory
+    bound, `job_memory`): a package's manifest records them, a bundle's weights file is them,
+    a CMF's tensors expand to them. None for anything else (the backend refuses it by name)."""
+    from pipeline.ground.bundle_format import WEIGHTS_NAME
+    from pipeline.stages.backends import PACKAGE_MARKER, release_package
+
+    path = release_package(artifact) or artifact
+    if (path / PACKAGE_MARKER).exists():
+        manifest = json.loads((path / MANIFEST_NAME).read_text())
+        return manifest.get("base_size_bytes", manifest.get("package_bytes"))
+    if (path / WEIGHTS_NAME).is_file():
+        return (path / WEIGHTS_NAME).stat().st_size
+    if path.is_file():
+        with open_cmf(path) as cmf:
+            return 4 * sum(int(np.prod(info.shape)) for info in cmf.tensors.values())
+    return None
 
 
 def summarize(results: list[ItemScores]) -> dict:
@@ -282,6 +360,15 @@ def _jsonl(rows: list[dict]) -> bytes:
     return "".join(json.dumps(row, allow_nan=False) + "\n" for row in rows).encode()
 
 
+def _row(result: ItemScores) -> dict:
+    """An item's scores as JSON (a float64 round-trips through Python's JSON exactly)."""
+    return {"id": result.id, "scores": result.scores.tolist(), "n_tokens": list(result.n_tokens), "gold": result.gold}
+
+
+def _from_row(row: dict) -> ItemScores:
+    return ItemScores(row["id"], np.asarray(row["scores"], dtype=np.float64), tuple(row["n_tokens"]), row["gold"])
+
+
 def _source(artifact: Path, out_dir: Path) -> dict:
     if artifact.is_dir():
         return artifact_source(artifact, relative_to=out_dir)
@@ -294,8 +381,7 @@ def write_run(results: list[ItemScores], out_dir: str | Path, *, artifact: str |
     """Write a run directory atomically (temp sibling, renamed into place; status last)."""
     out_dir, artifact, items_path = Path(out_dir), Path(artifact), Path(items_path)
     refuse_existing(out_dir, force)
-    scores = _jsonl([{"id": r.id, "scores": r.scores.tolist(), "n_tokens": list(r.n_tokens), "gold": r.gold}
-                     for r in results])
+    scores = _jsonl([_row(r) for r in results])
     items = _jsonl([{"id": r.id, "gold": r.gold, "rank": r.rank, "top1": r.top1} for r in results])
     summary = summarize(results)
     with staged_output(out_dir, force) as tmp:
@@ -330,27 +416,25 @@ def read_run(run_dir: str | Path) -> list[ItemScores]:
     """The per-item scores of a finished run directory (for rank_differences / changed_items)."""
     run_dir = Path(run_dir)
     verify_scores(run_dir)
-    rows = [json.loads(line) for line in (run_dir / SCORES_NAME).read_text().splitlines()]
-    return [ItemScores(r["id"], np.asarray(r["scores"], dtype=np.float64), tuple(r["n_tokens"]), r["gold"])
-            for r in rows]
+    return [_from_row(json.loads(line)) for line in (run_dir / SCORES_NAME).read_text().splitlines()]
 
 
 def score(artifact: str | Path, items_path: str | Path, out_dir: str | Path | None, *, backend: str = "auto",
           tokenizer_from: str | Path | None = None, force: bool = False,
-          progress: bool = True) -> tuple[Path | None, dict]:
+          progress: bool = True, jobs: int = 1, executor=None) -> tuple[Path | None, dict]:
     """Score a scoring set with one backend and write the run directory; (path, summary).
 
     The tokenizer comes from `tokenizer_from` (a CMF or a folder with tokenizer.json),
     by default the artifact itself (packages and releases carry theirs). With `out_dir`
-    None nothing is written and the path is None.
+    None nothing is written and the path is None. `jobs` > 1 scores in that many worker
+    processes (`score_items_in_workers`, on `executor`'s engine).
     """
     from pipeline.stages.backends import open_backend  # imports torch, which MLX-only scoring never needs
 
     if out_dir is not None:
         refuse_existing(out_dir, force)
     items = load_items(items_path)
-    tokenizer = tokenizer_from_artifact(tokenizer_from or artifact)
-    runner = open_backend(artifact, backend)
+    tokenizer_from = Path(tokenizer_from or artifact)
     bars = []  # opened at the first scored batch: a refused item's error is the first line on stderr
 
     def advance(count: int) -> None:
@@ -359,10 +443,15 @@ def score(artifact: str | Path, items_path: str | Path, out_dir: str | Path | No
         bars[0].update(count)
 
     try:
-        results = score_items(runner, tokenizer, items, advance)
+        if jobs > 1:
+            results, backend_name = score_items_in_workers(Path(artifact), Path(items_path), items, tokenizer_from,
+                                                           backend, jobs, advance, executor)
+        else:
+            runner = open_backend(artifact, backend)
+            results, backend_name = score_items(runner, tokenizer_from_artifact(tokenizer_from), items, advance), runner.name
     finally:
         for bar in bars:
             bar.close()
-    path = None if out_dir is None else write_run(results, out_dir, artifact=artifact, backend_name=runner.name,
+    path = None if out_dir is None else write_run(results, out_dir, artifact=artifact, backend_name=backend_name,
                                                   items_path=items_path, force=force)
     return path, summarize(results)
