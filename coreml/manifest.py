@@ -64,14 +64,25 @@ def set_model_metadata(mlmodel, *, description: str, license_: str, version: str
     mlmodel.user_defined_metadata.update(user)
 
 
+def conversion_path(mlpackage: Path) -> Path:
+    """Where `ct.convert` writes the program later saved at `mlpackage` (its `package_dir`):
+    beside it, in the stage's staging folder. coremltools' default is a temporary package in the
+    temp folder, which a process killed between the conversion and the save (a killed stage or
+    worker) leaves there for good; here the staging folder holds it and goes with it."""
+    mlpackage = Path(mlpackage)
+    return mlpackage.parent.parent / f".{mlpackage.parent.name}-{mlpackage.name}.converted.mlpackage"
+
+
 def save_model(mlmodel, mlpackage: Path) -> None:
-    """Save `mlmodel` at `mlpackage`, and remove the temporary package coremltools converted it
-    into. coremltools removes that only at interpreter exit (atexit): a long stage or test
-    session would hold a copy of every package it made in the temp folder, and a worker that
-    is killed, or ends by os._exit, leaves them there for good (hundreds of MB a package)."""
+    """Save `mlmodel` at `mlpackage`, and remove the package coremltools made it in: its
+    temporary one, or the `conversion_path` it was converted into. coremltools removes a
+    temporary one only at interpreter exit (atexit): a long stage or test session would hold a
+    copy of every package it made in the temp folder, and a worker that is killed, or ends by
+    os._exit, leaves them there for good (hundreds of MB a package)."""
     mlmodel.save(str(mlpackage))
-    if getattr(mlmodel, "is_temp_package", False):
-        shutil.rmtree(mlmodel.package_path, ignore_errors=True)
+    made_in = Path(mlmodel.package_path).resolve()
+    if getattr(mlmodel, "is_temp_package", False) or made_in == conversion_path(mlpackage).resolve():
+        shutil.rmtree(made_in, ignore_errors=True)
 
 
 def carry_tokenizer(source_dir: str | Path, package_dir: str | Path) -> dict | None:

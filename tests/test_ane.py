@@ -8,13 +8,14 @@ from coremltools.converters.mil import Builder as mb
 from coremltools.converters.mil.mil import types
 
 from coreml.ane import HW_LIMIT, ane_report
+from coreml.manifest import save_model
 
 
 def _save(prog, tmp_path, name, precision=ct.precision.FLOAT16, inputs=None):
     model = ct.convert(prog, convert_to="mlprogram", minimum_deployment_target=ct.target.iOS18,
                        compute_precision=precision, inputs=inputs)
     path = tmp_path / f"{name}.mlpackage"
-    model.save(str(path))
+    save_model(model, path)
     return path
 
 
@@ -119,7 +120,7 @@ def test_palettes_and_per_channel_codes_pass_per_block_fails(tmp_path, config, v
     optimize = cto.palettize_weights if config == "palette" else cto.linear_quantize_weights
     compressed = optimize(model, cto.OptimizationConfig(global_config=op_config))
     path = tmp_path / f"{config}.mlpackage"
-    compressed.save(str(path))
+    save_model(compressed, path)
     check = _checks(path)[0]["weight_compression"]
     assert check["verdict"] == verdict and detail in check["detail"], check
 

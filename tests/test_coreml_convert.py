@@ -27,6 +27,7 @@ from coreml.manifest import verify_package
 from coreml.mil.loader import load_program
 from coreml.package import open_package
 from manifests.identity import sha256_file
+from manifests.output import unfinished_output
 from pipeline.cli import main
 from pipeline.ground.errors import IdentityError, OutputExists
 from pipeline.ground.models import CachedStep, KVCache
@@ -270,12 +271,25 @@ def test_tampered_bundle_is_refused_before_anything_is_built(built, tmp_path):
 
 def test_a_conversion_leaves_nothing_in_the_temp_folder(built, tmp_path, monkeypatch):
     """coremltools converts into a temporary package that it removes only at interpreter exit:
-    a long stage, or a worker that is killed, kept a copy of every package it made there."""
+    a long stage, or a worker that is killed, kept a copy of every package it made there. Each
+    conversion is made in the stage's staging folder instead (a stage killed between a
+    conversion and its save leaves it there, not in the temp folder), and removed once saved."""
     temp = tmp_path / "temp"
     temp.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    converted_in, convert = [], ct.convert
+
+    def recorded(*args, **kwargs):
+        converted_in.append(Path(kwargs["package_dir"]))
+        return convert(*args, **kwargs)
+
+    monkeypatch.setattr(ct, "convert", recorded)
     export_coreml(built[0], tmp_path / "packages", kinds=("stateless", "stateful"))
     assert list(temp.iterdir()) == []
+    assert len(converted_in) == 3  # stateless; stateful's prefill and decode
+    assert all(path.parent.parent == tmp_path and unfinished_output(path.parent) == (tmp_path / "packages").resolve()
+               for path in converted_in), converted_in
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["packages", "temp"]
 
 
 def test_unknown_kind_is_refused(built, tmp_path):

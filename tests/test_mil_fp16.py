@@ -17,6 +17,7 @@ import pytest
 from coremltools.converters.mil import Builder as mb
 from coremltools.converters.mil.mil import types
 
+from coreml.manifest import save_model
 from coreml.mil import ops as mil_ops
 from coreml.package import open_package
 from pipeline.ground.models.numerics import U32, gamma
@@ -30,7 +31,7 @@ def _package(tmp_path, name, build, specs):
     model = ct.convert(prog, convert_to="mlprogram", minimum_deployment_target=ct.target.iOS18,
                        compute_precision=ct.precision.FLOAT16)
     path = tmp_path / f"{name}.mlpackage"
-    model.save(str(path))
+    save_model(model, path)
     package = open_package(path, backend="executor")
     assert all(f.dtype.name == "fp16" for f in package.spec_inputs.values())
     return package

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pipeline.ground.models.numerics import U32, assert_within_sums, gamma
+from coreml.manifest import save_model
 from coreml.mil import MilError
 from coreml.mil.loader import DTYPE_BY_NAME, unpack_subbyte
 from coreml.mil.ops import OPS
@@ -387,7 +388,7 @@ def builder_package(tmp_path_factory):
     model = ct.convert(prog, convert_to="mlprogram", minimum_deployment_target=ct.target.iOS18,
                        compute_precision=ct.precision.FLOAT32)
     path = tmp_path_factory.mktemp("builder") / "builder.mlpackage"
-    model.save(str(path))
+    save_model(model, path)
     return path, w16
 
 

@@ -392,7 +392,9 @@ def _ct_output(feature: dict):
     return ct.TensorType(name=feature["name"])
 
 
-def convert_traced(traced, block: dict, function: dict, unit: Precision):
+def convert_traced(traced, block: dict, function: dict, unit: Precision, mlpackage: Path):
+    """`traced` as an ML Program, converted in `conversion_path(mlpackage)` (`save_model` saves it at
+    `mlpackage` and removes that)."""
     states = [ct.StateType(wrapped_type=ct.TensorType(shape=tuple(f["shape"]), dtype=np.float16), name=f["name"])
               for f in block.get("states", [])]
     return ct.convert(
@@ -402,6 +404,7 @@ def convert_traced(traced, block: dict, function: dict, unit: Precision):
         states=states or None,
         convert_to="mlprogram",
         minimum_deployment_target=ct.target.iOS18,
+        package_dir=str(package_manifest.conversion_path(mlpackage)),
         **unit.ct_convert_options(),
     )
 
@@ -522,7 +525,7 @@ def save_single(ref: Reference, package_dir: Path, step: Callable[[str], None], 
     """A single-function package: `traced` converted with interface `block`, described and
     saved with its manifest (`start`: when its export began, by time.perf_counter)."""
     step(f"{block['kind']}: convert")
-    mlmodel = convert_traced(traced, block, block, ref.precision)
+    mlmodel = convert_traced(traced, block, block, ref.precision, package_dir / package_manifest.MODEL_NAME)
     describe_model(mlmodel, block, ref, description)
     step(f"{block['kind']}: save")
     package_dir.mkdir(parents=True)

@@ -175,7 +175,7 @@ class Stateful(PackageKind):
         if ref.precision.compute_precision != "float32":
             checks = self.DECODE_CHECKS if dims["T"][1] == 1 else tuple((0, s) for s in ref.check_schedules)
             errors = self.check_traced(traced, ref, name, checks)
-        mlmodel = convert_traced(traced, block, function, ref.precision)
+        mlmodel = convert_traced(traced, block, function, ref.precision, path)
         describe_model(mlmodel, block, ref, self.description)
         save_model(mlmodel, path)
         return errors
