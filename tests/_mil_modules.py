@@ -11,8 +11,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from coreml.manifest import save_model
-
 VOCAB, DIM, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, MAX_LEN = 96, 64, 4, 2, 16, 128, 128
 CACHE_LEN = 64  # KV and stateful variants: fixed cache length (positions + T <= CACHE_LEN)
 EPS = 1e-5
@@ -301,12 +299,12 @@ def build_packages(root) -> dict:
         ("fp16", convert_stateless(TinyDecoder().eval(), precision="FLOAT16")),
     ):
         paths[name] = root / f"{name}.mlpackage"
-        save_model(mlmodel, paths[name])
+        mlmodel.save(str(paths[name]))
     ios16 = convert_stateless(TinyDecoder().eval(), target="iOS16")
     for name, base, kind in [*((k, stateless, k) for k in COMPRESSIONS), *((f"ios16_{k}", ios16, k) for k in IOS16_COMPRESSIONS)]:
         compressed = compress(base, kind)
         paths[name] = root / f"{name}.mlpackage"
-        save_model(compressed, paths[name])
+        compressed.save(str(paths[name]))
         weights[name] = decompressed_weights(compressed)
     desc = ct.utils.MultiFunctionDescriptor()
     desc.add_function(str(paths["stateless"]), src_function_name="main", target_function_name="prefill")
