@@ -27,15 +27,19 @@ NAME := $(if $(filter hf,$(MODEL_SOURCE)),$(notdir $(MODEL_PATH)),$(basename $(n
 OUT := build/$(NAME)
 CMF := $(if $(filter cmf,$(MODEL_SOURCE)),$(MODEL_PATH),$(OUT)/import/$(NAME).cmf)
 # Where the packages run (coreml.targets): cpu ships FP32 packages; gpu and ane ship fp16 ones,
-# converted with the preflight's mitigations, into their own folders beside the FP32 ones.
+# converted with the preflight's mitigations. Packages, their gates and their scores belong to
+# the precision, not the target (an fp16 package is the same program for the GPU and the Neural
+# Engine, and its gate reports every unit it can claim), so gpu and ane share coreml-fp16/ and
+# align-fp16/; each target has its own survey, whose recipes and deployable claim are the
+# target's. The registry answers in plain python3: make needs the names before the venv exists.
 TARGET ?= cpu
-FP16 := $(filter-out cpu,$(TARGET))
-PRECISION = $(shell $(PY) -m coreml.targets $(TARGET))
-STEM := $(if $(FP16),-$(TARGET))
-PKG := $(OUT)/coreml$(STEM)
-ALIGN := $(OUT)/align$(STEM)
-SURVEY := $(OUT)/survey$(STEM)
-SCORE_RUN := $(OUT)/scores/$(if $(FP16),$(TARGET),fp32)-chunk_kv
+PRECISION := $(shell $(PYTHON) -m coreml.targets $(TARGET))
+$(if $(PRECISION),,$(error TARGET=$(TARGET) names no target of coreml.targets))
+FP16 := $(filter fp16,$(PRECISION))
+PKG := $(OUT)/coreml$(if $(FP16),-$(PRECISION))
+ALIGN := $(OUT)/align$(if $(FP16),-$(PRECISION))
+SURVEY := $(OUT)/survey$(if $(filter-out cpu,$(TARGET)),-$(TARGET))
+SCORE_RUN := $(OUT)/scores/$(PRECISION)-chunk_kv
 # Each target's recipes: the ANE reads palettes and per-channel scales only (coreml.ane; a survey
 # deploys nothing there that cannot claim it anyway), the GPU per-block scales too.
 RECIPES_cpu := int8-b32 int8-b32-fp16scale int4-b32 int4-b32-emb8 gptq-int4-b32 gptq-int4-b64 gptq-int4-b64-emb8 gptq-int4-b32-zp \
