@@ -397,6 +397,9 @@ def convert_traced(traced, block: dict, function: dict, unit: Precision, mlpacka
     `mlpackage` and removes that)."""
     states = [ct.StateType(wrapped_type=ct.TensorType(shape=tuple(f["shape"]), dtype=np.float16), name=f["name"])
               for f in block.get("states", [])]
+    converted_in = package_manifest.conversion_path(mlpackage)
+    # coremltools makes the package, not the folder it goes in: a caller's staging folder may not be made yet.
+    converted_in.parent.mkdir(parents=True, exist_ok=True)
     return ct.convert(
         traced,
         inputs=_ct_inputs(block, function),
@@ -404,7 +407,7 @@ def convert_traced(traced, block: dict, function: dict, unit: Precision, mlpacka
         states=states or None,
         convert_to="mlprogram",
         minimum_deployment_target=ct.target.iOS18,
-        package_dir=str(package_manifest.conversion_path(mlpackage)),
+        package_dir=str(converted_in),
         **unit.ct_convert_options(),
     )
 
