@@ -11,8 +11,10 @@ a package folder alone turns text into ids. Formats and required fields are fixe
 last, so a manifest without it names a package that was never finished.
 """
 
+import contextlib
 import shutil
-from collections.abc import Iterable
+import tempfile
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from coreml import crosscheck
@@ -64,25 +66,30 @@ def set_model_metadata(mlmodel, *, description: str, license_: str, version: str
     mlmodel.user_defined_metadata.update(user)
 
 
-def conversion_path(mlpackage: Path) -> Path:
-    """Where `ct.convert` writes the program later saved at `mlpackage` (its `package_dir`):
-    beside it, in the stage's staging folder. coremltools' default is a temporary package in the
-    temp folder, which a process killed between the conversion and the save (a killed stage or
-    worker) leaves there for good; here the staging folder holds it and goes with it."""
-    mlpackage = Path(mlpackage)
-    return mlpackage.parent.parent / f".{mlpackage.parent.name}-{mlpackage.name}.converted.mlpackage"
+@contextlib.contextmanager
+def working_files_in(folder: Path) -> Iterator[None]:
+    """coremltools' working files, for the span of the block, in `folder`: a stage's staging
+    folder. coremltools writes a program's weights, and the package a conversion, merge or
+    compression makes, in the temp folder, and removes a temporary package only at interpreter
+    exit: a process killed between making a package and saving it left hundreds of MB there for
+    good. A staging folder goes with its stage, or with the next run of the same output
+    (`manifests.output`). Stages run their conversions one at a time in a process, so pointing
+    `tempfile` at the folder reaches every file coremltools makes."""
+    folder.mkdir(parents=True, exist_ok=True)
+    before = tempfile.tempdir
+    tempfile.tempdir = str(folder)
+    try:
+        yield
+    finally:
+        tempfile.tempdir = before
 
 
 def save_model(mlmodel, mlpackage: Path) -> None:
-    """Save `mlmodel` at `mlpackage`, and remove the package coremltools made it in: its
-    temporary one, or the `conversion_path` it was converted into. coremltools removes a
-    temporary one only at interpreter exit (atexit): a long stage or test session would hold a
-    copy of every package it made in the temp folder, and a worker that is killed, or ends by
-    os._exit, leaves them there for good (hundreds of MB a package)."""
+    """Save `mlmodel` at `mlpackage`, and remove the temporary package coremltools made it in
+    (in `working_files_in`'s folder, or the temp folder), at once rather than at exit."""
     mlmodel.save(str(mlpackage))
-    made_in = Path(mlmodel.package_path).resolve()
-    if getattr(mlmodel, "is_temp_package", False) or made_in == conversion_path(mlpackage).resolve():
-        shutil.rmtree(made_in, ignore_errors=True)
+    if getattr(mlmodel, "is_temp_package", False):
+        shutil.rmtree(mlmodel.package_path, ignore_errors=True)
 
 
 def carry_tokenizer(source_dir: str | Path, package_dir: str | Path) -> dict | None:

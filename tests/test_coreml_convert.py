@@ -270,26 +270,27 @@ def test_tampered_bundle_is_refused_before_anything_is_built(built, tmp_path):
 
 
 def test_a_conversion_leaves_nothing_in_the_temp_folder(built, tmp_path, monkeypatch):
-    """coremltools converts into a temporary package that it removes only at interpreter exit:
-    a long stage, or a worker that is killed, kept a copy of every package it made there. Each
-    conversion is made in the stage's staging folder instead (a stage killed between a
-    conversion and its save leaves it there, not in the temp folder), and removed once saved."""
+    """coremltools writes a program's weights and its package in the temp folder, and removes a
+    temporary package only at interpreter exit: a long stage, or a worker that is killed, kept a
+    copy of every package it made there. Each conversion and the stateful kind's merge make them
+    in the stage's staging folder instead (a stage killed before its save leaves them there, not in
+    the temp folder), and the saved output holds only the packages."""
     temp = tmp_path / "temp"
     temp.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(temp))
-    converted_in, convert = [], ct.convert
+    working_in, convert = [], ct.convert
 
     def recorded(*args, **kwargs):
-        converted_in.append(Path(kwargs["package_dir"]))
+        working_in.append(Path(tempfile.gettempdir()))
         return convert(*args, **kwargs)
 
     monkeypatch.setattr(ct, "convert", recorded)
     export_coreml(built[0], tmp_path / "packages", kinds=("stateless", "stateful"))
-    assert list(temp.iterdir()) == []
-    assert len(converted_in) == 3  # stateless; stateful's prefill and decode
-    assert all(path.parent.parent == tmp_path and unfinished_output(path.parent) == (tmp_path / "packages").resolve()
-               for path in converted_in), converted_in
+    assert list(temp.iterdir()) == [] and tempfile.gettempdir() == str(temp)
+    assert len(working_in) == 3  # stateless; stateful's prefill and decode
+    assert all(unfinished_output(path) == (tmp_path / "packages").resolve() for path in working_in), working_in
     assert sorted(p.name for p in tmp_path.iterdir()) == ["packages", "temp"]
+    assert sorted(p.name for p in (tmp_path / "packages").iterdir()) == ["stateful", "stateless"]
 
 
 def test_unknown_kind_is_refused(built, tmp_path):

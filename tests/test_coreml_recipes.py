@@ -25,6 +25,7 @@ from coreml.convert import export_coreml
 from coreml.manifest import verify_package
 from coreml import codes
 from coreml.package import open_package
+import coreml.recipes.compress as compress_module
 from coreml.recipes import (
     RECIPES,
     RecipePrecondition,
@@ -35,6 +36,7 @@ from coreml.recipes import (
     plan_selection,
 )
 from manifests.identity import sha256_file
+from manifests.output import unfinished_output
 from pipeline.ground.errors import IdentityError, OutputExists
 from pipeline.ground.models import ModelArgs, build_model
 
@@ -435,12 +437,23 @@ def test_calibration_windows_open_with_bos_when_the_model_has_one():
 
 
 def test_compressing_leaves_nothing_in_the_temp_folder(source, tmp_path, monkeypatch):
-    """The compressed program is converted into a temporary package, as an export's is."""
+    """The compressed program's weights and package are made in the output's staging folder, as
+    an export's are, and the package saved from it holds only its own files."""
     temp = tmp_path / "temp"
     temp.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    working_in, convert = [], compress_module.mil_convert
+
+    def recorded(*args, **kwargs):
+        working_in.append(Path(tempfile.gettempdir()))
+        return convert(*args, **kwargs)
+
+    monkeypatch.setattr(compress_module, "mil_convert", recorded)
     compress_package(source.path, "int8-b32", tmp_path / "int8")
-    assert list(temp.iterdir()) == []
+    assert list(temp.iterdir()) == [] and tempfile.gettempdir() == str(temp)
+    assert [unfinished_output(path) for path in working_in] == [(tmp_path / "int8").resolve()]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["int8", "temp"]
+    assert sorted(p.name for p in (tmp_path / "int8").iterdir()) == sorted(p.name for p in source.path.iterdir())
 
 
 def test_refusals(source, compressed, tmp_path):

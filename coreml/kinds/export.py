@@ -393,23 +393,20 @@ def _ct_output(feature: dict):
 
 
 def convert_traced(traced, block: dict, function: dict, unit: Precision, mlpackage: Path):
-    """`traced` as an ML Program, converted in `conversion_path(mlpackage)` (`save_model` saves it at
-    `mlpackage` and removes that)."""
+    """`traced` as an ML Program, to be saved at `mlpackage` (`save_model`); coremltools' working
+    files go in the stage's staging folder, the one that holds the package's folder."""
     states = [ct.StateType(wrapped_type=ct.TensorType(shape=tuple(f["shape"]), dtype=np.float16), name=f["name"])
               for f in block.get("states", [])]
-    converted_in = package_manifest.conversion_path(mlpackage)
-    # coremltools makes the package, not the folder it goes in: a caller's staging folder may not be made yet.
-    converted_in.parent.mkdir(parents=True, exist_ok=True)
-    return ct.convert(
-        traced,
-        inputs=_ct_inputs(block, function),
-        outputs=[_ct_output(f) for f in block["outputs"]],
-        states=states or None,
-        convert_to="mlprogram",
-        minimum_deployment_target=ct.target.iOS18,
-        package_dir=str(converted_in),
-        **unit.ct_convert_options(),
-    )
+    with package_manifest.working_files_in(mlpackage.parent.parent):
+        return ct.convert(
+            traced,
+            inputs=_ct_inputs(block, function),
+            outputs=[_ct_output(f) for f in block["outputs"]],
+            states=states or None,
+            convert_to="mlprogram",
+            minimum_deployment_target=ct.target.iOS18,
+            **unit.ct_convert_options(),
+        )
 
 
 def describe_model(mlmodel, block: dict, ref: Reference, description: str, features: bool = True) -> None:

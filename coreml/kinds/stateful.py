@@ -122,7 +122,7 @@ class Stateful(PackageKind):
 
     def export(self, ref: Reference, package_dir: Path, step: Callable[[str], None]) -> Manifest:
         from coreml.kinds.export import describe_model, finish_package
-        from coreml.manifest import MODEL_NAME, save_model
+        from coreml.manifest import MODEL_NAME, save_model, working_files_in
         from coreml.multifunction import merge_functions
 
         from coreml.kinds.export import traced_check_record
@@ -134,9 +134,10 @@ class Stateful(PackageKind):
         with tempfile.TemporaryDirectory(dir=package_dir.parent) as scratch:
             functions = self.convert_functions(ref, Path(scratch), step, traced_errors)
             step("stateful: save multifunction")
-            mlmodel = merge_functions(functions, block["default_function"])
-            describe_model(mlmodel, block, ref, self.description, features=False)
-            save_model(mlmodel, package_dir / MODEL_NAME)
+            with working_files_in(package_dir.parent):
+                mlmodel = merge_functions(functions, block["default_function"])
+                describe_model(mlmodel, block, ref, self.description, features=False)
+                save_model(mlmodel, package_dir / MODEL_NAME)
         if ref.precision.compute_precision == "float32":
             step("stateful: measure the fp16-cache error")
             checks = self.measure(package_dir / MODEL_NAME, ref)

@@ -261,11 +261,12 @@ def compress_package(
     cache = None if calibration_cache is None else Path(calibration_cache)
     prepared = unit.prepare(weights, Context(package_dir, source, calibration_ids, bpw, cache))
     plan = plan_selection(weights, prepared.select)
-    compressed, hot_rows = apply_recipe(mlmodel, program, unit, plan["steps"], prepared.encoders)
-    for name, record in hot_rows.items():
-        plan["record"]["weights"][name]["hot_rows"] = record
     with staged_output(out_dir, force) as staging:
-        package_manifest.save_model(compressed, staging / package_manifest.MODEL_NAME)
+        with package_manifest.working_files_in(staging):
+            compressed, hot_rows = apply_recipe(mlmodel, program, unit, plan["steps"], prepared.encoders)
+            package_manifest.save_model(compressed, staging / package_manifest.MODEL_NAME)
+        for name, record in hot_rows.items():
+            plan["record"]["weights"][name]["hot_rows"] = record
         _bind_compressed(staging / package_manifest.MODEL_NAME, weights, plan["record"], recipe)
         size = package_manifest.package_bytes(staging / package_manifest.MODEL_NAME)
         manifest = package_manifest.write_package_manifest(staging, {
