@@ -4,8 +4,8 @@ Each stage runs as `cmfdeploy <stage>` in a child stopped before every filesyste
 takes in the output's folder (`_stepped_stage.py`), so the instants are steps of the write,
 not delays that the machine's load would move. At each one the disk is what a SIGKILL there
 would leave, and it must hold the contract: the output name is absent or holds a finished
-output that verifies, and no staging or set-aside folder is taken as an output, not even the
-whole one of the instant before the rename. A first run is SIGKILLed a few steps into its
+output that verifies, no staging or set-aside folder is taken as an output, not even the
+whole one of the instant before the rename, and the stage's temp folder is empty. A first run is SIGKILLed a few steps into its
 staging folder; a second, checked at every step, runs to the end beside what it left and
 leaves the output and nothing else. A full tmpfs makes a forced rerun fail with a clear error
 that leaves the old output as it was. Two runs writing one output: one wins, the other fails
@@ -55,11 +55,12 @@ def _looks_complete(folder: Path) -> bool:
 class SteppedStages:
     """The fork server of `_stepped_stage.py`: each `run` is one stage, stopped at every step."""
 
-    def __init__(self, log: Path):
+    def __init__(self, log: Path, temp: Path):
         self.log = log.open("w")
+        self.temp = temp  # the stages' temp folder (TMPDIR)
         self.server = subprocess.Popen([sys.executable, str(Path(__file__).with_name("_stepped_stage.py"))],
-                                       cwd=ROOT, env=ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                       stderr=self.log)
+                                       cwd=ROOT, env={**ENV, "TMPDIR": str(temp)}, stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, stderr=self.log)
 
     def _read(self) -> str:
         line = self.server.stdout.readline().decode()
@@ -92,13 +93,15 @@ class SteppedStages:
 
 @pytest.fixture(scope="module")
 def stages(tmp_path_factory):
-    runs = SteppedStages(tmp_path_factory.mktemp("stepped") / "server.log")
+    runs = SteppedStages(tmp_path_factory.mktemp("stepped") / "server.log", tmp_path_factory.mktemp("stages-temp"))
     yield runs
     runs.close()
 
 
-def _assert_the_contract_holds(out: Path, verify) -> None:
-    """What a kill at this instant would leave: nothing taken as output but a verified `out`."""
+def _assert_the_contract_holds(out: Path, verify, temp: Path) -> None:
+    """What a kill at this instant would leave: nothing taken as output but a verified `out`,
+    and nothing in the temp folder (what a stage keeps there is unlinked, or in its staging folder)."""
+    assert list(temp.iterdir()) == []
     for folder in _leftovers(out):
         assert not _looks_complete(folder), f"{folder} verifies as a complete output"
     if out.exists():
@@ -113,18 +116,18 @@ def _assert_killed_runs_leave_nothing_complete(stages: SteppedStages, argv: list
     staged = []
 
     def until_a_few_staged_steps(event, paths):
-        _assert_the_contract_holds(out, verify)
+        _assert_the_contract_holds(out, verify, stages.temp)
         staged.extend(p for p in paths if any(p.is_relative_to(folder) for folder in _leftovers(out)))
         return len(staged) < KILL_AT_STAGED_STEP
 
     status, _ = stages.run(argv, watch, until_a_few_staged_steps)
     assert status == -9, f"the run was not killed in its staging folder (exit {status}); see {stages.log.name}"
     assert not out.exists() and len(_leftovers(out)) == 1
-    _assert_the_contract_holds(out, verify)
+    _assert_the_contract_holds(out, verify, stages.temp)
     renamed = []
 
     def every_step(event, paths):
-        _assert_the_contract_holds(out, verify)
+        _assert_the_contract_holds(out, verify, stages.temp)
         if event == "os.rename" and paths[-1] == out.resolve():
             (staging,) = _leftovers(out)  # the killed run's is gone
             # The instant of the race: whole, its manifest complete, one rename from its final

@@ -103,16 +103,19 @@ def _until(condition, what: str, limit: float = 300.0) -> None:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernel's parent-death signal is Linux's")
 def test_a_worker_dies_with_the_stage_that_started_it(tmp_path):
-    pid_file = tmp_path / "worker.pid"
+    """...and the killed stage leaves nothing in its temp folder (the workers' logs are unlinked files)."""
+    pid_file, temp = tmp_path / "worker.pid", tmp_path / "temp"
+    temp.mkdir()
     stage = subprocess.Popen([sys.executable, "-c", "from pipeline.ground.workers import run_in_workers; "
                               f"run_in_workers('tests._worker_jobs:blocks', {{'pid_file': {str(pid_file)!r}}}, "
-                              "['task'], jobs=1, where='stage')"], cwd=ROOT)
+                              "['task'], jobs=1, where='stage')"], cwd=ROOT, env={**os.environ, "TMPDIR": str(temp)})
     _until(lambda: pid_file.is_file() and pid_file.read_text(), "the worker to start its task")
     worker = int(pid_file.read_text())
     assert _alive(worker)
     stage.send_signal(signal.SIGKILL)
     stage.wait()
     _until(lambda: not _alive(worker), "the worker to die with its stage")
+    assert list(temp.iterdir()) == []
 
 
 def test_an_executor_is_local_or_ray_and_only_ray_takes_an_address():

@@ -174,10 +174,11 @@ def run_locally(entry: str, setup: dict, tasks: Sequence[Any], jobs: int, *, whe
     waiting = list(enumerate(tasks))
     results: dict[int, Any] = {}
     workers: list[tuple[subprocess.Popen, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="cmfdeploy-workers-") as logs, selectors.DefaultSelector() as ready:
+    with selectors.DefaultSelector() as ready:
         try:
-            for number in range(min(jobs, len(waiting))):
-                log = open(Path(logs) / f"worker-{number}.log", "w+")
+            for _ in range(min(jobs, len(waiting))):
+                # Unlinked from the start: a stage killed while its workers run leaves no log behind.
+                log = tempfile.TemporaryFile("w+")
                 worker = subprocess.Popen(argv, env=env, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                           stderr=log)
                 workers.append((worker, log))
