@@ -58,6 +58,12 @@ def package_bytes(mlpackage: Path) -> int:
     return sum(p.stat().st_size for p in Path(mlpackage).rglob("*") if p.is_file())
 
 
+def fp32_weight_bytes(manifest: dict) -> int:
+    """The model's weight bytes as its FP32 package holds them (a compressed package's base):
+    what a process running any package of the model is bounded by (`workers.job_memory`)."""
+    return manifest["base_size_bytes"] if "base_size_bytes" in manifest else manifest["package_bytes"]
+
+
 def set_model_metadata(mlmodel, *, description: str, license_: str, version: str, user: dict[str, str]) -> None:
     mlmodel.short_description = description
     mlmodel.author = "cmfdeploy"

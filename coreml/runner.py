@@ -7,6 +7,7 @@ import numpy as np
 
 from coreml.kinds import KINDS
 from coreml.layout import enumerated_lengths, logit_outputs
+from coreml.manifest import fp32_weight_bytes
 from coreml.kinds.cache_runner import KVSnapshot, PackageInterfaceError, input_ids_array, joined_logits
 from coreml.package import open_package
 from pipeline.ground.backend_protocol import branch_groups
@@ -46,9 +47,7 @@ class PackageBackend:
         block = package.manifest["package"]
         self.context = self.kv.context if self.kv else block["context"]
         self.lengths, self.logit_names = enumerated_lengths(block), logit_outputs(block)
-        # The model's weight bytes as the FP32 package holds them: a compressed package's base.
-        manifest = package.manifest
-        self.weight_bytes = manifest["base_size_bytes"] if "base_size_bytes" in manifest else manifest["package_bytes"]
+        self.weight_bytes = fp32_weight_bytes(package.manifest)
         # One prediction per branch (no chunking) of a package without states: a batch of
         # them shares its weight reads (`ChunkKVRunner.run_batch`); other kinds run one by one.
         self._batches = hasattr(self.kv, "run_batch") and not chunk

@@ -5,8 +5,8 @@ takes in the output's folder (`_stepped_stage.py`), so the instants are steps of
 not delays that the machine's load would move. At each one the disk is what a SIGKILL there
 would leave, and it must hold the contract: the output name is absent or holds a finished
 output that verifies, no staging or set-aside folder is taken as an output, not even the
-whole one of the instant before the rename, and the stage's temp folder is empty. A first run is SIGKILLed a few steps into its
-staging folder; a second, checked at every step, runs to the end beside what it left and
+whole one of the instant before the rename, and the stage's temp folder is empty. A first
+run is SIGKILLed a few steps into its staging folder; a second, checked at every step, runs to the end beside what it left and
 leaves the output and nothing else. A full tmpfs makes a forced rerun fail with a clear error
 that leaves the old output as it was. Two runs writing one output: one wins, the other fails
 saying why, and the output is one run's, never a mix.

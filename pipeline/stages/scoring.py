@@ -245,12 +245,11 @@ def score_items_in_workers(artifact: Path, items_path: Path, items: list[Item], 
     BLAS thread sums a product in another order. (scores in the items' order, backend name).
     On the MIL executor most of an item's time is single-threaded (an op at a time, in
     Python), so two workers score SmolLM2's fp16 chunk-KV package 1.5x as fast as one process."""
-    from pipeline.ground.workers import LOCAL, job_memory, run_in_workers
+    from pipeline.ground.workers import LOCAL, run_in_workers
 
     tokenizer = tokenizer_from_artifact(tokenizer_from)
     batches = item_batches([encode_item(tokenizer, item)[0] for item in items])
     setup = {"artifact": str(artifact), "items": str(items_path), "tokenizer": str(tokenizer_from), "backend": backend}
-    weights = _fp32_weight_bytes(artifact)
 
     def done(batch: list[int], answer: dict) -> None:
         if "refused" in answer:  # the first refused item stops the run, as it does in one process
@@ -260,7 +259,7 @@ def score_items_in_workers(artifact: Path, items_path: Path, items: list[Item], 
     answers = run_in_workers("pipeline.stages.scoring:scoring_worker", setup, batches, jobs, where=artifact,
                              shared=[path if path.is_dir() else path.parent for path in (artifact, items_path)],
                              executor=executor or LOCAL, done=done,
-                             memory_per_job=None if weights is None else job_memory(weights))
+                             memory_per_job=_worker_memory(artifact))
     scored = {}
     for batch, answer in zip(batches, answers):
         scored.update(zip(batch, (_from_row(row) for row in answer["scores"])))
@@ -291,23 +290,21 @@ def scoring_worker(setup: dict):
     return handle
 
 
-def _fp32_weight_bytes(artifact: Path) -> int | None:
-    """The model's FP32 weight bytes, as a backend of `artifact` holds them (its worker's memory
-    bound, `job_memory`): a package's manifest records them, a bundle's weights file is them,
-    a CMF's tensors expand to them. None for anything else (the backend refuses it by name)."""
-    from pipeline.ground.bundle_format import WEIGHTS_NAME
+def _worker_memory(artifact: Path) -> int | None:
+    """What a worker scoring `artifact` is let to hold (`job_memory` of the model's FP32 weight
+    bytes): a package's manifest records them, a bundle's weights file is them, a CMF's tensors
+    expand to them. None for anything else (the backend refuses it by name)."""
+    from coreml.manifest import fp32_weight_bytes
+    from pipeline.ground.workers import bundle_job_memory, job_memory
     from pipeline.stages.backends import PACKAGE_MARKER, release_package
 
     path = release_package(artifact) or artifact
     if (path / PACKAGE_MARKER).exists():
-        manifest = json.loads((path / MANIFEST_NAME).read_text())
-        return manifest.get("base_size_bytes", manifest.get("package_bytes"))
-    if (path / WEIGHTS_NAME).is_file():
-        return (path / WEIGHTS_NAME).stat().st_size
+        return job_memory(fp32_weight_bytes(json.loads((path / MANIFEST_NAME).read_text())))
     if path.is_file():
         with open_cmf(path) as cmf:
-            return 4 * sum(int(np.prod(info.shape)) for info in cmf.tensors.values())
-    return None
+            return job_memory(4 * sum(int(np.prod(info.shape)) for info in cmf.tensors.values()))
+    return bundle_job_memory(path)
 
 
 def summarize(results: list[ItemScores]) -> dict:
