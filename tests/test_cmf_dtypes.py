@@ -314,7 +314,9 @@ def test_vbit_width_rule_is_smallest_meeting_the_target(rows, gpr, seed):
 def test_q1_is_sign_times_mean_abs(shape, seed):
     w = _weights(shape, seed)
     p, out = _roundtrip("q1", w)
-    wg = _pad32(w)
+    # Summed in float32 as the encoder sums (`_pad32` widens to float64, whose sum rounded to
+    # fp16 lands on the other side of a tie for some inputs: seed 19091003, shape (8, 9, 12)).
+    wg = _pad32(w).astype(np.float32)
     count = np.clip(w.size - 32 * np.arange(wg.shape[0]), 1, 32)
     np.testing.assert_array_equal(p["scales"], (np.abs(wg).sum(axis=1) / count).astype(F16))
     s = np.repeat(p["scales"].astype(np.float32), 32)[: w.size]
