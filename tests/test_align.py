@@ -382,6 +382,11 @@ def test_compare_in_row_blocks_gives_the_whole_arrays_figures(monkeypatch):
         assert exactness._percentile_of_largest(kept, n, 99.0) == pytest.approx(np.percentile(values, 99), rel=4 * 2.0**-53)
     assert whole["outside"] == int(np.count_nonzero(delta > tol.atol + tol.rtol * np.abs(want)))
     assert whole["kl_mean"] == float(np.mean(kl_rows(log_softmax(want), log_softmax(got))))
+    # |Δ| of three values only, exactly (quarters): ties at the least of the kept values in every block.
+    grid = np.round(want * 4) / 4
+    tied = grid + rng.integers(0, 3, want.shape).astype(np.float32) / 2
+    assert set(np.unique(np.abs(tied - grid))) == {0.0, 0.5, 1.0}
+    assert compare(tied, grid, tol)["p99_abs"] == float(np.percentile(np.abs(tied - grid), 99))
 
 
 def test_reference_fixtures_command_reproduces_the_frozen_fixtures(tmp_path):

@@ -168,6 +168,7 @@ class Stateful(PackageKind):
         from coreml.kinds.export import (TRACE_LENGTH, convert_traced, describe_model, example_ids, position_tensor,
                                          trace_module)
         from coreml.manifest import save_model
+        from pipeline.ground.workers import return_freed_memory
 
         dims = function["dims"]
         length = min(TRACE_LENGTH, dims["T"][1])
@@ -179,6 +180,8 @@ class Stateful(PackageKind):
         mlmodel = convert_traced(traced, block, function, ref.precision, path)
         describe_model(mlmodel, block, ref, self.description)
         save_model(mlmodel, path)
+        del mlmodel, traced
+        return_freed_memory()  # this function's program and graph, before the next is traced
         return errors
 
     def check_traced(self, traced, ref: Reference, name: str, checks) -> dict[str, float]:

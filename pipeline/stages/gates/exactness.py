@@ -124,7 +124,14 @@ def compare(got: np.ndarray, want: np.ndarray, tol: Tolerance) -> dict:
             delta_max = max(delta_max, float(d.max()))
             delta_sum += float(np.sum(d, dtype=np.float64))
             counted += d.size
-            largest = np.concatenate([largest, d.reshape(-1)])
+            values = d.reshape(-1)
+            if len(largest) == keep:
+                # Once `keep` values are held, one no larger than the least of them cannot change
+                # which values are the `keep` largest (a tie leaves their multiset as it is), so
+                # only the few above it are partitioned in: a 262k vocabulary's 1024 rows were 64
+                # partitions of 7 M values a comparison, 9 % of Gemma 3's chunk-KV gate.
+                values = values[values > largest[0]]
+            largest = np.concatenate([largest, values])
             if len(largest) > keep:
                 largest = np.partition(largest, len(largest) - keep)[len(largest) - keep:]
     finite = np.concatenate(finite)
