@@ -310,8 +310,8 @@ def check_chunk_schedules(
     The caches start as noise, so a graph that reads a slot at or after position+T (or
     writes the wrong slots) shows up as a logit error. Each schedule (default: the model's
     `check_schedules`) is compared with the plain forward over all tokens and with
-    `forward_cached` fed the same chunks, chunk by chunk (the plain forward's hidden states
-    held, and its logits made for a block of rows at a time). Returns max |Δ| per schedule;
+    `forward_cached` fed the same chunks, chunk by chunk (the hidden states of both held, and
+    their logits made for a block of rows at a time). Returns max |Δ| per schedule;
     raises `ScheduleMismatch` naming the first that fails.
     """
     tolerance = ref.tolerance if tolerance is None else tolerance
@@ -331,9 +331,9 @@ def check_chunk_schedules(
                 chunk = ids[:, position : position + size]
                 *logits, key_cache, value_cache = graph(chunk, position_tensor(position), key_cache, value_cache)
                 logits = joined(logits).reshape(-1, ref.args.vocab_size)
-                cached = ref.model.forward_cached(chunk, cache).reshape(-1, ref.args.vocab_size)
+                cached = ref.model.hidden_cached(chunk, cache)
                 delta = worst(delta, max_abs_delta_to_reference(logits, ref.model, full[position : position + size]),
-                              max_abs_delta(logits, cached))
+                              max_abs_delta_to_reference(logits, ref.model, cached))
                 del logits, cached
                 position += size
         name = "[" + ",".join(map(str, schedule)) + "]"

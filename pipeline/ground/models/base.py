@@ -425,6 +425,10 @@ class Decoder(nn.Module):
 
     def forward_cached(self, ids, cache: "KVCache"):
         """Logits [T, vocab] of ids run after the cache's tokens; the cache advances by T."""
+        return self.logits_of(self.hidden_cached(ids, cache))
+
+    def hidden_cached(self, ids, cache: "KVCache"):
+        """`forward_cached` short of the head: the final-normed hidden states [T, hidden]."""
         ids = ids.reshape(1, -1)
         count = ids.shape[1]
         if cache.position + count > cache.context:
@@ -432,9 +436,10 @@ class Decoder(nn.Module):
                 f"KV cache: {count} tokens at position {cache.position} exceed the context of {cache.context}"
             )
         position = torch.tensor([cache.position], dtype=torch.int64)
-        logits, cache.keys, cache.values = self.forward_with_cache_tensors(ids, position, cache.keys, cache.values)
+        hidden, keys, values = self.hidden_with_cache_tensors(ids, position, cache.keys, cache.values)
+        cache.keys, cache.values = torch.stack(keys), torch.stack(values)
         cache.position += count
-        return logits[0]
+        return hidden[0]
 
 
 class CachedStep(nn.Module):

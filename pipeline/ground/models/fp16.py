@@ -290,6 +290,7 @@ class Fp16Reference(nn.Module):
     forward = Decoder.forward
     hidden = Decoder.hidden
     forward_cached = Decoder.forward_cached
+    hidden_cached = Decoder.hidden_cached
 
     def __init__(self, decoder: Decoder):
         super().__init__()
