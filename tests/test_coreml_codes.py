@@ -72,6 +72,24 @@ def test_kmeans_tiles_pick_the_nearest_stored_entry_and_beat_a_uniform_lut():
     assert np.linalg.norm(palette.decode() - w) < np.linalg.norm(uniform)
 
 
+def test_kmeans_codes_are_the_search_of_each_value_among_the_stored_lut_midpoints():
+    # The codes are read off each tile's sorted values (`_nearest_in_sorted`); numpy's own search
+    # of every value among the midpoints of its tile's stored LUT is the independent answer, ties
+    # included: values on a grid of sixteenths, where at 4 bits 25 values lie on a midpoint (the
+    # k-means is elementwise IEEE arithmetic and sequential sums: the same LUT on every machine).
+    rng = np.random.default_rng(2)
+    w = (np.round(rng.standard_normal((64, 96)) * 16) / 8).astype(np.float32)
+    tiles = w.reshape(2, 32 * 96).astype(np.float64)
+    for nbits in (2, 4, 6):
+        palette = codes.kmeans_tiles(w, nbits, (32, 96))
+        stored = palette.lut.astype(np.float64)[:, 0]
+        mids = (stored[:, 1:] + stored[:, :-1]) / 2
+        want = np.stack([np.searchsorted(m, t) for m, t in zip(mids, tiles)])
+        np.testing.assert_array_equal(palette.indices.reshape(2, -1), want)
+        if nbits == 4:
+            assert sum(np.isin(t, m).sum() for m, t in zip(mids, tiles)) == 25
+
+
 def test_kmeans_tiles_in_bands_of_tile_rows_give_the_codes_of_all_tiles_at_once(monkeypatch):
     # Each tile's LUT is its own values' k-means and every search and sum runs along its own row
     # (`_searchsorted_rows`), so the memory bound (bands of tile rows, KMEANS_BLOCK_VALUES values
