@@ -92,7 +92,7 @@ def test_kmeans_codes_are_the_search_of_each_value_among_the_stored_lut_midpoint
 
 def test_kmeans_tiles_in_bands_of_tile_rows_give_the_codes_of_all_tiles_at_once(monkeypatch):
     # Each tile's LUT is its own values' k-means and every search and sum runs along its own row
-    # (`_searchsorted_rows`), so the memory bound (bands of tile rows, KMEANS_BLOCK_VALUES values
+    # (`_SortedRows`), so the memory bound (bands of tile rows, KMEANS_BLOCK_VALUES values
     # at a time) cannot change a bit on any machine: one band of all 20 tile rows against bands
     # of one and of three (the last one short), weighted and not.
     rng = np.random.default_rng(5)
