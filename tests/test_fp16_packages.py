@@ -197,9 +197,10 @@ def test_the_conversion_traces_the_transform_it_is_handed(fixture_bundle, tmp_pa
     verify_package(manifest.path)
 
 
-def test_the_stateful_trace_check_refuses_a_function_that_ignores_position(fixture_bundle):
+def test_the_stateful_trace_check_refuses_a_function_that_ignores_position_or_computes_nan(fixture_bundle):
     """Below float32 the stateful functions are checked as traced, before conversion
-    (`Stateful.check_traced`); one that writes every chunk at position 0 is refused."""
+    (`Stateful.check_traced`); one that writes every chunk at position 0 is refused, and so is one
+    whose last chunk computes NaN."""
     ref = reference_for_export(fixture_bundle, conversion=Conversion("fp16"))
     kind = KINDS["stateful"]
     graph = kind.graph(ref)
@@ -218,6 +219,15 @@ def test_the_stateful_trace_check_refuses_a_function_that_ignores_position(fixtu
     with pytest.raises(ScheduleMismatch, match=r"traced stateful prefill on prefill@0\[1,3,4\] differs from the "
                                                r"fp16-cache torch graph by max \|Δ logit\| "):
         kind.check_traced(ForgetsPosition(), ref, "prefill", ((0, (1, 3, 4)),))
+
+    class NaNInTheLastChunk(ForgetsPosition):
+        def forward(self, ids, position):
+            logits = self.inner(ids, position)
+            return logits.masked_fill(position >= 4, float("nan"))
+
+    # A NaN after finite chunks: a running max (Python's) would keep the finite value over it.
+    with pytest.raises(ScheduleMismatch, match=r"max \|Δ logit\| nan"):
+        kind.check_traced(NaNInTheLastChunk(), ref, "prefill", ((0, (1, 3, 4)),))
 
 
 @pytest.mark.parametrize("recipe, claims_ane", [("int4-b32", False), ("palette4-int8lut", True), ("palette6-gc32", True),

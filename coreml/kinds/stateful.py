@@ -194,7 +194,8 @@ class Stateful(PackageKind):
         neighbouring fp16 values), else `ScheduleMismatch`. Returns max |Δ logit| per check."""
         import torch
 
-        from coreml.kinds.export import ScheduleMismatch, example_ids, fit_schedule, joined, position_tensor
+        from coreml.kinds.export import (ScheduleMismatch, example_ids, fit_schedule, joined, max_abs_delta,
+                                         position_tensor, worst)
 
         errors = {}
         for index, (first, schedule) in enumerate(checks):
@@ -209,10 +210,13 @@ class Stateful(PackageKind):
                     for buffer in ("key_cache", "value_cache"):
                         getattr(traced, buffer).copy_(getattr(eager, buffer))
                     got, want = joined(traced(chunk, at)), joined(eager(chunk, at))
-                    logit_delta = max(logit_delta, float((got - want).abs().max()))
+                    # `worst`, not max: Python's max keeps 0.0 over a NaN that follows it, which
+                    # let a traced function that computes NaN pass this check.
+                    logit_delta = worst(logit_delta, max_abs_delta(got.reshape(-1, got.shape[-1]),
+                                                                   want.reshape(-1, want.shape[-1])))
                     for buffer in ("key_cache", "value_cache"):
-                        cache_delta = max(cache_delta, _beyond_one_fp16_step(getattr(traced, buffer).numpy(),
-                                                                             getattr(eager, buffer).numpy()))
+                        cache_delta = worst(cache_delta, _beyond_one_fp16_step(getattr(traced, buffer).numpy(),
+                                                                               getattr(eager, buffer).numpy()))
                     offset += size
             label = f"{name}@{first}[" + ",".join(map(str, schedule)) + "]"
             errors[label] = logit_delta
