@@ -16,6 +16,7 @@ import numpy as np
 
 from coreml import calibration
 from coreml.calibration import Calibration
+from pipeline.ground.pages import release_pages
 from pipeline.ground.scratch import ScratchFile
 from coreml.recipes.base import (RECIPES, WEIGHT_THRESHOLD, Context, Encoder, Prepared, Recipe, RecipePrecondition,
                                  StepRecipe, Weight, carried, precondition, register_recipe, whole_tensors)
@@ -185,6 +186,16 @@ def _held(code, scratch: ScratchFile):
                             if isinstance(getattr(code, f.name), np.ndarray)})
 
 
+def _released(code) -> None:
+    """Drop the pages of `code`'s arrays (held in a scratch file) from this process: they stay
+    in the file's page cache, and a later read maps them again. Every option's codes stayed
+    resident once written or read, 2.2 GB of the process's total RSS on SmolLM2-135M."""
+    arrays = [getattr(code, f.name) for f in fields(code)] if is_dataclass(code) else [code]
+    for array in arrays:
+        if isinstance(array, np.ndarray):
+            release_pages(array)
+
+
 def _step_key(recipe: StepRecipe, weight: Weight) -> str:
     """What the option's step for `weight` is: options that give a weight the same step share its codes."""
     (step,) = recipe.steps(weight).values()
@@ -221,14 +232,20 @@ class OptionCodes:
         key = (weight.name, _step_key(RECIPES[option], weight))
         if key not in self._codes:
             self._codes[key] = _held(self._encoders[key](self.calib.weight(weight.hf_names[0])), self._codes_file)
+            _released(self._codes[key])
         return self._codes[key]
 
     def decoded(self, choices: dict[str, str]) -> dict[str, np.ndarray]:
         """HF name -> the decoded weight of every group `choices` names, coded by its choice
         (in a scratch file of this call's own, gone with the arrays)."""
-        scratch = ScratchFile()
-        return {n: scratch.hold(_decoded(self.code(w, choices[g]))) for g, ws in self.groups.items() if g in choices
-                for w in ws for n in w.hf_names}
+        scratch, decoded = ScratchFile(), {}
+        for group, weights in self.groups.items():
+            for w in weights if group in choices else ():
+                code = self.code(w, choices[group])
+                array = scratch.hold(_decoded(code))
+                _released(code)
+                decoded.update((name, array) for name in w.hf_names)
+        return decoded
 
     def group_error(self, group: str, option: str) -> float:
         """Calibration KL with only `group` coded by `option` (options that code it alike: measured once)."""
