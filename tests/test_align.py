@@ -382,6 +382,15 @@ def test_compare_in_row_blocks_gives_the_whole_arrays_figures(monkeypatch):
         assert exactness._percentile_of_largest(kept, n, 99.0) == pytest.approx(np.percentile(values, 99), rel=4 * 2.0**-53)
     assert whole["outside"] == int(np.count_nonzero(delta > tol.atol + tol.rtol * np.abs(want)))
     assert whole["kl_mean"] == float(np.mean(kl_rows(log_softmax(want), log_softmax(got))))
+    # A first block of exactly as many values as the percentile keeps (2 of 100): held unpartitioned.
+    monkeypatch.setattr(exactness, "COMPARE_BLOCK_BYTES", 2 * 4)
+    for seed in range(50):  # seed 20 took the first block's first value as the least of the two
+        draws = np.random.default_rng(seed)
+        column = draws.standard_normal((100, 1)).astype(np.float32)
+        shifted = column + draws.standard_normal((100, 1)).astype(np.float32) * np.float32(1e-3)
+        assert compare(shifted, column, tol)["p99_abs"] == pytest.approx(
+            float(np.percentile(np.abs(shifted - column), 99)), rel=2 * 2.0**-24)
+    monkeypatch.setattr(exactness, "COMPARE_BLOCK_BYTES", 5 * 300 * 4)
     # |Δ| of three values only, exactly (quarters): ties at the least of the kept values in every block.
     grid = np.round(want * 4) / 4
     tied = grid + rng.integers(0, 3, want.shape).astype(np.float32) / 2
