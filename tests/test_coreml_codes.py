@@ -74,9 +74,7 @@ def test_kmeans_tiles_pick_the_nearest_stored_entry_and_beat_a_uniform_lut():
 
 def test_kmeans_codes_are_the_search_of_each_value_among_the_stored_lut_midpoints():
     # The codes are read off each tile's sorted values (`_nearest_in_sorted`); numpy's own search
-    # of every value among the midpoints of its tile's stored LUT is the independent answer, ties
-    # included: values on a grid of sixteenths, where at 4 bits 25 values lie on a midpoint (the
-    # k-means is elementwise IEEE arithmetic and sequential sums: the same LUT on every machine).
+    # of every value among the midpoints of its tile's stored LUT is the independent answer.
     rng = np.random.default_rng(2)
     w = (np.round(rng.standard_normal((64, 96)) * 16) / 8).astype(np.float32)
     tiles = w.reshape(2, 32 * 96).astype(np.float64)
@@ -86,8 +84,34 @@ def test_kmeans_codes_are_the_search_of_each_value_among_the_stored_lut_midpoint
         mids = (stored[:, 1:] + stored[:, :-1]) / 2
         want = np.stack([np.searchsorted(m, t) for m, t in zip(mids, tiles)])
         np.testing.assert_array_equal(palette.indices.reshape(2, -1), want)
-        if nbits == 4:
-            assert sum(np.isin(t, m).sum() for m, t in zip(mids, tiles)) == 25
+
+
+def test_the_cut_search_is_numpys_search_row_by_row_ties_and_signed_zeros_included():
+    # `_SortedRows` counts float32 values below (at or below) float64 queries through integer keys,
+    # `_nearest_in_sorted` turns its cuts into codes: both against np.searchsorted on each row, with
+    # queries on values exactly, between neighbouring float32 values, on -0.0 and +0.0, repeated,
+    # and beyond both ends; rows searched together must answer as each alone.
+    rng = np.random.default_rng(11)
+    low = np.float32([[0.1], [-0.3], [1.7], [5.0]])
+    high = np.nextafter(low, np.float32(np.inf))  # its neighbour: no float32 between the two
+    rows = np.sort(np.concatenate([np.round(rng.standard_normal((4, 40)) * 4) / 4, np.array([[-0.0, 0.0]] * 4),
+                                   low, high], axis=1).astype(np.float32), axis=1)
+    values = rows.astype(np.float64)
+    step = high.astype(np.float64) - low.astype(np.float64)
+    between = [low + step / 4, low + 3 * step / 4]  # rounding to float32 would take them to low, high
+    queries = np.sort(np.concatenate([values[:, ::7], *between, np.zeros((4, 1)), -np.zeros((4, 1)),
+                                      np.full((4, 1), -1e9), np.full((4, 1), 1e9)], axis=1), axis=1)
+    search = codes._SortedRows(values)
+    for side in ("left", "right"):
+        want = np.stack([np.searchsorted(r, q, side) for r, q in zip(values, queries)])
+        np.testing.assert_array_equal(search.count(queries, side), want)
+        np.testing.assert_array_equal(codes._SortedRows(values[1:2]).count(queries[1:2], side), want[1:2])
+    order = np.stack([rng.permutation(rows.shape[1]) for _ in range(4)])
+    shuffled = np.empty_like(values)
+    np.put_along_axis(shuffled, order, values, axis=1)  # row i's sorted values sit at order[i]
+    got = codes._nearest_in_sorted(search, order, queries[:, 1:-1])
+    want = np.stack([np.searchsorted(q, v) for q, v in zip(queries[:, 1:-1], shuffled)])
+    np.testing.assert_array_equal(got, want)
 
 
 def test_kmeans_tiles_in_bands_of_tile_rows_give_the_codes_of_all_tiles_at_once(monkeypatch):
