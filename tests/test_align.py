@@ -11,6 +11,7 @@ import tempfile
 import numpy as np
 import pytest
 
+from _missteps import Misstep
 from _survey_models import cloze_slice
 from conftest import FIXTURE_CMF, FIXTURE_REFERENCE
 from coreml.mil.ops import OPS, OpDef
@@ -567,43 +568,25 @@ def test_extend_batch_lets_each_batchs_written_caches_go_before_the_next_batch_r
     assert len(earlier) == len(branches)
 
 
-def test_reference_runs_merge_short_chunks_over_a_float32_cache_only():
+def test_reference_runs_merge_short_chunks_over_a_float32_cache_and_single_tokens_over_any():
     from pipeline.stages.gates.exactness import REFERENCE_RUN_TOKENS, reference_runs
 
     schedule = [1] * (REFERENCE_RUN_TOKENS + 3) + [3, REFERENCE_RUN_TOKENS + 1, 2]
     runs = reference_runs(schedule, np.float32)
     assert [size for run in runs for size in run] == schedule
     assert runs == [[1] * REFERENCE_RUN_TOKENS, [1, 1, 1, 3], [REFERENCE_RUN_TOKENS + 1], [2]]
-    assert reference_runs(schedule, np.float16) == [[size] for size in schedule]
+    # A cache that rounds what it keeps: runs of single tokens only, each checked row by row.
+    assert reference_runs(schedule, np.float16) == [[1] * REFERENCE_RUN_TOKENS, [1, 1, 1], [3],
+                                                    [REFERENCE_RUN_TOKENS + 1], [2]]
+    assert reference_runs([2, 1, 1, 5, 1], np.float16) == [[2], [1, 1], [5], [1]]
 
 
-class _Misstep:
-    """A chunk-KV package's schedule that, at the single-token chunk at `position`, adds `error`
-    to what it hands back: the logits (`where="logits"`) or the key slot it wrote (`"cache"`)."""
-
-    def __init__(self, chunks, position: int, where: str, error: float = 0.5):
-        self.chunks, self.position, self.where, self.error = chunks, position, where, error
-
-    def __getattr__(self, name):
-        return getattr(self.chunks, name)
-
-    def run(self, snapshot, ids):
-        logits, after = self.chunks.run(snapshot, ids)
-        if snapshot.position != self.position or len(ids) != 1:
-            return logits, after
-        if self.where == "logits":
-            return logits + self.error, after
-        keys = after.key_cache.copy()
-        keys[..., self.position, :] += self.error
-        return logits, self.chunks.with_cache_arrays(after, keys, after.value_cache)
-
-
-@pytest.mark.parametrize("where", ["logits", "cache"])
+@pytest.mark.parametrize("where", ["logits", "cache", "past"])
 def test_a_single_token_step_gone_wrong_inside_a_reference_run_is_caught(fixture_packages, where):
     """The reference checks a float32 cache's single-token steps 64 at a time (`reference_runs`):
-    a step in the middle of a run that returns wrong logits, or writes a wrong key slot, is
-    still outside the bound. The cache's error shows in the cache compared where the run ends,
-    and in the logits of the steps after it, which read the slot."""
+    a step in the middle of a run that returns wrong logits, or writes a wrong key slot (its own
+    or an earlier one), is still outside the bound. The cache's error shows in the cache
+    compared where the run ends, and in the logits of the steps after it, which read the slot."""
     from pipeline.stages.gates.exactness import run_checked
 
     package = fixture_packages / "chunk_kv"
@@ -613,7 +596,7 @@ def test_a_single_token_step_gone_wrong_inside_a_reference_run_is_caught(fixture
     ids = ReferenceFixtures(FIXTURE_REFERENCE).cases["long"].input_ids[:80]
     clean = run_checked(backend.chunks, intended, ids, [1] * len(ids), cache_tolerance)
     assert clean["cache_outside"] == 0 and compare(clean["got"], clean["want"], tolerance)["passed"]
-    broken = run_checked(_Misstep(backend.chunks, 40, where), intended, ids, [1] * len(ids), cache_tolerance)
+    broken = run_checked(Misstep(backend.chunks, 40, where), intended, ids, [1] * len(ids), cache_tolerance)
     outside = np.abs(broken["got"] - broken["want"]).max(-1) > tolerance.atol
     if where == "logits":
         assert broken["cache_outside"] == 0 and outside.nonzero()[0].tolist() == [40]

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from _missteps import PAST_SLOT, Misstep
 from _survey_models import cloze_slice
 from conftest import FIXTURE_REFERENCE
 from coreml.kinds.cache_runner import PackageInterfaceError
@@ -20,7 +21,7 @@ from coreml.runner import PackageBackend
 from pipeline.stages.artifacts import verify_artifact
 from manifests.identity import MANIFEST_NAME, inventory, read_json, write_json
 from pipeline.stages.gates import GateFailed, ReferenceFixtures, intended_references, require_passed, upstream_of
-from pipeline.stages.gates.exactness import chunk_patterns, exact_tolerances, run_checked
+from pipeline.stages.gates.exactness import chunk_patterns, compare, exact_tolerances, reference_runs, run_checked
 from pipeline.stages.gates.invariants import BRANCH_A, BRANCH_B
 from pipeline.cli import main
 
@@ -150,6 +151,41 @@ def test_package_backend_branches_a_stateful_package(fixture_stateful):
     np.testing.assert_array_equal(np.concatenate([prefix_logits, suffix_logits]), checked["got"])
     assert np.abs(checked["got"] - checked["want"]).max() <= tolerance.atol and checked["cache_outside"] == 0
     np.testing.assert_array_equal(backend.extend(snapshot, case.input_ids[40:56]), suffix_logits)
+
+
+@pytest.mark.parametrize("where", [None, "logits", "cache", "past"])
+def test_single_token_steps_over_the_fp16_cache_are_checked_row_by_row_in_one_forward(fixture_stateful, where,
+                                                                                      monkeypatch):
+    """The reference checks the fp16 cache's single-token steps 64 at a time, each row
+    attending to the package's cache before it and its own K/V (`TorchBackend.single_steps`):
+    the same figures as checking each step from its own cache, and a step in the middle of a
+    run that returns wrong logits, or writes a wrong key slot (its own or an earlier one), is
+    outside the bound. A wrong slot shows in the cache compared where the run ends; the steps
+    after it read it from the package's cache on both sides."""
+    manifest = read_json(fixture_stateful / MANIFEST_NAME)
+    intended, _ = intended_references(fixture_stateful, manifest, upstream_of(fixture_stateful, manifest)[2])
+    tolerance, cache_tolerance = exact_tolerances(intended.model, intended.context)
+    chunks = PackageBackend(open_package(fixture_stateful, backend="executor")).chunks
+    ids = ReferenceFixtures(FIXTURE_REFERENCE).cases["long"].input_ids[:80]
+    assert reference_runs([1] * len(ids), intended.cache_dtype) == [[1] * 64, [1] * 16]
+    checked = run_checked(chunks if where is None else Misstep(chunks, 40, where), intended, ids, [1] * len(ids),
+                          cache_tolerance)
+    outside = np.abs(checked["got"] - checked["want"]).max(-1) > tolerance.atol
+    if where is None:
+        # Step by step, each from its own cache (runs of one chunk), as before: both within the bound.
+        monkeypatch.setattr("pipeline.stages.gates.exactness.REFERENCE_RUN_TOKENS", 1)
+        alone = run_checked(chunks, intended, ids, [1] * len(ids), cache_tolerance)
+        assert checked["cache_outside"] == alone["cache_outside"] == 0
+        np.testing.assert_array_equal(checked["got"], alone["got"])
+        assert compare(checked["got"], checked["want"], tolerance)["passed"]
+        assert compare(alone["got"], alone["want"], tolerance)["passed"]
+    elif where == "logits":
+        assert checked["cache_outside"] == 0 and outside.nonzero()[0].tolist() == [40]
+    elif where == "cache":
+        assert checked["cache_outside"] > 0 and not outside.any()
+    else:
+        # The steps up to the misstep read the slot whole, the reference the run's end's: theirs differ too.
+        assert checked["cache_outside"] > 0 and outside.nonzero()[0].tolist() == list(range(PAST_SLOT + 1, 41))
 
 
 def test_the_stateful_gate_reads_fp32_scores_of_its_bundle_and_refuses_others(

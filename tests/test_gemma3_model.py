@@ -8,6 +8,7 @@ run over more than 512 tokens. Every comparison takes the derived float32 bound
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,6 +18,7 @@ from pipeline.ground.models import CachedStep, KVCache, ModelArgs, build_model
 from pipeline.ground.models.errors import ModelConfigError
 from pipeline.ground.models.hf_config import arch_from_hf_config
 from pipeline.ground.models.numerics import model_cache_bound, model_logits_bound
+from pipeline.ground.torch_backend import TorchBackend
 
 SMALL = dict(num_hidden_layers=4, sliding_window=8,
              layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"])
@@ -117,6 +119,30 @@ def test_batched_branches_equal_one_branch_at_a_time(pair):
                for got_keys, got_values, branch in zip(keys, values, alone)
                for got, ref in ((got_keys, branch.keys), (got_values, branch.values))]
     assert max(written) <= cache_bound
+
+
+def test_single_steps_in_one_forward_equal_each_step_from_its_own_cache(pair):
+    """`TorchBackend.single_steps` over an fp16 cache, across the window's edge: each token of
+    the run against `advance_arrays` of it alone from the cache the steps before it left (the
+    gate checks a package's consecutive calls so), logits within the bound and the written
+    cache within the gate's cache bound."""
+    from pipeline.stages.gates.exactness import cache_outside, exact_tolerances
+
+    model, _, ids, _ = pair
+    start, steps, context = model.args.sliding_window - 4, 8, len(ids) + 16
+    backend = TorchBackend(model, model.args, context, cache_dtype=np.float16)
+    _, prefilled = backend.prefill(ids[:start].numpy())
+    before = (prefilled.keys.numpy().astype(np.float16), prefilled.values.numpy().astype(np.float16), start)
+    cache, alone = before, []
+    for token in ids[start:start + steps].numpy():
+        [(logits, cache)] = backend.advance_arrays([(cache, np.array([token]))])
+        alone.append(logits)
+    logits, written = backend.single_steps(before, cache, ids[start:start + steps].numpy())
+    assert np.abs(logits - np.concatenate(alone)).max() <= model_logits_bound(model, context)
+    _, cache_tolerance = exact_tolerances(model, context)
+    assert written[2] == cache[2] == start + steps
+    assert all(cache_outside(got, want, cache_tolerance) == 0 for got, want in zip(written[:2], cache[:2]))
+    assert all(got.dtype == np.float16 for got in written[:2])
 
 
 @torch.no_grad()

@@ -147,6 +147,34 @@ class TorchBackend:
                 for logits, after in done]
 
     @torch.no_grad()
+    def single_steps(self, before: tuple[np.ndarray, np.ndarray, int], after: tuple[np.ndarray, np.ndarray, int],
+                     ids: np.ndarray, logits_out: np.ndarray | None = None
+                     ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, int]]:
+        """Each token of `ids` as a one-token chunk of its own, as a package's consecutive
+        single-token calls from the numpy cache `before` ((keys, values, position)) run them, in
+        one forward (`CacheStep`'s rows_apart): `after` is the package's cache when they are
+        done, whose slots before a token's position are the cache that token's call read (slot =
+        position). Returns their logits (into `logits_out`'s rows, where given) and `before` with
+        each token's K/V written into its slot, in `cache_dtype`: what the calls should have
+        left, each from its own cache. One forward of T rows reads the weights once and holds one
+        cache, where T branches of a token each (`advance_arrays`) hold T caches."""
+        position = before[2]
+        if after[2] != position + len(ids):
+            raise BackendError(f"{self.name}: single steps of {len(ids)} tokens from position {position} "
+                               f"cannot have left a cache at position {after[2]}")
+        tokens = self._ids(ids, position)[None]
+        keys, values = (torch.from_numpy(np.array(after[part], np.float32)) for part in (0, 1))
+        hidden, new_keys, new_values = self.model.hidden_with_cache_tensors(
+            tokens, torch.tensor([position]), keys, values, rows_apart=True)
+        logits = self._head(hidden[0], logits_out)
+        written, slots = [], slice(position, position + len(ids))
+        for cache, new in zip(before[:2], (new_keys, new_values)):
+            cache = np.array(cache, copy=True)
+            cache[..., slots, :] = self._kept(torch.stack(new)[..., slots, :]).numpy()
+            written.append(cache)
+        return logits, (written[0], written[1], position + len(ids))
+
+    @torch.no_grad()
     def _stacked_branches(self, branches: list[tuple[int, np.ndarray]], keys: torch.Tensor, values: torch.Tensor,
                           last_only: bool = False, logits_out: np.ndarray | None = None) -> list[tuple[np.ndarray, KVCache]]:
         """Each (position, ids) run after its own caches, stacked [B, ...] in `keys` / `values`."""

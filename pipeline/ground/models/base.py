@@ -161,9 +161,10 @@ class Attention(nn.Module):
         k = self._rope(self._heads(self.k_proj(x), self.kv_heads, self.k_norm), cos, sin)
         v = self._heads(self.v_proj(x), self.kv_heads, None)
         keys, values = step.write(key_cache, k), step.write(value_cache, v)
-        scores = self.score_probe(matmul(q, self._repeat_kv(keys).transpose(2, 3))) * self.scale
+        seen_keys, seen_values = step.attended(key_cache, k, keys), step.attended(value_cache, v, values)
+        scores = self.score_probe(matmul(q, self._repeat_kv(seen_keys).transpose(2, 3))) * self.scale
         scores = scores.masked_fill(~(step.attend_sliding if self.sliding else step.attend), self.mask_value)
-        out = matmul(torch.softmax(scores, dim=-1), self._repeat_kv(values))
+        out = matmul(torch.softmax(scores, dim=-1), self._repeat_kv(seen_values))
         if self.head_mask is not None:
             out = out * self.head_mask.view(1, self.heads, 1, 1)
         out = out.transpose(1, 2).reshape(1, -1, self.heads * self.head_dim)
@@ -254,17 +255,26 @@ class CacheStep:
 
     The write is a 0/1 matrix product instead of an indexed copy: exact in float32 (every
     product is by 0 or 1), and free of data-dependent indexing for tracing.
+
+    With `rows_apart`, each of the T tokens is a one-token chunk of its own at its position, and
+    the cache given is the one the last of them left: the reference checking a package's
+    consecutive single-token calls in one forward (`TorchBackend.single_steps`). Slot =
+    position, so the slots before a token's position are the cache its call read; it attends
+    to those and to its own K/V, never to the slot the package wrote for it. That is each
+    call's arithmetic, summation order aside: a masked score's weight is exactly 0.
     """
 
-    def __init__(self, ids, position, slots_axis, sliding_window: int | None = None):
+    def __init__(self, ids, position, slots_axis, sliding_window: int | None = None, rows_apart: bool = False):
         self.positions = position.to(torch.float32).reshape(1) + _axis_index(ids[0])  # [T]
+        self.rows_apart = rows_apart
         slots = _axis_index(slots_axis)  # [S]
         # In the cache's dtype: 0 and 1 are exact in fp16 too (the fp16 reference's cache).
         self.place = (slots[None, :] == self.positions[:, None]).to(slots_axis.dtype)  # [T, S]
         self.keep = (1.0 - self.place.sum(0))[:, None]  # [S, 1]
         # A slot at or after position + T is later than every query, so causality alone
         # keeps stale or empty slots out of the output.
-        self.attend = (slots[None, :] <= self.positions[:, None])[None, None]  # [1, 1, T, S]
+        seen = slots[None, :] < self.positions[:, None] if rows_apart else slots[None, :] <= self.positions[:, None]
+        self.attend = self._mask(seen)
         self.attend_sliding = None
         if sliding_window is not None:
             # transformers' sliding window: query i sees key j iff i - window < j <= i. The cache
@@ -272,11 +282,22 @@ class CacheStep:
             # alone; a ring buffer of `window` slots for the sliding layers is a Core ML cache
             # design choice, not the reference's.
             recent = slots[None, :] > self.positions[:, None] - sliding_window
-            self.attend_sliding = self.attend & recent[None, None]
+            self.attend_sliding = self._mask(seen & recent)
+
+    def _mask(self, seen):
+        """[1, 1, T, S]; rows apart, [1, 1, T, S + T]: each row also sees its own token."""
+        if self.rows_apart:
+            seen = torch.cat([seen, torch.eye(len(self.positions), dtype=torch.bool)], dim=1)
+        return seen[None, None]
 
     def write(self, cache, new):
         """cache [1, kv, S, D] with slots position.. replaced by new [1, kv, T, D]."""
         return cache * self.keep + matmul(self.place.transpose(0, 1), new)
+
+    def attended(self, cache, new, written):
+        """The K or V the chunk's queries attend over (`attend` says which of them each may):
+        the written cache, or rows apart, the cache given followed by the chunk's own."""
+        return torch.cat([cache, new], dim=2) if self.rows_apart else written
 
 
 def _cos_sin(step: CacheStep, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -341,11 +362,11 @@ class Decoder(nn.Module):
         hidden, keys, values = self.hidden_with_cache_tensors(ids, position, key_cache, value_cache)
         return self.logits_of(hidden), torch.stack(keys), torch.stack(values)
 
-    def hidden_with_cache_tensors(self, ids, position, key_cache, value_cache):
+    def hidden_with_cache_tensors(self, ids, position, key_cache, value_cache, rows_apart: bool = False):
         """`forward_with_cache_tensors` short of the head: the final-normed hidden states, and
         each layer's written caches as lists (stacked after the head, the converted program's
-        op order stays what it was)."""
-        step = CacheStep(ids, position, key_cache[0, 0, 0, :, 0], self.sliding_window)
+        op order stays what it was). `rows_apart`: each token a chunk of its own (`CacheStep`)."""
+        step = CacheStep(ids, position, key_cache[0, 0, 0, :, 0], self.sliding_window, rows_apart)
         full = _cos_sin(step, self.inv_freq)
         rope = {"FullAttention": full,
                 "SlidingAttention": full if self.sliding_inv_freq is None else _cos_sin(step, self.sliding_inv_freq)}

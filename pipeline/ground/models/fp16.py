@@ -331,9 +331,9 @@ class Fp16Reference(nn.Module):
                                                           last_only=last_only)
         return rows, keys.float(), values.float()
 
-    def hidden_with_cache_tensors(self, ids, position, key_cache, value_cache):
-        hidden, keys, values = self.decoder.hidden_with_cache_tensors(ids, position,
-                                                                      *self._half(key_cache, value_cache))
+    def hidden_with_cache_tensors(self, ids, position, key_cache, value_cache, rows_apart: bool = False):
+        hidden, keys, values = self.decoder.hidden_with_cache_tensors(ids, position, *self._half(key_cache, value_cache),
+                                                                      rows_apart=rows_apart)
         return hidden, [k.float() for k in keys], [v.float() for v in values]
 
     def logits_of(self, hidden):

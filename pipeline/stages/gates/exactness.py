@@ -29,11 +29,12 @@ COMPRESSED_PATTERNS = ("one_shot", "split_3")
 # batch of branches (`TorchBackend.advance_arrays`): at most this many bytes of them at a time, as
 # float32. The batch holds about four times that while it runs (the caches stacked, the ones it
 # writes, their rounding to the package's cache dtype and the copies handed back): at 256 MB of
-# fp16 caches SmolLM2's stateful gate peaked 1.8 GB over its baseline. A batch still reads the
-# weights once for several single-token chunks (SmolLM2: 10 a batch, Gemma 3: 3).
+# fp16 caches SmolLM2's stateful gate peaked 1.8 GB over its baseline. Single-token chunks over
+# an fp16 cache no longer go this way (`TorchBackend.single_steps`: one forward for a run of them,
+# 13-15x faster on Gemma 3 and SmolLM2 at 1024 slots than batches of 3-4, benchmarks/gate_bench.py).
 REFERENCE_BATCH_BYTES = 128 * 2**20
-# The most tokens of consecutive chunks the reference checks as one run over a float32 cache
-# (`reference_runs`): its logits are 64 MB on a 262k vocabulary.
+# The most tokens of consecutive chunks the reference checks as one run (`reference_runs`): its
+# logits are 64 MB on a 262k vocabulary.
 REFERENCE_RUN_TOKENS = 64
 # Comparisons go through logits this many bytes of rows at a time: a 262k vocabulary's logits
 # over 1024 positions are 1 GB, and a comparison's temporaries are about eight times its block
@@ -252,16 +253,26 @@ def chunk_patterns(n: int, window: int | None = None) -> dict[str, list[int]]:
 
 def reference_runs(schedule: list[int], cache_dtype) -> list[list[int]]:
     """The chunks of `schedule` grouped into the runs the reference checks them by, in order:
-    with a float32 cache, consecutive chunks of up to REFERENCE_RUN_TOKENS tokens in all are
-    one run (a longer chunk is a run of its own); with an fp16 cache, every chunk is a run."""
+    consecutive chunks of up to REFERENCE_RUN_TOKENS tokens in all are one run (a longer chunk
+    is a run of its own); with a cache of another dtype than float32, only single-token ones
+    (`single_token_run`), every longer chunk being a run of its own."""
+    float32 = np.dtype(cache_dtype) == np.float32
     runs: list[list[int]] = []
     for size in schedule:
-        if (runs and np.dtype(cache_dtype) == np.float32
-                and sum(runs[-1]) + size <= REFERENCE_RUN_TOKENS):
+        if (runs and sum(runs[-1]) + size <= REFERENCE_RUN_TOKENS
+                and (float32 or single_token_run(runs[-1] + [size], cache_dtype))):
             runs[-1].append(size)
         else:
             runs.append([size])
     return runs
+
+
+def single_token_run(run: list[int], cache_dtype) -> bool:
+    """Whether the reference checks `run` token by token in one forward (`TorchBackend.single_steps`):
+    its chunks are single tokens over a cache that rounds what it keeps, so one chunk of the
+    reference would attend its earlier tokens' K/V unrounded where the package's later calls
+    read them rounded."""
+    return np.dtype(cache_dtype) != np.float32 and set(run) == {1}
 
 
 def run_checked(chunks: ChunkSchedule, intended, ids: np.ndarray, schedule: list[int],
@@ -278,14 +289,16 @@ def run_checked(chunks: ChunkSchedule, intended, ids: np.ndarray, schedule: list
     chunk's logits are still compared with the reference's row by row. The caches are compared
     where the run ends: every slot its chunks wrote is there (slot = position, none written
     twice), so each written entry is checked once, as before. A single-token pattern then costs
-    the reference a forward of 64 tokens per 64 steps instead of one per step (or per batch of
-    3 on Gemma 3's 38 MB caches). An fp16 cache is checked chunk by chunk: the package's later
-    chunk reads the earlier one's K/V rounded to fp16, which one reference chunk would attend
-    unrounded, a difference of fp16's unit roundoff rather than of summation order.
-
-    The reference's runs depend on the package's caches only, so they go in batches of branches
-    (one weight read for many single-token chunks of an fp16 cache: SmolLM2's single_tokens
-    pattern 3x faster); a batched run is again the same arithmetic in another summation order."""
+    the reference a forward of 64 tokens per 64 steps instead of one per step. Over an fp16
+    cache a run of chunks is not one reference chunk: the package's later chunk reads the
+    earlier one's K/V rounded to fp16, which one reference chunk would attend unrounded, a
+    difference of fp16's unit roundoff rather than of summation order. There consecutive
+    single-token chunks are one run checked token by token in one forward
+    (`TorchBackend.single_steps`): each token attends to the package's cache before it and to
+    its own K/V, as its call did, and the cache the run leaves is compared with the one before
+    it with each token's K/V written; longer chunks are a run each. The reference's other runs
+    depend on the package's caches only, so they go in batches of branches; a batched run is
+    again the same arithmetic in another summation order."""
     snapshot, outside, start, pending, held = chunks.empty(), 0, 0, [], 0
     # Both sides' logits are written, as each chunk (or batch) is made, into their rows of one
     # array per side in a scratch file: a long case's are 1 GB a side on a 262k vocabulary,
@@ -299,12 +312,19 @@ def run_checked(chunks: ChunkSchedule, intended, ids: np.ndarray, schedule: list
             sides[side] = scratch.empty((len(ids), *logits.shape[1:]), logits.dtype)
         sides[side][at:at + len(logits)] = logits
 
+    def want_rows() -> np.ndarray:
+        if "want" not in sides:
+            sides["want"] = scratch.empty((len(ids), intended.args.vocab_size), np.float32)
+        return sides["want"]
+
+    def written_outside(after, ref) -> int:
+        return sum(cache_outside(new, want, cache_tolerance) for new, want in zip(after, ref[:2]))
+
     def check() -> int:
         # Runs of one length per batch: unpadded, so the reference writes exactly the slots
         # the run covers and the whole written cache is compared. Runs that follow each other
         # have their logits written by the reference's head straight into their rows.
-        if "want" not in sides:
-            sides["want"] = scratch.empty((len(ids), intended.args.vocab_size), np.float32)
+        want_rows()
         refs = [None] * len(pending)
         for size in {len(part) for _, part, _, _ in pending}:
             alike = [i for i, (_, part, _, _) in enumerate(pending) if len(part) == size]
@@ -315,9 +335,7 @@ def run_checked(chunks: ChunkSchedule, intended, ids: np.ndarray, schedule: list
             if rows is None:
                 for i in alike:
                     write("want", pending[i][3], refs[i][0])
-        return sum(cache_outside(new, ref, cache_tolerance)
-                   for (_, (ref_keys, ref_values, _)), (_, _, after, _) in zip(refs, pending)
-                   for new, ref in zip(after, (ref_keys, ref_values)))
+        return sum(written_outside(after, ref) for (_, ref), (_, _, after, _) in zip(refs, pending))
 
     for run in reference_runs(schedule, intended.cache_dtype):
         before, run_start = chunks.cache_arrays(snapshot), start
@@ -326,6 +344,11 @@ def run_checked(chunks: ChunkSchedule, intended, ids: np.ndarray, schedule: list
             write("got", start, logits)
             del logits  # the scratch rows are the ones kept; this copy would outlive the reference's batch
             start += size
+        if single_token_run(run, intended.cache_dtype):
+            after = chunks.cache_arrays(snapshot)
+            _, ref = intended.single_steps(before, after, ids[run_start:start], logits_out=want_rows()[run_start:start])
+            outside += written_outside(after[:2], ref)
+            continue
         pending.append((before, ids[run_start:start], chunks.cache_arrays(snapshot)[:2], run_start))
         held += 4 * (before[0].size + before[1].size)  # as the reference holds them: float32
         if held >= REFERENCE_BATCH_BYTES:
