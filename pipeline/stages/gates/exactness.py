@@ -31,7 +31,7 @@ COMPRESSED_PATTERNS = ("one_shot", "split_3")
 # writes, their rounding to the package's cache dtype and the copies handed back): at 256 MB of
 # fp16 caches SmolLM2's stateful gate peaked 1.8 GB over its baseline. Single-token chunks over
 # an fp16 cache no longer go this way (`TorchBackend.single_steps`: one forward for a run of them,
-# 13-15x faster on Gemma 3 and SmolLM2 at 1024 slots than batches of 3-4, benchmarks/gate_bench.py).
+# 13.7x and 14.4x faster on Gemma 3 and SmolLM2 at 1024 slots than batches of 4 and 3, benchmarks/gate_bench.py).
 REFERENCE_BATCH_BYTES = 128 * 2**20
 # The most tokens of consecutive chunks the reference checks as one run (`reference_runs`): its
 # logits are 64 MB on a 262k vocabulary.
