@@ -27,6 +27,18 @@ def dies_on(setup: dict):
     return handle
 
 
+def chatters(setup: dict):
+    """Each task: setup's `bytes` of noise on stderr (more than a pipe holds) before its answer,
+    or before dying with a last word for setup's `fatal` task."""
+    def handle(task: str) -> str:
+        sys.stderr.write("x" * setup["bytes"] + "\n")
+        if task == setup.get("fatal"):
+            print(f"last word on {task}", file=sys.stderr)
+            os._exit(4)
+        return task
+    return handle
+
+
 def blocks(setup: dict):
     """Each task: say this worker's pid in setup's file, then wait for ever (a stage mid-task)."""
     def handle(task: str) -> str:

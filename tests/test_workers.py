@@ -5,6 +5,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -12,8 +13,8 @@ import pytest
 
 from pipeline.ground.ray_engine import INSTALL, RayMissing, job_slots
 from pipeline.ground import workers
-from pipeline.ground.workers import (Executor, UnknownExecutor, WorkerFailed, affordable_jobs, job_memory,
-                                      run_in_workers, thread_share_env)
+from pipeline.ground.workers import (STDERR_TAIL, Executor, UnknownExecutor, WorkerFailed, affordable_jobs,
+                                      job_memory, run_in_workers, thread_share_env)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -83,6 +84,24 @@ def test_thread_share_is_a_fraction_of_the_cores_and_never_zero():
 def test_a_dying_worker_is_a_typed_error_naming_its_task_and_its_stderr():
     with pytest.raises(WorkerFailed, match=r"survey: the worker running 'b' exited 3:\n(.|\n)*cannot do b"):
         run_in_workers("tests._worker_jobs:dies_on", {"fatal": "b"}, ["a", "b", "c"], jobs=2, where="survey")
+
+
+def test_a_worker_that_fills_its_stderr_pipe_is_not_stalled_and_its_last_words_are_kept():
+    # 1 MB is sixteen times a Linux pipe's buffer: an undrained pipe would block the worker.
+    setup = {"bytes": 1 << 20, "fatal": "c"}
+    assert run_in_workers("tests._worker_jobs:chatters", {"bytes": 1 << 20}, ["a", "b"], jobs=1,
+                          where="survey") == ["a", "b"]
+    with pytest.raises(WorkerFailed, match=r"exited 4:\nx+\nlast word on c\n$") as failed:
+        run_in_workers("tests._worker_jobs:chatters", setup, ["a", "b", "c"], jobs=2, where="survey")
+    assert len(str(failed.value)) < STDERR_TAIL + 200
+
+
+def test_a_worker_error_reaches_the_caller_when_the_temp_folder_is_unusable(tmp_path, monkeypatch):
+    """On a full disk a worker's own error is the one that says so: its stderr must not need the
+    temp folder to be carried back."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "gone"))
+    with pytest.raises(WorkerFailed, match=r"exited 3:\n(.|\n)*cannot do b"):
+        run_in_workers("tests._worker_jobs:dies_on", {"fatal": "b"}, ["a", "b"], jobs=1, where="survey")
 
 
 def _alive(pid: int) -> bool:

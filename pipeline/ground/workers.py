@@ -28,7 +28,6 @@ import selectors
 import signal
 import subprocess
 import sys
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -173,26 +172,30 @@ def run_locally(entry: str, setup: dict, tasks: Sequence[Any], jobs: int, *, whe
     argv = [sys.executable, "-m", __name__, entry, json.dumps(setup), str(os.getpid())]
     waiting = list(enumerate(tasks))
     results: dict[int, Any] = {}
-    workers: list[tuple[subprocess.Popen, Any]] = []
+    workers: list[subprocess.Popen] = []
     with selectors.DefaultSelector() as ready:
         try:
             for _ in range(min(jobs, len(waiting))):
-                # Unlinked from the start: a stage killed while its workers run leaves no log behind.
-                log = tempfile.TemporaryFile("w+")
                 worker = subprocess.Popen(argv, env=env, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                          stderr=log)
-                workers.append((worker, log))
-                current = [waiting.pop(0)]
-                ready.register(worker.stdout, selectors.EVENT_READ, (worker, log, current))
+                                          stderr=subprocess.PIPE)
+                workers.append(worker)
+                current, tail = [waiting.pop(0)], bytearray()
+                ready.register(worker.stdout, selectors.EVENT_READ, (worker, current, tail))
+                ready.register(worker.stderr, selectors.EVENT_READ, tail)
                 _send(worker, current[0][1])
             while len(results) < len(tasks):
                 for key, _ in ready.select():
-                    worker, log, current = key.data
+                    if isinstance(key.data, bytearray):
+                        if not _keep_tail(key.fileobj, key.data):
+                            ready.unregister(key.fileobj)
+                        continue
+                    worker, current, tail = key.data
                     line = worker.stdout.readline()
                     if not line:
-                        log.seek(0)
-                        raise WorkerFailed(f"{where}: the worker running {current[0][1]!r} exited "
-                                           f"{worker.wait()}:\n{log.read()[-STDERR_TAIL:]}")
+                        code = worker.wait()
+                        _drain(worker.stderr, tail)
+                        raise WorkerFailed(f"{where}: the worker running {current[0][1]!r} exited {code}:\n"
+                                           f"{tail.decode(errors='replace')[-STDERR_TAIL:]}")
                     index, task = current[0]
                     results[index] = json.loads(line)
                     if done is not None:
@@ -201,13 +204,36 @@ def run_locally(entry: str, setup: dict, tasks: Sequence[Any], jobs: int, *, whe
                         current[0] = waiting.pop(0)
                         _send(worker, current[0][1])
         finally:
-            for worker, log in workers:
+            for worker in workers:
                 worker.stdin.close()
                 if len(results) < len(tasks):
                     worker.kill()
                 worker.wait()
-                log.close()
+                worker.stdout.close()
+                worker.stderr.close()
     return [results[index] for index in range(len(tasks))]
+
+
+def _keep_tail(stream, tail: bytearray) -> bool:
+    """Append what a worker has written to its stderr to `tail`, keeping the end that an error
+    carries; False at the end of the stream. The tail is held in memory, not in a file: a worker
+    that dies of a full temp folder would lose its log, and with it the error that says so."""
+    chunk = os.read(stream.fileno(), 1 << 16)
+    tail += chunk
+    del tail[:-4 * STDERR_TAIL]  # enough bytes for STDERR_TAIL characters of UTF-8
+    return bool(chunk)
+
+
+def _drain(stream, tail: bytearray) -> None:
+    """Keep the rest of a dead worker's stderr. Everything it wrote is in the pipe once it has
+    exited, so reading without blocking gets it all, even if some process it started holds the
+    pipe open."""
+    os.set_blocking(stream.fileno(), False)
+    try:
+        while _keep_tail(stream, tail):
+            pass
+    except BlockingIOError:
+        pass
 
 
 def _send(worker: subprocess.Popen, task: Any) -> None:
