@@ -242,7 +242,8 @@ def _result(model: Model, source: Path, rows: dict, how: str) -> dict:
 
 def run_recipes(package: Path, recipes: list[str], work: Path, mlx_bits: list[int], exact: bool = False,
                 shared: bool = False) -> dict:
-    """`shared`: the recipes share calibration Hessians and GPTQ codes as a survey's do (`coreml.cache`)."""
+    """`shared`: the recipes share calibration Hessians, GPTQ codes and k-means centres as a survey's do
+    (`coreml.cache`)."""
     model = Model.of_package(package)
     rows = {"fp32": _fp32_row(model)}
     base = rows["fp32"]
@@ -250,8 +251,8 @@ def run_recipes(package: Path, recipes: list[str], work: Path, mlx_bits: list[in
         recipe, _, budget = spec.partition("@")
         start = time.perf_counter()
         extra = {"calibration_ids": model.calibration} if RECIPES[recipe].calibration else {}
-        if shared and extra:
-            extra["calibration_cache"] = work / ".calibration-cache"
+        if shared:
+            extra["shared_cache"] = work / ".shared-cache"
         if budget:
             extra["bpw"] = float(budget)
         manifest = compress_package(package, recipe, work / spec, force=True, **extra)

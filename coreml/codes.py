@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from coreml.cache import ResultCache, content_key
+
 KMEANS_ITERATIONS = 40  # past 40, a t(4)-tailed test matrix's error moves by < 0.2%
 # A group's Lloyd iterations stop once none of its centres moves by more than this fraction
 # of its range: far below the fp16 rounding (2**-11 relative) the LUT is stored with.
@@ -315,14 +317,39 @@ def _searched_parameters(values: np.ndarray, nbits: int, dtype, integer_offset: 
 
 
 def kmeans_tiles(w: np.ndarray, nbits: int, tile: tuple[int, int], importance: np.ndarray | None = None,
-                 dtype=np.float16) -> Palette:
+                 dtype=np.float16, cache: "ResultCache | None" = None) -> Palette:
     """One LUT per tile of `tile` = (rows, columns), by weighted k-means over the tile's values.
 
     iOS18 `constexpr_lut_to_dense` blocks its LUTs on both axes. (32, all columns) is the
     grouped-channel palette coremltools makes; docs/COMPRESSION.md shows why a LUT that
     spans all columns cannot follow how the weights' range changes along a row, and what
     smaller tiles buy for their fp16 LUTs.
+
+    `cache` (a survey's `coreml.cache.ResultCache`): the centres the Lloyd iterations settle
+    on are found there, or stored, by the weight, bits, tile and importance, not by the LUT's
+    dtype, which only rounds them afterwards: palette4-int8lut's fp32 LUT then costs the final
+    assignment alone where palette4-gc32 has run (Gemma 3: 155 s of a survey worker). The
+    codes are those computed afresh, bit for bit.
     """
+    if cache is None:
+        return _kmeans_tiles(w, nbits, tile, importance, dtype)[0]
+    made = {}
+
+    def make():
+        made["palette"], centres = _kmeans_tiles(w, nbits, tile, importance, dtype)
+        return {"centres": centres}, {}
+
+    key = content_key("kmeans centres", nbits, list(tile), np.asarray(w, np.float32),
+                      "unweighted" if importance is None else np.asarray(importance, np.float64))
+    centres = cache.arrays(key, make)[0]["centres"]
+    return made["palette"] if made else _kmeans_tiles(w, nbits, tile, importance, dtype, centres)[0]
+
+
+def _kmeans_tiles(w: np.ndarray, nbits: int, tile: tuple[int, int], importance: np.ndarray | None, dtype,
+                  settled: np.ndarray | None = None) -> tuple[Palette, np.ndarray]:
+    """(`kmeans_tiles`' palette, the float64 centres of every tile before their rounding to
+    `dtype`, [tiles, 2**nbits]); `settled`: those centres, from an earlier run of these tiles,
+    taken as they are."""
     w = np.asarray(w, np.float32)
     rows, cols = w.shape
     tr, tc = tile
@@ -330,6 +357,7 @@ def kmeans_tiles(w: np.ndarray, nbits: int, tile: tuple[int, int], importance: n
     importance = None if importance is None else _broadcast(importance, w)
     indices = np.empty((rows, cols), np.uint8)
     luts = np.empty((gr, gc, 1 << nbits), dtype)
+    centres = np.empty((gr * gc, 1 << nbits)) if settled is None else settled  # a cache's map: read only
     # A tile's LUT depends on its own values only, so bands of tile rows go through k-means
     # apart, KMEANS_BLOCK_VALUES values at a time: the same codes in bounded memory (about 80
     # bytes a value of working arrays: 13 GB at once for Gemma 3's 168M-value embedding).
@@ -341,15 +369,21 @@ def kmeans_tiles(w: np.ndarray, nbits: int, tile: tuple[int, int], importance: n
         def to_tiles(a):
             return a[lines].reshape(n, tr, gc, tc).transpose(0, 2, 1, 3).reshape(n * gc, tr * tc)
 
-        flat, lut = _kmeans_rows(to_tiles(w), None if importance is None else to_tiles(importance), nbits, dtype,
-                                 KMEANS_ITERATIONS)
+        tiles = slice(start * gc, (start + n) * gc)
+        flat, band_centres = _kmeans_rows(to_tiles(w), None if importance is None else to_tiles(importance), nbits,
+                                          dtype, KMEANS_ITERATIONS, None if settled is None else settled[tiles])
         indices[lines] = flat.reshape(n, gc, tr, tc).transpose(0, 2, 1, 3).reshape(n * tr, cols)
-        luts[start:start + n] = lut.reshape(n, gc, -1)
-    return Palette(indices, luts, nbits)
+        luts[start:start + n] = band_centres.astype(dtype).reshape(n, gc, -1)
+        if settled is None:
+            centres[tiles] = band_centres
+    return Palette(indices, luts, nbits), centres
 
 
-def _kmeans_rows(values: np.ndarray, weights: np.ndarray | None, nbits: int, dtype, iterations: int):
-    """(indices, LUT rounded to `dtype`) of each row of `values` by weighted Lloyd iterations.
+def _kmeans_rows(values: np.ndarray, weights: np.ndarray | None, nbits: int, dtype, iterations: int,
+                 settled: np.ndarray | None = None):
+    """(indices into the LUT, the float64 centres the LUT rounds to `dtype`) of each row of
+    `values` by weighted Lloyd iterations; `settled`: each row's centres from an earlier run,
+    kept as they are (the indices alone are computed).
 
     In one dimension a cluster is a run of the sorted values, so each iteration needs only
     the cut points (where the sorted values cross the midpoints between centres) and
@@ -374,11 +408,11 @@ def _kmeans_rows(values: np.ndarray, weights: np.ndarray | None, nbits: int, dty
     cum_wv = np.hstack([zero, np.cumsum(sorted_w * sorted_v, axis=1)])
     del sorted_w
     lo, hi = sorted_v[:, :1], sorted_v[:, -1:]
-    centres = lo + (hi - lo) * (np.arange(k) + 0.5) / k
+    centres = lo + (hi - lo) * (np.arange(k) + 0.5) / k if settled is None else np.asarray(settled, np.float64)
     n = sorted_v.shape[1]
     first, last = np.zeros_like(lo, dtype=np.int64), np.full(lo.shape, n, dtype=np.int64)
     moving = np.ones(len(sorted_v), bool)
-    for _ in range(iterations):
+    for _ in range(iterations if settled is None else 0):
         mids = (centres[:, 1:] + centres[:, :-1]) / 2
         cuts = np.hstack([first, search.count(mids, "left"), last])
         mass = np.diff(np.take_along_axis(cum_w, cuts, axis=1), axis=1)
@@ -390,9 +424,8 @@ def _kmeans_rows(values: np.ndarray, weights: np.ndarray | None, nbits: int, dty
         centres = moved
         if not moving.any():
             break
-    lut = centres.astype(dtype)
-    stored = lut.astype(np.float64)
-    return _nearest_in_sorted(search, order, (stored[:, 1:] + stored[:, :-1]) / 2), lut
+    stored = centres.astype(dtype).astype(np.float64)
+    return _nearest_in_sorted(search, order, (stored[:, 1:] + stored[:, :-1]) / 2), centres
 
 
 def _nearest_in_sorted(search: "_SortedRows", order: np.ndarray, mids: np.ndarray) -> np.ndarray:

@@ -131,6 +131,34 @@ def test_kmeans_tiles_in_bands_of_tile_rows_give_the_codes_of_all_tiles_at_once(
             np.testing.assert_array_equal(a.lut, b.lut)
 
 
+def test_kmeans_centres_found_in_a_cache_give_each_lut_dtype_its_codes_afresh(tmp_path, monkeypatch):
+    # The centres are stored before their rounding to the LUT's dtype, so an fp32 LUT made from an
+    # fp16 palette's centres is the one made from nothing, bit for bit on every machine (the same
+    # float64 centres, rounded and searched the same way); another weight, bit width or weighting
+    # is another entry.
+    from coreml.cache import ResultCache
+
+    rng = np.random.default_rng(6)
+    w = (rng.standard_t(4, (64, 96)) * 0.05).astype(np.float32)
+    importance = rng.random(96)
+    afresh = {dtype: codes.kmeans_tiles(w, 4, (32, 32), dtype=dtype) for dtype in (np.float16, np.float32)}
+    cache = ResultCache(tmp_path)
+    first = codes.kmeans_tiles(w, 4, (32, 32), dtype=np.float16, cache=cache)
+    lloyd = codes._kmeans_rows
+    monkeypatch.setattr(codes, "_kmeans_rows", lambda *args: lloyd(*args[:4], 0, args[5]) if args[5] is not None
+                        else pytest.fail("the centres were computed again"))
+    shared = codes.kmeans_tiles(w, 4, (32, 32), dtype=np.float32, cache=cache)
+    for got, want in ((first, afresh[np.float16]), (shared, afresh[np.float32])):
+        np.testing.assert_array_equal(got.indices, want.indices)
+        np.testing.assert_array_equal(got.lut, want.lut)
+        assert got.lut.dtype == want.lut.dtype
+    assert len([e for e in tmp_path.iterdir() if e.is_dir()]) == 1
+    monkeypatch.setattr(codes, "_kmeans_rows", lloyd)
+    for other in ((w, 6, None), (w, 4, importance), (w[::-1].copy(), 4, None)):
+        codes.kmeans_tiles(other[0], other[1], (32, 32), other[2], cache=cache)
+    assert len([e for e in tmp_path.iterdir() if e.is_dir()]) == 4
+
+
 def test_importance_pulls_the_lut_towards_the_weights_that_matter():
     rng = np.random.default_rng(3)
     w = rng.normal(0, 1, (32, 64)).astype(np.float32)

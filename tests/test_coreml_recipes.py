@@ -269,7 +269,7 @@ def test_hot_rows_correct_the_most_read_rows_of_the_tied_table_in_both_its_uses(
         bits_per_weight(plain.path)["bits_per_weight"] + 8 * extra / parameters, rel=1e-12)
 
 
-def test_a_calibration_cache_shares_hessians_and_codes_and_changes_no_byte(source, tmp_path, monkeypatch):
+def test_a_shared_cache_shares_hessians_and_codes_and_changes_no_byte(source, tmp_path, monkeypatch):
     """One survey's GPTQ recipes measure the same Hessians and make the same codes: made once into
     a shared folder (coreml.cache), found there by the next recipe without computing them again
     (here: gptq-int4-b32-zp-hot after gptq-int4-b32-zp, whose layer and table codes it shares),
@@ -279,7 +279,7 @@ def test_a_calibration_cache_shares_hessians_and_codes_and_changes_no_byte(sourc
     ids = np.random.default_rng(9).integers(0, VOCAB, 128 * 16).astype(np.int64)
     alone = compress_package(source.path, "gptq-int4-b32-zp-hot", tmp_path / "alone", calibration_ids=ids)
     cache = tmp_path / "cache"
-    compress_package(source.path, "gptq-int4-b32-zp", tmp_path / "zp", calibration_ids=ids, calibration_cache=cache)
+    compress_package(source.path, "gptq-int4-b32-zp", tmp_path / "zp", calibration_ids=ids, shared_cache=cache)
     entries = sorted(path.name for path in cache.iterdir() if path.is_dir())
     assert len(entries) == 1 + 21  # the Hessians; the embedding's and 4 x 5 layer matrices' codes
 
@@ -289,8 +289,30 @@ def test_a_calibration_cache_shares_hessians_and_codes_and_changes_no_byte(sourc
     monkeypatch.setattr(Calibration, "_input_statistics", computed)
     monkeypatch.setattr(codes, "gptq_affine", computed)
     shared = compress_package(source.path, "gptq-int4-b32-zp-hot", tmp_path / "shared", calibration_ids=ids,
-                              calibration_cache=cache)
+                              shared_cache=cache)
     assert sorted(path.name for path in cache.iterdir() if path.is_dir()) == entries
+    for name in ("model.mlmodel", "weight.bin"):
+        (a,), (b,) = ((m.path / "model.mlpackage").rglob(name) for m in (alone, shared))
+        assert a.read_bytes() == b.read_bytes(), name
+    assert shared["selection"] == alone["selection"]
+
+
+def test_a_shared_cache_gives_palette4_int8lut_the_centres_of_palette4_gc32_and_changes_no_byte(source, tmp_path,
+                                                                                                 monkeypatch):
+    """The two 4-bit palettes differ only in their LUT's dtype: the second finds the first's k-means
+    centres in the survey's folder and runs no Lloyd iteration, and its package is the one made
+    without a cache, byte for byte."""
+    alone = compress_package(source.path, "palette4-int8lut", tmp_path / "alone")
+    cache = tmp_path / "cache"
+    compress_package(source.path, "palette4-gc32", tmp_path / "gc32", shared_cache=cache)
+    lloyd = codes._kmeans_rows
+
+    def assigned_only(values, weights, nbits, dtype, iterations, settled=None):
+        assert settled is not None, "k-means ran again, its centres not read from the cache"
+        return lloyd(values, weights, nbits, dtype, iterations, settled)
+
+    monkeypatch.setattr(codes, "_kmeans_rows", assigned_only)
+    shared = compress_package(source.path, "palette4-int8lut", tmp_path / "shared", shared_cache=cache)
     for name in ("model.mlmodel", "weight.bin"):
         (a,), (b,) = ((m.path / "model.mlpackage").rglob(name) for m in (alone, shared))
         assert a.read_bytes() == b.read_bytes(), name

@@ -175,12 +175,15 @@ class Context:
     manifest: dict
     calibration_ids: np.ndarray | None
     bpw: float  # the mixed recipe's budget in bits per weight
-    calibration_cache: Path | None = None  # Hessians and codes shared with other recipes' (`coreml.cache`)
+    shared_cache: Path | None = None  # Hessians, codes and centres shared with other recipes' (`coreml.cache`)
+
+    def results(self) -> ResultCache | None:
+        """The folder of results shared with the other recipes of one survey; None outside one."""
+        return None if self.shared_cache is None else ResultCache(self.shared_cache)
 
     def calibration(self, windows: int = calibration.WINDOWS) -> Calibration:
         """The reference model of the package's upstream on `windows` calibration windows."""
-        cache = None if self.calibration_cache is None else ResultCache(self.calibration_cache)
-        return Calibration.from_package(self.package_dir, self.manifest, self.calibration_ids, windows, cache)
+        return Calibration.from_package(self.package_dir, self.manifest, self.calibration_ids, windows, self.results())
 
 
 @dataclass(frozen=True)

@@ -230,7 +230,7 @@ def compress_package(
     *,
     calibration_ids: np.ndarray | None = None,
     bpw: float = MIXED_BPW,
-    calibration_cache: str | Path | None = None,
+    shared_cache: str | Path | None = None,
 ) -> Manifest:
     """Apply `recipe` to the verified package at `package_dir`, writing `out_dir` atomically.
 
@@ -238,8 +238,8 @@ def compress_package(
     token ids of calibration text, never the quality text) through the package's reference
     model, and refuse without them; `bpw` is mixed's budget in bits per weight.
     `cmf-native` reads the source CMF through the package's identity chain.
-    `calibration_cache`: a folder where calibration Hessians and GPTQ codes are shared with
-    other compressions of the same package (`coreml.cache`; one survey's recipes).
+    `shared_cache`: a folder where calibration Hessians, GPTQ codes and k-means centres are
+    shared with other compressions of the same package (`coreml.cache`; one survey's recipes).
     """
     package_dir, out_dir = Path(package_dir), Path(out_dir)
     unit = RECIPES.lookup(recipe, out_dir)
@@ -258,7 +258,7 @@ def compress_package(
     mlmodel = ct.models.MLModel(str(mlpackage), skip_model_load=True)
     program = load_program(mlmodel)
     weights = program_weights(program, source["package"].get("weights", {}), head_parts(program, source["package"]))
-    cache = None if calibration_cache is None else Path(calibration_cache)
+    cache = None if shared_cache is None else Path(shared_cache)
     prepared = unit.prepare(weights, Context(package_dir, source, calibration_ids, bpw, cache))
     plan = plan_selection(weights, prepared.select)
     with staged_output(out_dir, force) as staging:

@@ -4,6 +4,7 @@ then quantizes to int8 (joint compression); palette4-skm, each error weighted by
 calibration inputs' second moments."""
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import coremltools.optimize.coreml as cto
 import numpy as np
@@ -35,12 +36,24 @@ class Kmeans(Code):
         tiles = shape[0] // self.tile[0] * (shape[1] // self.tile[1])
         return int(np.prod(shape)) * self.nbits + tiles * (1 << self.nbits) * (16 if self.dtype == "fp16" else 32)
 
-    def encode(self, value: np.ndarray, importance: np.ndarray | None = None) -> codes.Palette:
-        return codes.kmeans_tiles(value, self.nbits, self.tile, importance, STORAGE[self.dtype])
+    def encode(self, value: np.ndarray, importance: np.ndarray | None = None, cache=None) -> codes.Palette:
+        return codes.kmeans_tiles(value, self.nbits, self.tile, importance, STORAGE[self.dtype], cache)
 
 
 @dataclass(frozen=True)
-class QuantizedLutRecipe(CodeRecipe):
+class PaletteRecipe(CodeRecipe):
+    """A k-means palette, whose centres a survey's other palettes of the same bits and tiles share
+    (`codes.kmeans_tiles`' cache: palette4-gc32's and palette4-int8lut's differ in the LUT's dtype only)."""
+
+    def prepare(self, weights: list[Weight], context: Context) -> Prepared:
+        cache = context.results()
+        if cache is None:
+            return Prepared(self.select)
+        return Prepared(self.select, {w.name: partial(self.steps(w)["code"].encode, cache=cache) for w in weights})
+
+
+@dataclass(frozen=True)
+class QuantizedLutRecipe(PaletteRecipe):
     """A palette whose LUT coremltools' linear quantizer then stores (joint compression)."""
 
     quantize_lut: Quantize = field(kw_only=True)
@@ -76,12 +89,12 @@ class WeightedPaletteRecipe(CodeRecipe):
     def prepare(self, weights: list[Weight], context: Context) -> Prepared:
         moments = context.calibration().input_moments()
         return Prepared(self.select, {
-            w.name: (lambda value, m=moments[w.hf_names[0]]: self.code.encode(value, m))
+            w.name: partial(self.code.encode, importance=moments[w.hf_names[0]])
             for w in weights if w.hf_names and w.size > WEIGHT_THRESHOLD and w.hf_names[0] in moments})
 
 
-register_recipe(CodeRecipe("palette6-gc32", Kmeans(6)))
-register_recipe(CodeRecipe("palette4-gc32", Kmeans(4)))
+register_recipe(PaletteRecipe("palette6-gc32", Kmeans(6)))
+register_recipe(PaletteRecipe("palette4-gc32", Kmeans(4)))
 register_recipe(QuantizedLutRecipe("palette4-int8lut", Kmeans(4, dtype="fp32"),
                                    quantize_lut=Quantize("int8", granularity="per_tensor", block_size=None)))
 register_recipe(WeightedPaletteRecipe("palette4-skm", Kmeans(4, importance="calibration input second moments")))

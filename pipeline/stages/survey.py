@@ -58,7 +58,7 @@ from pipeline.ground.workers import LOCAL, Executor, bundle_job_memory, return_f
 FORMAT = "cmfdeploy.survey/1"
 FOLDER_FORMAT = "cmfdeploy.survey_folder/1"
 REPORT_NAME = "survey.json"
-CALIBRATION_CACHE = ".calibration-cache"
+SHARED_CACHE = ".shared-cache"
 ALL_RECIPES = tuple(RECIPES)
 DEPLOY_RULE = ("the smallest package (bytes on disk) that passed all three parts (exact, within the budget, "
                "invariants) and whose program can claim the target's compute unit (coreml.ane)")
@@ -146,10 +146,9 @@ def _scoring_effects(results, baseline) -> dict:
 def survey_recipe(name: str, package_dir: Path, staging: Path, context: dict) -> dict:
     """Compress, bind, gate (all three parts) one recipe; its survey record."""
     compressed, gate_dir, run_dir = (staging / part / name for part in ("packages", "gates", "scores"))
-    extra = {}
+    extra = {"shared_cache": context["shared_cache"]}
     if RECIPES[name].calibration:  # the recipe measures on calibration text itself
         extra["calibration_ids"] = context["calibration_ids"]
-        extra["calibration_cache"] = context["calibration_cache"]
         if context["mixed_bpw"] is not None:
             extra["bpw"] = context["mixed_bpw"]
     try:
@@ -320,7 +319,7 @@ def survey_context(settings: dict, manifest: dict | None = None) -> dict:
         "calibration_ids": calibration_ids(quality.tokenizer, Path(settings["quality_text"])),
         "mixed_bpw": settings["mixed_bpw"],
         "all_figures": settings["all_figures"],
-        "calibration_cache": settings.get("calibration_cache"),
+        "shared_cache": settings.get("shared_cache"),
     }
 
 
@@ -421,10 +420,10 @@ def run_survey(
         scoring.write_run(quality.fp32_scores, staging / "scores" / "fp32", artifact=package_dir,
                           backend_name=quality.fp32.name, items_path=items_path)
         baseline_run = read_json(staging / "scores" / "fp32" / MANIFEST_NAME)
-        # The recipes' calibration Hessians and GPTQ codes, made once and shared by every worker
-        # (coreml.cache), removed before the folder's inventory.
-        cache = staging / CALIBRATION_CACHE
-        settings["calibration_cache"] = context["calibration_cache"] = str(cache)
+        # The recipes' calibration Hessians, GPTQ codes and k-means centres, made once and shared
+        # by every worker (coreml.cache), removed before the folder's inventory.
+        cache = staging / SHARED_CACHE
+        settings["shared_cache"] = context["shared_cache"] = str(cache)
         bar = tqdm(total=len(recipes), desc="survey", unit="recipe", disable=not progress)
         if jobs == 1 and executor.in_process:
             records = []
