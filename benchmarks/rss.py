@@ -136,17 +136,25 @@ class TreeSampler:
         return {**self.peaks, "samples": self.samples, "processes": len(self.processes)}
 
 
+def _children_cpu() -> float:
+    """CPU seconds (user + system) of this process's waited-for children and theirs."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run_sampled(argv: list[str], interval: float = 0.1, rescan_every: int = 10, **popen) -> dict:
     """Run `argv` to its end, sampling its tree every `interval` s (finding the tree anew
-    every `rescan_every` samples): {"returncode", "seconds", and `TreeSampler.result()`'s
-    peaks in bytes}."""
-    start = time.perf_counter()
+    every `rescan_every` samples): {"returncode", "seconds", "cpu_seconds" (the whole tree's,
+    each process counted once its parent has waited for it: how many cores the wall time
+    kept busy), and `TreeSampler.result()`'s peaks in bytes}."""
+    start, cpu = time.perf_counter(), _children_cpu()
     process = subprocess.Popen(argv, **popen)
     sampler = TreeSampler(process.pid)
     while process.poll() is None:
         sampler.sample(rescan=sampler.samples % rescan_every == 0)
         time.sleep(interval)
-    return {"returncode": process.returncode, "seconds": time.perf_counter() - start, **sampler.result()}
+    return {"returncode": process.returncode, "seconds": time.perf_counter() - start,
+            "cpu_seconds": _children_cpu() - cpu, **sampler.result()}
 
 
 def _main() -> int:
@@ -160,7 +168,8 @@ def _main() -> int:
         parser.error("no command given")
     result = {"command": command, **run_sampled(command, args.interval)}
     gib = {k: round(v / 2**30, 3) for k, v in result.items() if k.startswith(("process_", "tree_"))}
-    print(json.dumps({"seconds": round(result["seconds"], 2), "returncode": result["returncode"], **gib}), file=sys.stderr)
+    print(json.dumps({"seconds": round(result["seconds"], 2), "cpu_seconds": round(result["cpu_seconds"], 1),
+                      "returncode": result["returncode"], **gib}), file=sys.stderr)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     return result["returncode"]
