@@ -49,13 +49,15 @@ RECIPES_ane := int8-pc palette6-gc32 palette4-gc32 palette4-int8lut
 RECIPES ?= $(RECIPES_$(TARGET))
 ITEMS ?= fixtures/scoring/cloze.jsonl
 # How far from FP32 a package's numerics may go (the gates' quality part): perplexity change
-# on held-out text at most, pooled top-1 agreement at least; optionally kl=, items=. Empty: a
-# compressed package's ppl=2%,top1=0.95 on every target, an uncompressed one's precision's
-# (coreml.precisions: fp32 ppl=2%,top1=0.95; fp16 ppl=0.5%,top1=0.99).
+# on held-out text at most, pooled top-1 agreement at least; optionally kl=, items= (the fraction
+# of the scoring set whose top-1 candidate may change: without it the scoring set decides nothing
+# and no gate scores it). Empty: a compressed package's ppl=2%,top1=0.95 on every target, an
+# uncompressed one's precision's (coreml.precisions: fp32 ppl=2%,top1=0.95; fp16 ppl=0.5%,top1=0.99).
 BUDGET ?=
-# ALL_FIGURES=1: measure every part of every package, not only those of packages within budget on
-# the held-out text (over budget there, neither the scoring set, ~100 s a gate on SmolLM2, nor
-# exactness and the invariants, 250-360 s a compressed gate on Gemma 3, can change the verdict).
+# ALL_FIGURES=1: measure every part of every package, not only those that can change a verdict:
+# the scoring set (~100 s a gate on SmolLM2, 120-190 s on Gemma 3) under a budget with items=,
+# for a package within budget on the held-out text; exactness and the invariants (250-360 s a
+# compressed gate on Gemma 3) for a package within budget.
 ALL_FIGURES ?=
 # MIXED_BPW=5.5: the mixed recipe's budget in bits per weight (default 4.5, coreml.recipes.mixed).
 MIXED_BPW ?=

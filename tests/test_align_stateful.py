@@ -27,6 +27,10 @@ from pipeline.cli import main
 
 CASES = ("short", "long", "right_pad", "changed_future")
 
+# A budget whose items limit every package meets: under it a gate scores the scoring set (the
+# default budget sets no items limit, so no gate scores it; the fp16-cache test below).
+ITEMS_BUDGET = "ppl=2%,top1=0.95,items=1"
+
 
 @pytest.fixture(scope="module")
 def items(tmp_path_factory):
@@ -40,7 +44,7 @@ def gate(fixture_stateful, items, tmp_path_factory):
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         status = main(["align", str(fixture_stateful), "--fixtures", str(FIXTURE_REFERENCE), "-o", str(out),
-                       "--items", str(items)])
+                       "--items", str(items), "--budget", ITEMS_BUDGET])
     assert status == 0
     return out, read_json(out / "alignment.json"), printed.getvalue()
 
@@ -195,7 +199,7 @@ def test_the_stateful_gate_reads_fp32_scores_of_its_bundle_and_refuses_others(
     and judges its items as when it scores FP32 itself (the same reference, the same code).
     A run of another scoring set or of another numerics is refused, naming the field."""
     fp32_run, gated = tmp_path / "fp32-scores", tmp_path / "stateful-gate"
-    common = ["--fixtures", str(FIXTURE_REFERENCE), "--items", str(items)]
+    common = ["--fixtures", str(FIXTURE_REFERENCE), "--items", str(items), "--budget", ITEMS_BUDGET]
     with contextlib.redirect_stdout(io.StringIO()):
         assert main(["align", str(fixture_packages / "chunk_kv"), "-o", str(tmp_path / "chunk-gate"), *common,
                      "--scores-out", str(fp32_run)]) == 0
@@ -204,6 +208,7 @@ def test_the_stateful_gate_reads_fp32_scores_of_its_bundle_and_refuses_others(
     # Scoring FP32 for the others is this gate's work, so its report shows what it cost.
     assert read_json(tmp_path / "chunk-gate" / "alignment.json")["seconds"]["fp32_scores"] > 0
     quality, scored_itself = read_json(gated / "alignment.json")["quality"], gate[1]["quality"]
+    assert quality["items_top1_changed"] is not None
     assert quality["items_top1_changed"] == scored_itself["items_top1_changed"]
     assert quality["perplexity"] == scored_itself["perplexity"]
 
@@ -228,12 +233,13 @@ def test_a_gate_reads_fp32_scores_scored_on_the_bundle_itself(gate, fixture_stat
     from pipeline.stages.gates.lineage import resolve_lineage
 
     bundle, run = resolve_lineage(fixture_stateful).bundle, tmp_path / "bundle-scores"
-    common = ["--fixtures", str(FIXTURE_REFERENCE), "--items", str(items)]
+    common = ["--fixtures", str(FIXTURE_REFERENCE), "--items", str(items), "--budget", ITEMS_BUDGET]
     with contextlib.redirect_stdout(io.StringIO()):
         assert main(["score", str(bundle), str(items), "-o", str(run)]) == 0
         assert main(["align", str(fixture_stateful), "-o", str(tmp_path / "gated"), *common,
                      "--fp32-scores", str(run)]) == 0
     quality, scored_itself = read_json(tmp_path / "gated" / "alignment.json")["quality"], gate[1]["quality"]
+    assert quality["items_top1_changed"] is not None
     assert quality["items_top1_changed"] == scored_itself["items_top1_changed"]
 
 
@@ -241,7 +247,9 @@ def test_the_fp16_cache_reference_reuses_fp32s_text_logits_and_scores_its_own_it
                                                                                     monkeypatch):
     """The stateful kind's FP32 reference differs from FP32 only in the cache it keeps: a window
     run in one pass never reads a cache, so its text logits are FP32's by construction and are
-    not computed again. Its items branch from fp16 snapshots, so they are scored."""
+    not computed again. Its items branch from fp16 snapshots, so they are scored where the
+    budget limits them; the default budget sets no items limit, so there they decide nothing and
+    are not scored, and the record says why."""
     from pipeline.ground.torch_backend import TorchBackend
     from pipeline.stages.gates import Budget, QualityInputs
     from pipeline.stages.gates.quality import measure_quality
@@ -256,7 +264,14 @@ def test_the_fp16_cache_reference_reuses_fp32s_text_logits_and_scores_its_own_it
     ran = []
     logits = TorchBackend.logits
     monkeypatch.setattr(TorchBackend, "logits", lambda self, ids: ran.append(self) or logits(self, ids))
-    record, scores = measure_quality(intended, quality, Budget())
+    record, scores = measure_quality(intended, quality, Budget(items=1.0))
     assert ran == [] and len(fp32_logits) == len(quality.windows)
     assert record["ppl_change"] == 0.0 and record["top1_agreement"] == 1.0 and record["measured_on"] == intended.name
     assert scores is not None and len(scores) == len(quality.items) and record["items_top1_changed"] is not None
+    scored = []
+    monkeypatch.setattr(TorchBackend, "prefill_batch", lambda self, prefixes: scored.append(self) or pytest.fail())
+    unlimited, none = measure_quality(intended, quality, Budget())
+    assert none is None and scored == [] and unlimited["items_top1_changed"] is None
+    assert "no limit on the scoring set (items=)" in unlimited["items_not_measured"] and unlimited["within_budget"]
+    assert {k: v for k, v in unlimited.items() if k not in ("items_top1_changed", "items_not_measured", "budget")} == {
+        k: v for k, v in record.items() if k not in ("items_top1_changed", "budget")}

@@ -20,7 +20,7 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="Ray is the optional install cmfdeploy[cluster] (`make venv` installs it)")
 
-from _survey_models import WORKER_RECIPES, built_survey, survey_in_workers  # noqa: E402
+from _survey_models import SURVEY_BUDGET, WORKER_RECIPES, built_survey, survey_in_workers  # noqa: E402
 from conftest import FIXTURE_REFERENCE  # noqa: E402
 from coremltools.proto import Model_pb2  # noqa: E402
 
@@ -150,7 +150,7 @@ def test_a_survey_on_ray_is_the_local_workers_survey(survey):
     out = local.parent / "survey-on-ray"  # beside it: the records' relative paths are the same
     remote = run_survey(survey.package, survey.fp32_gate, FIXTURE_REFERENCE, survey.items, out,
                         recipes=WORKER_RECIPES, jobs=2, progress=False, fp32_scores=survey.path / "scores" / "fp32",
-                        executor=RAY)
+                        executor=RAY, budget=SURVEY_BUDGET)
     assert load_survey(out) == json.loads(json.dumps(remote))
     assert [r["name"] for r in remote["recipes"]] == list(WORKER_RECIPES)
     assert _timeless(remote) == _timeless(json.loads(json.dumps(record)))

@@ -71,6 +71,23 @@ def test_release_page_states_interface_tolerances_backend_sizes_and_chain(releas
     assert release["chain"][0]["sha256"] == sha256_file(FIXTURE_REFERENCE.parent / "botchan-llama-1m.cmf")
 
 
+def test_a_release_under_the_default_budget_says_its_package_was_not_scored(survey, tmp_path):
+    """The default budget sets no items limit, so the deployed package's gate did not score the
+    scoring set: the release page says so and why, with FP32's figures, and the release verifies."""
+    from pipeline.stages.survey import run_survey
+
+    default = run_survey(survey.package, survey.fp32_gate, FIXTURE_REFERENCE, survey.items, tmp_path / "survey",
+                         recipes=("int8-b32",), progress=False, fp32_scores=survey.path / "scores" / "fp32")
+    record = default["recipes"][0]
+    assert default["deployed"]["recipe"] == "int8-b32" and "items=" in record["scoring"]["not_measured"]
+    released = make_release(tmp_path / "survey", tmp_path / "dist")
+    text = (released.path / "RELEASE.md").read_text()
+    assert f"not scored for this package ({record['scoring']['not_measured']})" in text
+    fp32 = default["fp32"]["scoring"]
+    assert f"FP32's top-1 accuracy {fp32['top1_accuracy']:.3f}, MRR {fp32['mrr']:.3f}" in text
+    assert all(link.result == "verified" for link in verify_chain(released.path))
+
+
 def test_verify_artifact_checks_the_release_and_walks_its_chain_to_the_cmf(release, capsys):
     links = verify_chain(release.path)
     assert [link.format for link in links] == [

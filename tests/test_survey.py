@@ -8,7 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _survey_models import SCORING_ITEMS, SURVEY_RECIPES, WORKER_RECIPES, built_survey, failed_gate, survey_in_workers
+from _survey_models import (SCORING_ITEMS, SURVEY_BUDGET, SURVEY_RECIPES, WORKER_RECIPES, built_survey, failed_gate,
+                            survey_in_workers)
 from conftest import FIXTURE_REFERENCE
 
 from pipeline.stages.survey import ForeignGate, SurveyError, load_survey, run_survey
@@ -212,7 +213,7 @@ def test_survey_page_and_plot(survey):
     for name in MEASURED:
         assert f"| {name} |" in text
     assert "![package size against perplexity change](size_vs_error.png)" in text
-    assert "budget: **ppl=2%,top1=0.95**" in text and "bits/weight" in text
+    assert f"budget: **{SURVEY_BUDGET}**" in text and "bits/weight" in text
     not_scored = [n for n in MEASURED if "not_measured" in _records(survey)[n]["scoring"]]
     assert not_scored and "not measured¹" in text and "`survey --all-figures`" in text  # int4, palette4 on the fixture
     assert (survey.path / "size_vs_error.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -488,11 +488,7 @@ def release_markdown(manifest: dict, survey: dict) -> str:
                  [[k, f"{t['atol']:.3g}", t["why"]] for k, t in tolerances.items()]),
         "## Effect on the scoring set",
         "",
-        f"`{survey['scoring_set']['name']}` ({survey['scoring_set']['n_items']} items): top-1 accuracy "
-        f"{record['scoring']['top1_accuracy']:.3f} (FP32 {survey['fp32']['scoring']['top1_accuracy']:.3f}), MRR "
-        f"{record['scoring']['mrr']:.3f} (FP32 {survey['fp32']['scoring']['mrr']:.3f}); "
-        f"{record['scoring']['top1_changed']} items change their top candidate, max |Δ score| "
-        f"{record['scoring']['max_abs_delta_score']:.3g}. The full survey is in `survey/survey.md`.",
+        _scoring_effect(survey, record["scoring"]),
         "",
         "## Identity chain",
         "",
@@ -502,3 +498,16 @@ def release_markdown(manifest: dict, survey: dict) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _scoring_effect(survey: dict, scoring: dict) -> str:
+    """What the deployed recipe did to the scoring set's rankings, or why its gate did not score it."""
+    fp32 = survey["fp32"]["scoring"]
+    head = f"`{survey['scoring_set']['name']}` ({survey['scoring_set']['n_items']} items): "
+    if "not_measured" in scoring:
+        return (head + f"not scored for this package ({scoring['not_measured']}); FP32's top-1 accuracy "
+                f"{fp32['top1_accuracy']:.3f}, MRR {fp32['mrr']:.3f}. `cmfdeploy score` on this release scores it. "
+                "The full survey is in `survey/survey.md`.")
+    return (head + f"top-1 accuracy {scoring['top1_accuracy']:.3f} (FP32 {fp32['top1_accuracy']:.3f}), MRR "
+            f"{scoring['mrr']:.3f} (FP32 {fp32['mrr']:.3f}); {scoring['top1_changed']} items change their top "
+            f"candidate, max |Δ score| {scoring['max_abs_delta_score']:.3g}. The full survey is in `survey/survey.md`.")

@@ -261,9 +261,9 @@ def survey_markdown(survey: dict) -> str:
                   "KL mean", "items top-1 changed", "budget", "invariants", "cloze accuracy", "can run on", ""], rows),
     ]
     if any("not_measured" in r["scoring"] for r in measured):
-        lines += ["", "¹ The scoring set is scored only for a package within budget on the held-out text: over budget "
-                  "there, no item can change its verdict. `survey --all-figures` (make `ALL_FIGURES=1`) scores every "
-                  "recipe."]
+        lines += ["", "¹ The scoring set is scored only where it can change a verdict: under a budget with an items "
+                  "limit (`items=`), for a package within budget on the held-out text. `survey --all-figures` (make "
+                  "`ALL_FIGURES=1`) scores every recipe."]
     if any(r["gate"]["exact"] is None for r in measured):
         lines += ["", "² Exactness and the invariants are measured only for a package within budget: the quality part "
                   "measures the package's intended numerics, so over budget no other part can change its verdict. "

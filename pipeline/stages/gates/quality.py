@@ -144,10 +144,12 @@ def measure_quality(intended, inputs: QualityInputs, budget: Budget, all_figures
     """The quality record of `intended` (any Backend) against FP32, and its item scores.
 
     The held-out text comes first. The scoring set costs ten times its tokens (320 items on
-    SmolLM2: 100 s, against 5 s for the text), so it is measured only where its figure can
-    still matter: a package within budget on the text, or every package with `all_figures`.
-    Over budget on the text is over budget whatever the items say; the record says the
-    figure was not measured and why. Intended numerics that are FP32's own (the same
+    SmolLM2: 100 s, against 5 s for the text; 120-190 s a gate on Gemma 3), so it is measured
+    only where its figure can still matter: under a budget that limits it (`items=`), for a
+    package within budget on the text, or for every package with `all_figures`. Over budget on
+    the text is over budget whatever the items say, and a budget without an items limit takes
+    no verdict from them; the record says the figure was not measured and why. Intended
+    numerics that are FP32's own (the same
     object) have nothing to compare: no item can change, and no scores are returned. Where
     only the text's logits are FP32's own (`_text_logits_are_fp32s`), the text is not run again.
     """
@@ -205,6 +207,10 @@ def measure_quality(intended, inputs: QualityInputs, budget: Budget, all_figures
         figures["items_top1_changed"] = None
         skipped = (f"over budget on {', '.join(over_text)} from the held-out text already, so the scoring set "
                    "cannot change the verdict (--all-figures measures it anyway)")
+    elif budget.items is None and not all_figures:
+        figures["items_top1_changed"] = None
+        skipped = ("the budget sets no limit on the scoring set (items=), so it cannot change the verdict "
+                   "(--all-figures, or a budget with items=, measures it)")
     else:
         scores = score_items(intended, inputs.tokenizer, inputs.items)
         figures["items_top1_changed"] = len(rank_differences(inputs.fp32_scores, scores).top1_changed) / len(inputs.items)
