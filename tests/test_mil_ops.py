@@ -285,7 +285,9 @@ def test_shape_ops():
     assert run("squeeze", x=X[:1, :, :1], axes=np.array([0, 2])).shape == (3, 5)
     assert run("shape", x=X).dtype == np.int32
     np.testing.assert_array_equal(run("tile", x=X, reps=np.array([1, 2, 1, 1])), torch.from_numpy(X).repeat(1, 2, 1, 1).numpy())
-    one_head = X[:, :1]  # one K/V head tiled over the query heads: a view of it, the same values
+    # One K/V head tiled over the query heads: a view of it, the same values (moved, never summed:
+    # equal on every machine).
+    one_head = X[:, :1]
     tiled = run("tile", x=one_head, reps=np.array([1, 4, 1, 1]))
     np.testing.assert_array_equal(tiled, torch.from_numpy(one_head).repeat(1, 4, 1, 1).numpy())
     assert np.shares_memory(tiled, one_head) and not tiled.flags.writeable

@@ -11,6 +11,7 @@ import numpy as np
 from coremltools.optimize.coreml._quantization_passes import linear_quantize_weights as LinearQuantizeWeights
 
 from coreml import codes
+from coreml.cache import ResultCache
 from coreml.recipes.base import (STORAGE, WEIGHT_THRESHOLD, Code, CodeRecipe, Context, Prepared, Step, Weight,
                                  describe_params, register_recipe)
 from coreml.recipes.linear import Quantize
@@ -36,7 +37,8 @@ class Kmeans(Code):
         tiles = shape[0] // self.tile[0] * (shape[1] // self.tile[1])
         return int(np.prod(shape)) * self.nbits + tiles * (1 << self.nbits) * (16 if self.dtype == "fp16" else 32)
 
-    def encode(self, value: np.ndarray, importance: np.ndarray | None = None, cache=None) -> codes.Palette:
+    def encode(self, value: np.ndarray, importance: np.ndarray | None = None,
+               cache: ResultCache | None = None) -> codes.Palette:
         return codes.kmeans_tiles(value, self.nbits, self.tile, importance, STORAGE[self.dtype], cache)
 
 
