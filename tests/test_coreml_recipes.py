@@ -496,6 +496,35 @@ def test_refusals(source, compressed, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_input_hessians_are_the_mean_of_x_xT_within_a_float32_windows_rounding():
+    """Each linear's Hessian is E[x x^T] of its inputs, here gathered by a hook on the norm that
+    feeds q, k and v and summed in float64; the calibration sums each window's float32 product
+    of WINDOW rows in float64, so they differ by at most γ_WINDOW (float32) of the summed
+    magnitudes, plus float64's own rounding of the sum over every row."""
+    from coreml.calibration import WINDOW, Calibration
+
+    model = build_model(ModelArgs.from_header({"arch": ARCH}), random_weights(seed=1)).eval()
+    calib = Calibration.of_model(model, np.random.default_rng(3).integers(0, VOCAB, 4 * WINDOW), count=4)
+    hessians = calib.input_hessians()
+    seen = []
+    hook = model.model.layers[0].input_layernorm.register_forward_hook(
+        lambda _m, _a, out: seen.append(out.reshape(-1, out.shape[-1])))
+    with torch.no_grad():
+        for window in calib.windows:
+            model.hidden(torch.as_tensor(window))
+    hook.remove()
+    x = torch.cat(seen).double().numpy()
+    want, magnitude = x.T @ x / len(x), np.abs(x).T @ np.abs(x) / len(x)
+
+    def gamma(n, u):
+        return n * u / (1 - n * u)
+
+    bound = (gamma(WINDOW, 2.0 ** -24) + 2 * gamma(len(x), 2.0 ** -53)) * magnitude
+    for proj in ("q_proj", "k_proj", "v_proj"):
+        got = hessians[f"model.layers.0.self_attn.{proj}.weight"]
+        assert got.dtype == np.float64 and np.all(np.abs(got - want) <= bound), proj
+
+
 def test_sensitivity_weighted_palette_weighs_each_column_by_its_calibration_second_moment(source, tmp_path):
     with pytest.raises(RecipePrecondition, match="calibration_ids"):
         compress_package(source.path, "palette4-skm", tmp_path / "none")
