@@ -19,6 +19,7 @@ plain fits into sensitivity-weighted ones (SKM, AWQ-style weighted min/max).
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from coreml.cache import ResultCache, content_key
 
@@ -45,10 +46,8 @@ class ShiftScale:
         return self.data.shape[1] // self.scale.shape[1]
 
     def decode(self) -> np.ndarray:
-        out = self.data.astype(self.scale.dtype)
-        if self.offset is not None:
-            out = out - np.repeat(self.offset.astype(self.scale.dtype), self.block, axis=1)
-        return (out * np.repeat(self.scale, self.block, axis=1)).astype(np.float32)
+        offset = None if self.offset is None else np.repeat(self.offset, self.block, axis=1)
+        return shift_scale(self.data, offset, np.repeat(self.scale, self.block, axis=1)).astype(np.float32)
 
     def bits(self) -> int:
         """Storage in bits: the codes plus every scale and offset."""
@@ -56,6 +55,20 @@ class ShiftScale:
         if self.offset is not None:
             params += self.offset.size * (self.offset.itemsize * 8 if self.offset.dtype.kind == "f" else self.nbits)
         return self.data.size * self.nbits + params
+
+
+def shift_scale(data: np.ndarray, offset: np.ndarray | None, scale: np.ndarray) -> np.ndarray:
+    """`(data - offset) * scale` (offset None: 0) in the scale's dtype, each op's result rounded
+    to it, as numpy computes it in float16: numpy's float16 loops convert each operand to float32,
+    compute there and round the result to float16 (to nearest even), one value at a time. torch
+    does the same ops with vectorised conversions, the same bits at 4x the speed: numpy's
+    float16 conversions were half of GPTQ's range search on Gemma 3. Integer data and offsets of
+    at most 8 bits are exact in float16."""
+    dtype = torch.from_numpy(scale[:0]).dtype
+    out = torch.from_numpy(np.ascontiguousarray(data)).to(torch.float32)
+    if offset is not None:
+        out = (out - torch.from_numpy(np.ascontiguousarray(offset)).to(dtype).to(torch.float32)).to(dtype).to(torch.float32)
+    return (out * torch.from_numpy(np.ascontiguousarray(scale)).to(torch.float32)).to(dtype).numpy()
 
 
 @dataclass(frozen=True)
@@ -292,7 +305,7 @@ def _to_grid(values: np.ndarray, scale: np.ndarray, offset: np.ndarray, levels: 
     """(codes, decoded values in float64) of `values` on the grid `scale * (q - offset)`: the
     nearest level, and what the op decodes from it (its fp16 arithmetic where `dtype` is fp16)."""
     q = np.clip(np.rint(values / scale.astype(np.float64) + offset), 0, levels)
-    return q, ((q.astype(dtype) - offset.astype(dtype)) * scale).astype(np.float64)
+    return q, shift_scale(q, offset, scale.astype(dtype)).astype(np.float64)
 
 
 def _min_max_parameters(values: np.ndarray, nbits: int, dtype, integer_offset: bool):

@@ -31,6 +31,24 @@ def test_affine_blocks_carry_a_q4_1_grid_up_to_fp16_rounding():
     assert np.abs(sym - w).max() > 10 * bound.max()
 
 
+@pytest.mark.parametrize("offset_kind", ["none", "integer", "fp16"])
+def test_shift_scale_is_numpys_float16_arithmetic_bit_for_bit(offset_kind):
+    """`(data - offset) * scale` in float16 as numpy's own float16 ops give it, over every scale
+    bit pattern (subnormals, infinities and NaNs included): the same float32 op and rounding,
+    so equal on every machine."""
+    rng = np.random.default_rng(5)
+    scale = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).reshape(-1, 1)
+    data = rng.integers(0, 256, (scale.shape[0], 8)).astype(np.uint8)
+    offset = {"none": None, "integer": rng.integers(0, 256, scale.shape).astype(np.uint8),
+              "fp16": rng.integers(0, 1 << 16, scale.shape).astype(np.uint16).view(np.float16)}[offset_kind]
+    with np.errstate(all="ignore"):
+        want = data.astype(np.float16) if offset is None else data.astype(np.float16) - offset.astype(np.float16)
+        want = want * scale
+        got = codes.shift_scale(data, offset, scale)
+    assert got.dtype == np.float16
+    assert np.all((got.view(np.uint16) == want.view(np.uint16)) | (np.isnan(got) & np.isnan(want)))
+
+
 def test_fp32_affine_codes_are_nearest_grid_points():
     w = np.random.default_rng(1).normal(0, 1, (32, 64)).astype(np.float32)
     code = codes.affine_blocks(w, 4, 32, np.float32)
