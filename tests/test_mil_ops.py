@@ -229,7 +229,9 @@ def test_gelu_modes_match_torch(mode, torch_mode):
     ref = torch.nn.functional.gelu(torch.from_numpy(x), approximate=torch_mode).numpy()
     # erf/tanh within a few ulps and <= 6 roundings a side (~10u = 6e-7 of |x|); the atol covers
     # the far negative tail, where 1 + tanh cancels and gelu is ~1e-8.
-    np.testing.assert_allclose(run("gelu", x=x, mode=mode), ref, rtol=1e-6, atol=1e-6)
+    got = run("gelu", x=x, mode=mode)
+    np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-6)
+    assert got.dtype == np.float32
 
 
 def test_unary_math_against_torch():
