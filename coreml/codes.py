@@ -19,9 +19,9 @@ plain fits into sensitivity-weighted ones (SKM, AWQ-style weighted min/max).
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from coreml.cache import ResultCache, content_key
+from pipeline.ground.halves import as_dtype
 
 KMEANS_ITERATIONS = 40  # past 40, a t(4)-tailed test matrix's error moves by < 0.2%
 # A group's Lloyd iterations stop once none of its centres moves by more than this fraction
@@ -60,15 +60,15 @@ class ShiftScale:
 def shift_scale(data: np.ndarray, offset: np.ndarray | None, scale: np.ndarray) -> np.ndarray:
     """`(data - offset) * scale` (offset None: 0) in the scale's dtype, each op's result rounded
     to it, as numpy computes it in float16: numpy's float16 loops convert each operand to float32,
-    compute there and round the result to float16 (to nearest even), one value at a time. torch
-    does the same ops with vectorised conversions, the same bits at 4x the speed: numpy's
-    float16 conversions were half of GPTQ's range search on Gemma 3. Integer data and offsets of
-    at most 8 bits are exact in float16."""
-    dtype = torch.from_numpy(scale[:0]).dtype
-    out = torch.from_numpy(np.ascontiguousarray(data)).to(torch.float32)
+    compute there and round the result to float16, one value at a time. The same float32 ops
+    with the conversions of `pipeline.ground.halves` give the same bits (both round to nearest
+    even) at a fraction of the cost: numpy's conversions were half of GPTQ's range search on
+    Gemma 3. Integer data and offsets of at most 8 bits are exact in float16."""
+    dtype = scale.dtype
+    out = data.astype(np.float32)
     if offset is not None:
-        out = (out - torch.from_numpy(np.ascontiguousarray(offset)).to(dtype).to(torch.float32)).to(dtype).to(torch.float32)
-    return (out * torch.from_numpy(np.ascontiguousarray(scale)).to(torch.float32)).to(dtype).numpy()
+        out = as_dtype(as_dtype(out - as_dtype(offset.astype(dtype), np.float32), dtype), np.float32)
+    return as_dtype(out * as_dtype(scale, np.float32), dtype)
 
 
 @dataclass(frozen=True)
