@@ -83,7 +83,8 @@ class ExecutorPackage(_Package):
         self.spec_states = {f.name: f for f in fn.spec_states}
 
     def predict(self, inputs: Mapping[str, object], state=None) -> dict[str, np.ndarray]:
-        return self.executor.run(inputs, state)
+        # Every package kind takes its tokens as `input_ids`; one token is a decode step.
+        return self.executor.run(inputs, state, single_token=np.size(inputs.get("input_ids", ())) == 1)
 
     def predict_batch(self, batch: list[Mapping[str, object]]) -> list[dict[str, np.ndarray]]:
         """`predict` of each input set, the weights read once for all (`Executor.run_batch`)."""

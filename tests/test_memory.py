@@ -321,6 +321,36 @@ def test_an_executor_run_releases_every_mapped_constant_and_computes_the_same(fi
     assert all(np.array_equal(outputs[name], kept[name]) for name in kept)
 
 
+def test_a_single_token_prediction_keeps_the_weights_pages_for_the_next_within_the_decode_budget(
+        fixture_packages, monkeypatch):
+    """A one-token prediction on the executor drops no page (the next step reads every weight
+    again), where its program's mapped constants fit RESIDENT_DECODE_BYTES; over it, or for more
+    tokens, every mapped constant's pages go after its op, as before; the outputs are the same."""
+    from coreml.package import open_package
+
+    package = open_package(fixture_packages / "chunk_kv", backend="executor")
+    executor = package.executor
+    assert 0 < executor.mapped_bytes <= executor_module.RESIDENT_DECODE_BYTES
+    feeds = {f.name: np.zeros(f.shape, f.dtype.numpy) for f in executor.function.spec_inputs
+             if f.name != "input_ids"}
+    released = []
+    original = executor_module.release_pages
+    monkeypatch.setattr(executor_module, "release_pages", lambda array: (released.append(array), original(array)))
+
+    def predict(tokens: int) -> dict:
+        released.clear()
+        return package.predict({**feeds, "input_ids": np.full((1, tokens), 3, np.int32)})
+
+    kept = predict(1)
+    assert released == []
+    predict(2)
+    assert len(released) >= sum(len(step.mapped) for step in executor._steps) > 0
+    monkeypatch.setattr(executor_module, "RESIDENT_DECODE_BYTES", executor.mapped_bytes - 1)
+    dropped = predict(1)
+    assert len(released) == sum(len(step.mapped) for step in executor._steps)
+    assert all(np.array_equal(dropped[name], kept[name]) for name in kept)
+
+
 # -- the scale benchmark's models and table
 
 

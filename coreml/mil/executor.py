@@ -48,6 +48,13 @@ from pipeline.ground.scratch import ScratchFile
 
 # A value the executor makes once and at least this large goes to its scratch file.
 SCRATCH_BYTES = 1 << 20
+# A single-token step reads every weight for one token, and dropping each weight's pages after
+# its op, to fault them in again the next step, was half of it (Gemma 3's chunk-KV step: 163 ->
+# 85 ms). A program whose mapped constants are at most this many bytes keeps their pages between
+# single-token runs (`run(..., single_token=True)`), so its process's total RSS grows by at most
+# that much while it decodes (SmolLM2-135M's chunk-KV gate: 1.4 GiB before); a larger model
+# (the 1.7B's 6.85 GB, whose gate was 10.6 GiB) drops them after every op, as every other run does.
+RESIDENT_DECODE_BYTES = 2 << 30
 
 
 class StateCell:
@@ -227,11 +234,14 @@ class Executor:
         weight is its scratch map's view): a run drops their pages once the step is done, so
         a forward holds about one layer's weights resident, not the whole file
         (`pipeline.ground.pages`)."""
+        seen = {}
         for index, step in enumerate(self._steps):
             values = [v for value in step.static.values() for v in (value if isinstance(value, tuple) else (value,))]
             mapped = tuple(v for v in values if is_mapped(v))
             if mapped:
                 self._steps[index] = replace(step, mapped=mapped)
+                seen.update((id(v), v.nbytes) for v in mapped)
+        self.mapped_bytes = sum(seen.values())
 
     def _wide(self, name: str):
         """Constant `name` as the ops see it (fp16 widened to float32), made once per constant."""
@@ -301,13 +311,17 @@ class Executor:
         """Fresh zero-filled states of this function, in their declared (typically fp16) dtype."""
         return State({s.name: np.zeros(s.shape, s.dtype.numpy) for s in self.function.spec_states})
 
-    def run(self, inputs: Mapping[str, object], state: State | None = None) -> dict[str, np.ndarray]:
+    def run(self, inputs: Mapping[str, object], state: State | None = None,
+            single_token: bool = False) -> dict[str, np.ndarray]:
+        """The function's outputs for `inputs` (and `state`, updated in place). `single_token`:
+        the inputs are one token, whose weights' pages are kept for the next (`RESIDENT_DECODE_BYTES`)."""
         env = self._start(inputs, state)
+        release = not (single_token and self.mapped_bytes <= RESIDENT_DECODE_BYTES)
         for step, dead in zip(self._steps, self._dead_after):
             self._store(step, self._call(step, self._bind(step, env)), env)
             for name in dead:
                 del env[name]
-            for constant in step.mapped:
+            for constant in step.mapped if release else ():
                 release_pages(constant)
         return self._outputs(env)
 
