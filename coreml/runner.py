@@ -59,7 +59,7 @@ class PackageBackend:
         if not self._batches:
             return [(logits[-1:], snapshot) for logits, snapshot in map(self.prefill, prefixes)]
         return self._run_batch([(self.kv.empty(), np.asarray(ids)) for ids in prefixes],
-                               keep=lambda logits, snapshot: (logits[-1:].copy(), snapshot))
+                               keep=lambda logits, snapshot: (logits[-1:], snapshot), last_only=True)
 
     def extend_batch(self, branches) -> list[np.ndarray]:
         if not self._batches:
@@ -67,7 +67,7 @@ class PackageBackend:
         return self._run_batch([(snapshot, np.asarray(ids)) for snapshot, ids in branches],
                                keep=lambda logits, snapshot: logits)
 
-    def _run_batch(self, branches, keep: Callable[[np.ndarray, KVSnapshot], object]) -> list:
+    def _run_batch(self, branches, keep: Callable[[np.ndarray, KVSnapshot], object], last_only: bool = False) -> list:
         """`run_batch` in groups whose caches fit the batch's share of memory (`branch_groups`):
         a chunk-KV branch carries the package's whole context of cache. Each branch's (logits,
         snapshot) is reduced by `keep` as its group ends, so what the caller does not read (the
@@ -76,7 +76,7 @@ class PackageBackend:
         cache_bytes = 0 if snapshot is None else 4 * (snapshot.key_cache.size + snapshot.value_cache.size)
         kept = []
         for group in branch_groups(branches, cache_bytes, self.weight_bytes, BATCH_CACHE_SHARE):
-            kept += [keep(*done) for done in self.kv.run_batch(group, self._pad_id())]
+            kept += [keep(*done) for done in self.kv.run_batch(group, self._pad_id(), last_only)]
         return kept
 
     def prefill(self, ids):

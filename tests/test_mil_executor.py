@@ -5,6 +5,7 @@ session with ct.convert(iOS18, FLOAT32, flexible T) and run from the SAVED packa
 """
 
 import shutil
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -147,6 +148,38 @@ def test_run_batch_matches_run_and_refuses_stateful_functions(paths):
         assert max(np.abs(got[k] - want[k]).max() for k in ("k_out", "v_out")) <= KV_TOL
     with pytest.raises(MilError, match="without states"):
         open_package(paths["stateful"]).predict_batch([{"ids": _ids(1, 0), "position": np.array([0], np.int32)}])
+
+
+def test_run_batch_computes_only_the_wanted_rows_of_an_output_made_from_rows(paths):
+    """`run_batch(rows=...)`: the head (a constant-weight linear, each logit row a function of its
+    hidden row alone) is fed only the wanted rows, in the order asked; they are the full run's
+    rows up to the product's summation order (TOL). The caches, made by the same products of the
+    same rows either way, are the same bits; an output that is not made from rows alone (a
+    cache) is computed whole and its rows selected, the same bits as selecting them by hand."""
+    pkg = open_package(paths["kv"])
+    executor = pkg.executor
+    (head_index, *_), = (executor._row_tails["logits"],)
+    assert "k_out" not in executor._row_tails
+    head = executor._steps[head_index]
+    assert head.op.type == "linear"
+    seen = []
+    executor._steps[head_index] = replace(head, fn=lambda **kw: seen.append(len(kw["x"])) or head.fn(**kw))
+    rng = np.random.default_rng(4)
+    feeds = [{"ids": _ids(T, pos), "position": np.array([pos], np.int32),
+              "k_cache": rng.normal(size=mm.cache_shape()).astype(np.float32),
+              "v_cache": rng.normal(size=mm.cache_shape()).astype(np.float32)} for pos, T in CHUNKS]
+    wanted = [{"logits": np.array([4])}, {"logits": np.arange(0)}, {"logits": np.array([3, 0])},
+              {"logits": np.arange(17), "k_out": np.array([2, 0])}]
+    full = pkg.predict_batch(feeds)
+    assert seen == [5 + 1 + 4 + 17]
+    got = pkg.predict_batch(feeds, rows=wanted)
+    assert seen[1:] == [1 + 0 + 2 + 17]
+    for out, everything, rows in zip(got, full, wanted):
+        assert out["logits"].shape == (1, len(rows["logits"]), mm.VOCAB)
+        assert np.abs(out["logits"] - everything["logits"][:, rows["logits"]]).max(initial=0) <= TOL
+        assert np.array_equal(out["v_out"], everything["v_out"])
+        want_k = everything["k_out"][..., rows["k_out"], :] if "k_out" in rows else everything["k_out"]
+        assert np.array_equal(out["k_out"], want_k)
 
 
 def test_stateful_package_needs_a_state(paths):

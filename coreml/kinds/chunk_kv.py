@@ -17,7 +17,7 @@ import numpy as np
 from coreml.kinds.base import (CACHE_MEANING, PackageKind, chunked_prompt_lines, feature, position_feature,
                                register_kind)
 from coreml.layout import enumerated_lengths
-from coreml.kinds.cache_runner import KVSnapshot, CacheRunner, input_ids_array, joined_logits, package_features
+from coreml.kinds.cache_runner import KVSnapshot, CacheRunner, input_ids_array, package_features
 
 if TYPE_CHECKING:
     from torch import nn
@@ -41,9 +41,9 @@ class ChunkKVRunner(CacheRunner):
         self._layout()
 
     def run(self, snapshot: KVSnapshot, ids) -> tuple[np.ndarray, KVSnapshot]:
-        return self._rounds([(snapshot, ids)], lambda feeds: [self.package.predict(feed) for feed in feeds])[0]
+        return self._rounds([(snapshot, ids)], lambda feeds, _rows: [self.package.predict(feed) for feed in feeds])[0]
 
-    def run_batch(self, branches, pad_id: int | None = None) -> list[tuple[np.ndarray, KVSnapshot]]:
+    def run_batch(self, branches, pad_id: int | None = None, last_only: bool = False) -> list[tuple[np.ndarray, KVSnapshot]]:
         """`run` of each (snapshot, ids) in batch predictions (`predict_batch`): one batch per
         round of pieces, each branch's i-th piece in round i.
 
@@ -53,10 +53,15 @@ class ChunkKVRunner(CacheRunner):
         land past the snapshot's position, where every later query masks them until a later
         chunk writes over them: the dirty-tail invariant every chunk-KV gate checks. Scoring
         takes it (`PackageBackend`); the gates' chunk patterns run unpadded, since they
-        compare every slot of the caches a chunk writes."""
-        return self._rounds(branches, self.package.predict_batch, pad_id)
+        compare every slot of the caches a chunk writes.
 
-    def _rounds(self, branches, predict, pad_id: int | None = None) -> list[tuple[np.ndarray, KVSnapshot]]:
+        Only the real rows' logits are asked of a padded piece, and with `last_only` only the
+        chunk's last token's (a prefix's, in scoring): the package's head computes no others
+        where it makes its logits from rows alone (`Executor.run_batch`)."""
+        return self._rounds(branches, self.package.predict_batch, pad_id, last_only)
+
+    def _rounds(self, branches, predict, pad_id: int | None = None,
+                last_only: bool = False) -> list[tuple[np.ndarray, KVSnapshot]]:
         ids = [input_ids_array(chunk) for _, chunk in branches]
         for (snapshot, _), chunk in zip(branches, ids):
             self._end(snapshot, chunk)  # the whole chunk checked before any piece runs
@@ -67,19 +72,24 @@ class ChunkKVRunner(CacheRunner):
         for round_ in range(max(map(len, split), default=0)):
             active = [i for i, chunks in enumerate(split) if round_ < len(chunks)]
             feeds = [self._feed(snapshots[i], split[i][round_][0]) for i in active]
-            for i, out in zip(active, predict(feeds)):
-                piece, real = split[i][round_]
+            rows = [self._rows_wanted(split[i], round_, last_only) for i in active]
+            for i, out in zip(active, predict(feeds, rows)):
                 # The logits alone: a piece's written caches live on in the next snapshot only.
-                outs[i].append(({name: out[name] for name in self.logit_names}, piece.shape[1], real))
+                outs[i].append({name: out[name] for name in self.logit_names})
                 snapshots[i] = self._snapshot(out["new_key_cache"], out["new_value_cache"],
-                                              snapshots[i].position + real)
-        return [(self._real_logits(out), snapshot) for out, snapshot in zip(outs, snapshots)]
+                                              snapshots[i].position + split[i][round_][1])
+        return [(self._logits(out), snapshot) for out, snapshot in zip(outs, snapshots)]
 
-    def _real_logits(self, outs: list[tuple[dict, int, int]]) -> np.ndarray:
-        """The logits of a chunk's real tokens: each (prediction, its tokens, the real ones)'s first rows."""
-        if all(size == real for _, size, real in outs):
-            return self._logits([out for out, _, _ in outs])
-        return np.concatenate([joined_logits(out, self.logit_names)[:real] for out, _, real in outs])
+    def _rows_wanted(self, pieces: list[tuple[np.ndarray, int]], index: int, last_only: bool) -> dict | None:
+        """Logit output -> the rows wanted of piece `index`'s prediction; None: all of them."""
+        piece, real = pieces[index]
+        if last_only:
+            rows = np.arange(real - 1, real) if index == len(pieces) - 1 else np.arange(0)
+        elif real < piece.shape[1]:
+            rows = np.arange(real)
+        else:
+            return None
+        return {name: rows for name in self.logit_names}
 
     def _feed(self, snapshot: KVSnapshot, ids) -> dict:
         self._end(snapshot, ids)

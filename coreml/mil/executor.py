@@ -157,6 +157,7 @@ class Executor:
         del self._wide_constants  # each is held by the steps that read it
         self._mapped_constants()
         self._dead_after = self._liveness()
+        self._row_tails = self._tails_of_rows()
 
     # -- building ---------------------------------------------------------------------------
     def _plan(self) -> None:
@@ -203,6 +204,41 @@ class Executor:
             if name not in returned:
                 dead[index].append(name)
         return tuple(map(tuple, dead))
+
+    def _tails_of_rows(self) -> dict[str, tuple[int, ...]]:
+        """Output feature name -> the steps that make it from rows alone: a constant-weight
+        `linear` (each output row a function of its input row) and the casts after it, each
+        result read by the next step only. `run_batch(rows=...)` gives such an output's wanted
+        rows by feeding the linear only those: a chunk-KV package's head over a 262k vocabulary
+        is 63% of Gemma 3's multiply-adds a token, and scoring reads one row of a prefix's 64."""
+        readers: dict[str, list[int]] = {}
+        made_by: dict[str, int] = {}
+        for index, step in enumerate(self._steps):
+            for _, operands, _ in step.dynamic:
+                for operand in operands:
+                    if not isinstance(operand, _Known):
+                        readers.setdefault(operand, []).append(index)
+            for name, _ in step.op.outputs:
+                made_by[name] = index
+        tails = {}
+        for feature, var in zip(self.function.spec_outputs, self.function.block.outputs):
+            if readers.get(var):
+                continue
+            chain, name = [], var
+            while name in made_by:
+                index = made_by[name]
+                step = self._steps[index]
+                chain.insert(0, index)
+                if step.rows_at_once:
+                    tails[feature.name] = tuple(chain)
+                    break
+                if step.op.type != "cast" or len(step.dynamic) != 1:
+                    break
+                (_, (operand,), _), = step.dynamic
+                if isinstance(operand, _Known) or readers.get(operand) != [index]:
+                    break
+                name = operand
+        return tails
 
     def _compile(self, op: Operation, where: str) -> _Step:
         """Split the op's operands into those known now and the names bound at run time."""
@@ -299,13 +335,15 @@ class Executor:
             raise MilError(f"{step.where}: {exc}") from exc
 
     @staticmethod
-    def _store(step: _Step, result, env: dict[str, object]) -> None:
+    def _store(step: _Step, result, env: dict[str, object], rows_cut: bool = False) -> None:
+        """Bind the step's results, each conformed to its declared type (`rows_cut`: its rows
+        are a selection of a row tail's, so their count is not the declared one)."""
         outputs = step.op.outputs
         results = result if isinstance(result, tuple) else (result,)
         if len(results) != len(outputs):
             raise MilError(f"{step.where}: produced {len(results)} values for {len(outputs)} outputs")
         for (name, spec), value in zip(outputs, results):
-            env[name] = _conform(value, spec, step.where)
+            env[name] = _conform(value, _rows_free(spec) if rows_cut else spec, step.where)
 
     def make_state(self) -> State:
         """Fresh zero-filled states of this function, in their declared (typically fp16) dtype."""
@@ -325,35 +363,50 @@ class Executor:
                 release_pages(constant)
         return self._outputs(env)
 
-    def run_batch(self, batch: list[Mapping[str, object]]) -> list[dict[str, np.ndarray]]:
+    def run_batch(self, batch: list[Mapping[str, object]],
+                  rows: list[Mapping[str, np.ndarray] | None] | None = None) -> list[dict[str, np.ndarray]]:
         """`run` of each input set (of a function without states), op by op across the batch,
-        with every `linear` of a constant weight applied to all their rows in one product. A
-        few-token call is bound by reading the weights (538 MB on SmolLM2-135M), which a batch
-        then reads once; each row's sums are `run`'s up to the product's summation order."""
+        with every `linear` of a constant weight applied to all their rows at once. A few-token
+        call is bound by reading the weights (538 MB on SmolLM2-135M), which a batch then reads
+        once; each row's sums are `run`'s up to the product's summation order.
+
+        `rows`: per input set, output name -> the rows (axis -2) of it wanted, in that order;
+        only those are returned. An output made from rows alone (`_tails_of_rows`: the head)
+        computes only them; any other is sliced once made."""
         if self.function.spec_states:
             raise MilError(f"{self.where}: run_batch takes functions without states; run each with its own")
         envs = [self._start(inputs, None) for inputs in batch]
-        for step, dead in zip(self._steps, self._dead_after):
+        wanted = [dict(selection or {}) for selection in (rows or [None] * len(batch))]
+        cuts = [{index: selection for name, selection in each.items() if name in self._row_tails
+                 for index in self._row_tails[name]} for each in wanted]
+        for index, (step, dead) in enumerate(zip(self._steps, self._dead_after)):
             if step.rows_at_once:
-                self._linear_rows(step, envs)
+                self._linear_rows(step, envs, [cut.get(index) for cut in cuts])
             else:
-                for env in envs:
-                    self._store(step, self._call(step, self._bind(step, env)), env)
+                for env, cut in zip(envs, cuts):
+                    self._store(step, self._call(step, self._bind(step, env)), env, rows_cut=index in cut)
             for env in envs:
                 for name in dead:
                     del env[name]
             for constant in step.mapped:
                 release_pages(constant)
-        return [self._outputs(env) for env in envs]
+        outputs = [self._outputs(env) for env in envs]
+        for out, each in zip(outputs, wanted):
+            for name, selection in each.items():
+                if name not in self._row_tails:
+                    out[name] = out[name][..., np.asarray(selection, np.intp), :]
+        return outputs
 
-    def _linear_rows(self, step: _Step, envs: list[dict[str, object]]) -> None:
+    def _linear_rows(self, step: _Step, envs: list[dict[str, object]], cuts: list[np.ndarray | None]) -> None:
         xs = [np.asarray(self._bind(step, env)["x"]) for env in envs]
+        xs = [x if cut is None else x[..., np.asarray(cut, np.intp), :] for x, cut in zip(xs, cuts)]
         rows = np.concatenate([x.reshape(-1, x.shape[-1]) for x in xs])
         products = self._call(step, {**step.static, "x": rows})
         start = 0
-        for env, x in zip(envs, xs):
+        for env, x, cut in zip(envs, xs, cuts):
             count = x.size // x.shape[-1]
-            self._store(step, products[start:start + count].reshape(*x.shape[:-1], products.shape[-1]), env)
+            self._store(step, products[start:start + count].reshape(*x.shape[:-1], products.shape[-1]), env,
+                        rows_cut=cut is not None)
             start += count
 
     def _start(self, inputs: Mapping[str, object], state: State | None) -> dict[str, object]:
@@ -395,6 +448,13 @@ class Executor:
             # No copy when the dtype already is the declared one: every op returns a new array.
             checked[name] = value.astype(feature.dtype.numpy, copy=False)
         return checked
+
+
+def _rows_free(spec: TensorSpec | None) -> TensorSpec | None:
+    """`spec` with its rows (axis -2) of any count."""
+    if spec is None or len(spec.shape) < 2:
+        return spec
+    return replace(spec, shape=spec.shape[:-2] + (None,) + spec.shape[-1:])
 
 
 def _check_shape(feature: FeatureSpec, shape: tuple[int, ...], where: str) -> None:
