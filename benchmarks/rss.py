@@ -9,7 +9,7 @@ by a big parent would report the parent's peak. Elsewhere ru_maxrss is the best 
 runs COMMAND and prints its wall time and peaks (`TreeSampler`): total resident memory (VmRSS,
 mapped file pages included) and anonymous memory (RssAnon: the heap, numpy and torch buffers,
 copy-on-write pages once written), each as the largest single process and as the sum over
-the process tree at one sample. A mapped file's pages that are only read are reclaimable and
+the process tree at one sample, and which process held each largest (its command, and when). A mapped file's pages that are only read are reclaimable and
 shared between processes, so the anonymous peak is what bounds a stage's memory; the total is
 reported beside it. Linux only (it reads /proc).
 """
@@ -113,6 +113,10 @@ class TreeSampler:
         self.samples = 0
         self.processes: set[int] = set()
         self.tree = [root]
+        self.started = time.perf_counter()
+        # Which process held each per-process peak, and when: a stage of several processes
+        # (a survey's workers) says which one to look at.
+        self.holders: dict[str, dict] = {}
 
     def sample(self, rescan: bool = True) -> None:
         """Read the memory of each process of the tree; `rescan` finds the tree anew first
@@ -126,14 +130,25 @@ class TreeSampler:
                 continue
             self.processes.add(pid)
             rss, anon = rss + memory["rss"], anon + memory["anon"]
-            self.peaks["process_rss"] = max(self.peaks["process_rss"], memory["hwm"], memory["rss"])
-            self.peaks["process_anon"] = max(self.peaks["process_anon"], memory["anon"])
+            for peak, value in (("process_rss", max(memory["hwm"], memory["rss"])), ("process_anon", memory["anon"])):
+                if value > self.peaks[peak]:
+                    self.peaks[peak] = value
+                    self.holders[peak] = {"pid": pid, "command": _command(pid),
+                                          "seconds": round(time.perf_counter() - self.started, 1)}
         self.peaks["tree_rss"] = max(self.peaks["tree_rss"], rss)
         self.peaks["tree_anon"] = max(self.peaks["tree_anon"], anon)
         self.samples += 1
 
     def result(self) -> dict:
-        return {**self.peaks, "samples": self.samples, "processes": len(self.processes)}
+        return {**self.peaks, "samples": self.samples, "processes": len(self.processes), "holders": self.holders}
+
+
+def _command(pid: int) -> str:
+    """The start of `pid`'s command line ('' once it is gone)."""
+    try:
+        return (_PROC / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:160]
+    except (FileNotFoundError, ProcessLookupError):
+        return ""
 
 
 def _children_cpu() -> float:
@@ -169,7 +184,8 @@ def _main() -> int:
     result = {"command": command, **run_sampled(command, args.interval)}
     gib = {k: round(v / 2**30, 3) for k, v in result.items() if k.startswith(("process_", "tree_"))}
     print(json.dumps({"seconds": round(result["seconds"], 2), "cpu_seconds": round(result["cpu_seconds"], 1),
-                      "returncode": result["returncode"], **gib}), file=sys.stderr)
+                      "returncode": result["returncode"], **gib,
+                      "largest_process": result["holders"].get("process_rss", {}).get("command")}), file=sys.stderr)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     return result["returncode"]

@@ -79,6 +79,7 @@ def test_sampler_counts_anonymous_memory_apart_from_mapped_file_pages(tmp_path):
     assert peaks["process_rss"] >= peaks["process_anon"] + 64 * MIB  # the file's pages, read through the map
     assert peaks["process_anon"] < 64 * MIB + 64 * MIB  # ...which are not anonymous (interpreter and numpy < 64 MiB)
     assert peaks["tree_anon"] > peaks["process_anon"]
+    assert all(peaks["holders"][peak]["pid"] == process.pid for peak in ("process_rss", "process_anon"))
     assert process_tree(process.pid) == [process.pid]  # gone: only the root is named
 
 
