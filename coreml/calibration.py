@@ -19,7 +19,7 @@ import torch
 from coreml import codes
 from coreml.cache import ResultCache, content_key
 from manifests.chain import upstream_path
-from pipeline.ground.backend_protocol import kl_rows, log_softmax
+from pipeline.ground.backend_protocol import kl_rows_against, log_softmax
 from pipeline.ground.reference import load_reference
 from pipeline.ground.scratch import ScratchFile
 
@@ -36,9 +36,9 @@ WINDOWS = 2
 HESSIAN_WINDOWS = 128
 
 
-def logprobs_with(model: torch.nn.Module, original: dict[str, torch.Tensor], windows: list[np.ndarray],
-                  weights: dict[str, np.ndarray]) -> list[np.ndarray]:
-    """Log-probabilities of each window with `weights` (HF names) swapped in, the originals put back.
+def logits_with(model: torch.nn.Module, original: dict[str, torch.Tensor], windows: list[np.ndarray],
+                weights: dict[str, np.ndarray]) -> list[np.ndarray]:
+    """Logits of each window with `weights` (HF names) swapped in, the originals put back.
 
     Swapped by assignment, never copied into the model's tensors: those are the pages of the
     bundle's map (`pipeline.ground.reference.load_reference`), which a copy would make private,
@@ -47,7 +47,7 @@ def logprobs_with(model: torch.nn.Module, original: dict[str, torch.Tensor], win
                           strict=False, assign=True)
     try:
         with torch.no_grad():
-            return [log_softmax(model(torch.as_tensor(w)).numpy()) for w in windows]
+            return [model(torch.as_tensor(w)).numpy() for w in windows]
     finally:
         model.load_state_dict({n: original[n] for n in weights}, strict=False, assign=True)
 
@@ -65,15 +65,20 @@ class Calibration:
     # identity of the model's weights they are measured on (its bundle manifest's sha256).
     cache: ResultCache | None = None
     weights_identity: str | None = None
-    _reference_logprobs: list[np.ndarray] | None = None
+    _reference: list[tuple[np.ndarray, np.ndarray]] | None = None
 
     @property
-    def reference_logprobs(self) -> list[np.ndarray]:
-        """The model's own log-probabilities of the first WINDOWS windows, which `kl_with`
-        compares with: made when first asked for (GPTQ never asks; on Gemma 3 they are 268 MB)."""
-        if self._reference_logprobs is None:
-            self._reference_logprobs = logprobs_with(self.model, self.original, self.windows[:WINDOWS], {})
-        return self._reference_logprobs
+    def reference(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The model's own next-token distribution on each of the first WINDOWS windows, which
+        `kl_with` compares with, as `kl_rows_against` reads it: (probabilities, Σ p log p per
+        row), made when first asked for (GPTQ never asks; on Gemma 3 they are 268 MB a window)."""
+        if self._reference is None:
+            self._reference = []
+            for logits in logits_with(self.model, self.original, self.windows[:WINDOWS], {}):
+                log_p = log_softmax(logits)
+                p = np.exp(log_p)
+                self._reference.append((p, np.einsum("...v,...v->...", p, log_p)))
+        return self._reference
 
     @classmethod
     def from_package(cls, package_dir: Path, manifest: dict, calibration_ids: np.ndarray,
@@ -122,8 +127,8 @@ class Calibration:
     def kl_with(self, weights: dict[str, np.ndarray]) -> float:
         """Mean KL(reference || model with `weights` substituted) per token over the first
         WINDOWS windows (a Hessian calibration has more; its logits are not kept)."""
-        got = logprobs_with(self.model, self.original, self.windows[:WINDOWS], weights)
-        kl = [kl_rows(p, q).mean() for p, q in zip(self.reference_logprobs, got)]
+        got = logits_with(self.model, self.original, self.windows[:WINDOWS], weights)
+        kl = [kl_rows_against(p, p_log_p, logits).mean() for (p, p_log_p), logits in zip(self.reference, got)]
         return float(np.mean(kl))
 
     def weight(self, name: str) -> np.ndarray:

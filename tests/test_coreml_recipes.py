@@ -496,6 +496,29 @@ def test_refusals(source, compressed, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_kl_against_a_fixed_distribution_is_torchs_kl_within_float64_summation():
+    """`kl_rows_against` (what `Calibration.kl_with` measures a trial by: one exp per logit)
+    against torch's kl_div of the two log-softmaxes in float64. Each side sums V products or
+    exps in float64; by Higham each such sum errs by at most γ_V(2^-53) times the sum of its
+    terms' magnitudes, which Σ p ≤ 1 bounds by B = max|log p| + max|x - max x| + log V + 1 for
+    any of the three sums here; two sides, three sums each: 6 γ_V B."""
+    from pipeline.ground.backend_protocol import kl_rows_against, log_softmax
+    from pipeline.ground.models.numerics import gamma
+
+    rng = np.random.default_rng(7)
+    vocab = 50_000
+    reference = (3 * rng.standard_normal((16, vocab))).astype(np.float32)
+    trial = reference + (0.05 * rng.standard_normal(reference.shape)).astype(np.float32)
+    log_p = log_softmax(reference)
+    p = np.exp(log_p)
+    got = kl_rows_against(p, np.einsum("rv,rv->r", p, log_p), trial)
+    want = torch.nn.functional.kl_div(torch.log_softmax(torch.from_numpy(trial).double(), -1),
+                                      torch.from_numpy(log_p), log_target=True, reduction="none").sum(-1).numpy()
+    spread = trial.astype(np.float64) - trial.max(-1, keepdims=True)
+    bound = 6 * gamma(vocab, 2.0**-53) * (np.abs(log_p).max() + np.abs(spread).max() + np.log(vocab) + 1)
+    assert np.abs(got - want).max() <= bound < want.min() / 1e3
+
+
 def test_input_hessians_are_the_mean_of_x_xT_within_a_float32_windows_rounding():
     """Each linear's Hessian is E[x x^T] of its inputs, here gathered by a hook on the norm that
     feeds q, k and v and summed in float64; the calibration sums each window's float32 product

@@ -27,6 +27,23 @@ def kl_rows(log_p: np.ndarray, log_q: np.ndarray) -> np.ndarray:
     return terms.sum(axis=-1)
 
 
+def kl_rows_against(p: np.ndarray, p_log_p: np.ndarray, logits: np.ndarray) -> np.ndarray:
+    """KL(p || softmax(logits)) per row, for a p that many logits are measured against, given
+    once as its probabilities `p` (float64 rows) and `p_log_p` (Σ p log p per row):
+
+        KL = Σ p log p - Σ p (x - m) + log Σ exp(x - m) · Σ p,   m each row's max of x,
+
+    which is `kl_rows(log_p, log_softmax(logits))` rearranged, in one exp per logit where that
+    takes two, and half its passes over the rows (Gemma 3's mixed recipe measures 82 of these
+    on 254 rows of a 262k vocabulary: 45% of its time). The sums are float64 over the
+    vocabulary as before, in another order."""
+    x = np.array(logits, dtype=np.float64)  # a copy even of float64 rows: worked in place below
+    x -= x.max(axis=-1, keepdims=True)
+    cross = np.einsum("...v,...v->...", p, x)
+    np.exp(x, out=x)
+    return p_log_p - cross + np.log(x.sum(axis=-1)) * p.sum(axis=-1)
+
+
 class BackendError(CmfdeployError):
     """An artifact no backend can open as asked, or input a backend cannot run."""
 
