@@ -356,6 +356,38 @@ def test_cache_outside_counts_as_its_rule_over_every_entry(dtype):
     assert cache_outside(want, want.copy(), tol) == int(np.count_nonzero(~np.isfinite(want)))
 
 
+def test_quality_block_figures_are_torchs_within_float64_summation():
+    """The quality part's figures of a block of rows (`_block_figures`: NLLs, KL, agreeing argmaxes)
+    against torch's cross entropy and kl_div of the two log-softmaxes in float64. The NLLs are
+    log_softmax's own values, negated: equal to the last bit. The KL rearranges the sums: each
+    sum of V float64 terms errs by at most γ_V(2^-53) times the sum of its terms' magnitudes (Higham),
+    bounded by B = max|x'| + max|y'| + log V + 1 (x', y': rows less their max; Σ p ≤ 1), four such
+    sums a side: 8 γ_V B a row."""
+    import torch
+    import torch.nn.functional as F
+
+    from pipeline.ground.backend_protocol import log_softmax
+    from pipeline.ground.models.numerics import gamma
+    from pipeline.stages.gates.quality import _block_figures
+
+    rng = np.random.default_rng(5)
+    rows, vocab = 12, 40_000
+    fp32 = (3 * rng.standard_normal((rows, vocab))).astype(np.float32)
+    package = fp32 + (0.05 * rng.standard_normal(fp32.shape)).astype(np.float32)
+    targets = rng.integers(0, vocab, rows)
+    nll_fp32, nll_package, kl, agree = _block_figures(fp32, package, targets)
+    at = np.arange(rows)
+    assert nll_fp32 == -log_softmax(fp32)[at, targets].sum() and nll_package == -log_softmax(package)[at, targets].sum()
+    log_p, log_q = (torch.log_softmax(torch.from_numpy(a).double(), -1) for a in (fp32, package))
+    assert nll_fp32 == pytest.approx(float(F.nll_loss(log_p, torch.from_numpy(targets), reduction="sum")), rel=rows * 2.0**-52)
+    want = F.kl_div(log_q, log_p, log_target=True, reduction="none").sum(-1).numpy()
+    spread = max(np.ptp(a, axis=-1).max() for a in (fp32, package))
+    bound = rows * 8 * gamma(vocab, 2.0**-53) * (2 * spread + np.log(vocab) + 1)
+    assert abs(kl - want.sum()) <= bound < want.sum() / 1e3
+    assert agree == int(np.count_nonzero(fp32.argmax(-1) == package.argmax(-1)))
+    assert _block_figures(fp32, None, targets) == (nll_fp32, nll_fp32, 0.0, rows)
+
+
 def test_compare_in_row_blocks_gives_the_whole_arrays_figures(monkeypatch):
     """A 262k vocabulary's logits go through in blocks of rows; every figure is the one the
     whole arrays give (the blocks change no sum but |Δ|'s, taken whole)."""
