@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -86,11 +86,12 @@ class ExecutorPackage(_Package):
         # Every package kind takes its tokens as `input_ids`; one token is a decode step.
         return self.executor.run(inputs, state, single_token=np.size(inputs.get("input_ids", ())) == 1)
 
-    def predict_batch(self, batch: list[Mapping[str, object]],
-                      rows: list[Mapping[str, np.ndarray] | None] | None = None) -> list[dict[str, np.ndarray]]:
+    def predict_batch(self, batch: list[Mapping[str, object]], rows: list[Mapping[str, np.ndarray] | None] | None = None,
+                      outputs: Collection[str] | None = None) -> list[dict[str, np.ndarray]]:
         """`predict` of each input set, the weights read once for all (`Executor.run_batch`).
-        `rows`: per input set, output name -> the rows (axis -2) wanted of it, the only ones returned."""
-        return self.executor.run_batch(batch, rows)
+        `rows`: per input set, output name -> the rows (axis -2) wanted of it, the only ones
+        returned; `outputs`: the outputs returned (None: all), the only ones computed."""
+        return self.executor.run_batch(batch, rows, outputs)
 
     def make_state(self):
         return self.executor.make_state()
@@ -128,12 +129,14 @@ class MacPackage(_Package):
         out = self.model.predict(feed, state=state) if state is not None else self.model.predict(feed)
         return {name: np.asarray(value) for name, value in out.items()}
 
-    def predict_batch(self, batch: list[Mapping[str, object]],
-                      rows: list[Mapping[str, np.ndarray] | None] | None = None) -> list[dict[str, np.ndarray]]:
-        """Core ML's batch prediction (MLModel.predict of a list of input dicts). `rows` as the
-        executor's: Core ML computes every row, and the wanted ones are returned."""
+    def predict_batch(self, batch: list[Mapping[str, object]], rows: list[Mapping[str, np.ndarray] | None] | None = None,
+                      outputs: Collection[str] | None = None) -> list[dict[str, np.ndarray]]:
+        """Core ML's batch prediction (MLModel.predict of a list of input dicts). `rows` and
+        `outputs` as the executor's: Core ML computes every output and row, and the wanted ones
+        are returned."""
         outs = self.model.predict([{name: np.asarray(value) for name, value in inputs.items()} for inputs in batch])
-        outs = [{name: np.asarray(value) for name, value in out.items()} for out in outs]
+        outs = [{name: np.asarray(value) for name, value in out.items() if outputs is None or name in outputs}
+                for out in outs]
         for out, selection in zip(outs, rows or ()):
             for name, wanted in (selection or {}).items():
                 out[name] = out[name][..., np.asarray(wanted, np.intp), :]

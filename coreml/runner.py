@@ -65,9 +65,10 @@ class PackageBackend:
         if not self._batches:
             return [self.extend(snapshot, ids) for snapshot, ids in branches]
         return self._run_batch([(snapshot, np.asarray(ids)) for snapshot, ids in branches],
-                               keep=lambda logits, snapshot: logits)
+                               keep=lambda logits, snapshot: logits, snapshots=False)
 
-    def _run_batch(self, branches, keep: Callable[[np.ndarray, KVSnapshot], object], last_only: bool = False) -> list:
+    def _run_batch(self, branches, keep: Callable[[np.ndarray, KVSnapshot | None], object], last_only: bool = False,
+                   snapshots: bool = True) -> list:
         """`run_batch` in groups whose caches fit the batch's share of memory (`branch_groups`):
         a chunk-KV branch carries the package's whole context of cache. Each branch's (logits,
         snapshot) is reduced by `keep` as its group ends, so what the caller does not read (the
@@ -76,7 +77,7 @@ class PackageBackend:
         cache_bytes = 0 if snapshot is None else 4 * (snapshot.key_cache.size + snapshot.value_cache.size)
         kept = []
         for group in branch_groups(branches, cache_bytes, self.weight_bytes, BATCH_CACHE_SHARE):
-            kept += [keep(*done) for done in self.kv.run_batch(group, self._pad_id(), last_only)]
+            kept += [keep(*done) for done in self.kv.run_batch(group, self._pad_id(), last_only, snapshots)]
         return kept
 
     def prefill(self, ids):

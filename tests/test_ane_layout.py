@@ -149,9 +149,9 @@ class _Recorded:
         self.calls.append(np.asarray(inputs["input_ids"]).shape[1])
         return self.package.predict(inputs, state) if state is not None else self.package.predict(inputs)
 
-    def predict_batch(self, batch, rows=None):
+    def predict_batch(self, batch, rows=None, outputs=None):
         self.calls.extend(np.asarray(inputs["input_ids"]).shape[1] for inputs in batch)
-        return self.package.predict_batch(batch, rows)
+        return self.package.predict_batch(batch, rows, outputs)
 
     def function(self, name):
         return _Recorded(self.package.function(name))

@@ -180,6 +180,16 @@ def test_run_batch_computes_only_the_wanted_rows_of_an_output_made_from_rows(pat
         assert np.array_equal(out["v_out"], everything["v_out"])
         want_k = everything["k_out"][..., rows["k_out"], :] if "k_out" in rows else everything["k_out"]
         assert np.array_equal(out["k_out"], want_k)
+    # Asked for some outputs alone: the same steps make them, the same bits, and a step that only
+    # the others read is not run (the head, when only the caches are asked for).
+    for out, everything in zip(pkg.predict_batch(feeds, outputs=["logits"]), full):
+        assert out.keys() == {"logits"} and np.array_equal(out["logits"], everything["logits"])
+    calls = len(seen)
+    for out, everything in zip(pkg.predict_batch(feeds, outputs=["k_out", "v_out"]), full):
+        assert out.keys() == {"k_out", "v_out"} and all(np.array_equal(out[k], everything[k]) for k in out)
+    assert len(seen) == calls
+    with pytest.raises(MilError, match="not among"):
+        pkg.predict_batch(feeds, outputs=["logit"])
 
 
 def test_stateful_package_needs_a_state(paths):

@@ -34,7 +34,7 @@ from the process once the step that read them is done (`pipeline.ground.pages`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -158,6 +158,7 @@ class Executor:
         self._mapped_constants()
         self._dead_after = self._liveness()
         self._row_tails = self._tails_of_rows()
+        self._needed: dict[frozenset[str], tuple[bool, ...]] = {}
 
     # -- building ---------------------------------------------------------------------------
     def _plan(self) -> None:
@@ -363,8 +364,8 @@ class Executor:
                 release_pages(constant)
         return self._outputs(env)
 
-    def run_batch(self, batch: list[Mapping[str, object]],
-                  rows: list[Mapping[str, np.ndarray] | None] | None = None) -> list[dict[str, np.ndarray]]:
+    def run_batch(self, batch: list[Mapping[str, object]], rows: list[Mapping[str, np.ndarray] | None] | None = None,
+                  outputs: Collection[str] | None = None) -> list[dict[str, np.ndarray]]:
         """`run` of each input set (of a function without states), op by op across the batch,
         with every `linear` of a constant weight applied to all their rows at once. A few-token
         call is bound by reading the weights (538 MB on SmolLM2-135M), which a batch then reads
@@ -372,30 +373,52 @@ class Executor:
 
         `rows`: per input set, output name -> the rows (axis -2) of it wanted, in that order;
         only those are returned. An output made from rows alone (`_tails_of_rows`: the head)
-        computes only them; any other is sliced once made."""
+        computes only them; any other is sliced once made. `outputs`: the outputs returned (None:
+        all); an op that only the others read is not run (a chunk-KV call's stacked caches,
+        which a scoring candidate never reads)."""
         if self.function.spec_states:
             raise MilError(f"{self.where}: run_batch takes functions without states; run each with its own")
         envs = [self._start(inputs, None) for inputs in batch]
         wanted = [dict(selection or {}) for selection in (rows or [None] * len(batch))]
         cuts = [{index: selection for name, selection in each.items() if name in self._row_tails
                  for index in self._row_tails[name]} for each in wanted]
+        needed = self._needed_steps(frozenset(outputs) if outputs is not None else None)
         for index, (step, dead) in enumerate(zip(self._steps, self._dead_after)):
-            if step.rows_at_once:
-                self._linear_rows(step, envs, [cut.get(index) for cut in cuts])
-            else:
-                for env, cut in zip(envs, cuts):
-                    self._store(step, self._call(step, self._bind(step, env)), env, rows_cut=index in cut)
+            if needed[index]:
+                if step.rows_at_once:
+                    self._linear_rows(step, envs, [cut.get(index) for cut in cuts])
+                else:
+                    for env, cut in zip(envs, cuts):
+                        self._store(step, self._call(step, self._bind(step, env)), env, rows_cut=index in cut)
+                for constant in step.mapped:
+                    release_pages(constant)
             for env in envs:
                 for name in dead:
-                    del env[name]
-            for constant in step.mapped:
-                release_pages(constant)
-        outputs = [self._outputs(env) for env in envs]
-        for out, each in zip(outputs, wanted):
+                    env.pop(name, None)  # absent: made by a step not run
+        results = [self._outputs(env, outputs) for env in envs]
+        for out, each in zip(results, wanted):
             for name, selection in each.items():
                 if name not in self._row_tails:
                     out[name] = out[name][..., np.asarray(selection, np.intp), :]
-        return outputs
+        return results
+
+    def _needed_steps(self, outputs: frozenset[str] | None) -> tuple[bool, ...]:
+        """Per step, whether the function's `outputs` (feature names; None: all) read its results."""
+        if outputs is None:
+            return (True,) * len(self._steps)
+        if outputs not in self._needed:
+            unknown = outputs - {f.name for f in self.function.spec_outputs}
+            if unknown:
+                raise MilError(f"{self.where}: outputs {sorted(unknown)} are not among the function's")
+            wanted = {var for feature, var in zip(self.function.spec_outputs, self.function.block.outputs)
+                      if feature.name in outputs}
+            needed = []
+            for step in reversed(self._steps):
+                needed.append(any(name in wanted for name, _ in step.op.outputs))
+                if needed[-1]:
+                    wanted.update(o for _, operands, _ in step.dynamic for o in operands if not isinstance(o, _Known))
+            self._needed[outputs] = tuple(reversed(needed))
+        return self._needed[outputs]
 
     def _linear_rows(self, step: _Step, envs: list[dict[str, object]], cuts: list[np.ndarray | None]) -> None:
         xs = [np.asarray(self._bind(step, env)["x"]) for env in envs]
@@ -421,9 +444,11 @@ class Executor:
             env.update(state.cells)
         return env
 
-    def _outputs(self, env: dict[str, object]) -> dict[str, np.ndarray]:
+    def _outputs(self, env: dict[str, object], names: Collection[str] | None = None) -> dict[str, np.ndarray]:
         outputs = {}
         for feature, var in zip(self.function.spec_outputs, self.function.block.outputs):
+            if names is not None and feature.name not in names:
+                continue
             value = np.asarray(env[var])
             # Not copied where the dtype is already the declared one: a chunk-KV call's written
             # caches would otherwise be held twice (the 1.7B model: 100 MB a branch).
