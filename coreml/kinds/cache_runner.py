@@ -32,7 +32,14 @@ class KVSnapshot:
     position: int  # slots [0, position) are valid
 
 
-def _frozen(array: np.ndarray, dtype=np.float32) -> np.ndarray:
+def _frozen(array: np.ndarray, dtype=np.float32, fresh: bool = False) -> np.ndarray:
+    """`array` as a read-only array of `dtype`: a copy, unless it is `fresh` (a prediction's
+    output, which nothing else holds), of that dtype and owns its data: then it is frozen in
+    place (a single-token step's two written caches are 38 MB on Gemma 3, copied 1024 times a
+    chunk pattern)."""
+    if fresh and isinstance(array, np.ndarray) and array.dtype == dtype and array.flags.owndata:
+        array.flags.writeable = False
+        return array
     array = np.array(array, dtype=dtype, copy=True)
     array.flags.writeable = False
     return array
@@ -155,8 +162,10 @@ class CacheRunner:
     def with_cache_arrays(self, snapshot: KVSnapshot, keys, values) -> KVSnapshot:
         return self._snapshot(keys, values, snapshot.position)
 
-    def _snapshot(self, key_cache, value_cache, position: int) -> KVSnapshot:
-        return KVSnapshot(_frozen(key_cache, self.cache_dtype), _frozen(value_cache, self.cache_dtype), position)
+    def _snapshot(self, key_cache, value_cache, position: int, fresh: bool = False) -> KVSnapshot:
+        """A snapshot of the caches (`fresh`: a prediction's outputs, frozen in place where they can be)."""
+        return KVSnapshot(_frozen(key_cache, self.cache_dtype, fresh), _frozen(value_cache, self.cache_dtype, fresh),
+                          position)
 
     def run_schedule(self, ids, schedule, snapshot: KVSnapshot | None = None) -> tuple[np.ndarray, KVSnapshot]:
         """Logits of `ids` fed in chunks of the given sizes, and the snapshot after the last."""

@@ -87,7 +87,7 @@ class ChunkKVRunner(CacheRunner):
                     # The logits alone: a piece's written caches live on in the next snapshot only.
                     outs[i].append({name: out[name] for name in self.logit_names})
                     states[i] = None if outputs else self._snapshot(out["new_key_cache"], out["new_value_cache"],
-                                                                    states[i].position + split[i][round_][1])
+                                                                    states[i].position + split[i][round_][1], fresh=True)
         return [(self._logits(out), state) for out, state in zip(outs, states)]
 
     def _rows_wanted(self, pieces: list[tuple[np.ndarray, int]], index: int, last_only: bool) -> dict | None:

@@ -63,7 +63,8 @@ class StatefulRunner(CacheRunner):
             outs.append(function.predict({"input_ids": piece, "position": np.array([position], dtype=np.int32)},
                                          state=state))
             keys, values, position = state.read_state("key_cache"), state.read_state("value_cache"), position + piece.shape[1]
-        return self._logits(outs), self._snapshot(keys, values, end)
+        # A state's reads are copies of their own (MLState's and the executor's alike).
+        return self._logits(outs), self._snapshot(keys, values, end, fresh=bool(outs))
 
 
 @register_kind
