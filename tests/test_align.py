@@ -357,12 +357,12 @@ def test_cache_outside_counts_as_its_rule_over_every_entry(dtype):
 
 
 def test_quality_block_figures_are_torchs_within_float64_summation():
-    """The quality part's figures of a block of rows (`_block_figures`: NLLs, KL, agreeing argmaxes)
-    against torch's cross entropy and kl_div of the two log-softmaxes in float64. The NLLs are
-    log_softmax's own values, negated: equal to the last bit. The KL rearranges the sums: each
-    sum of V float64 terms errs by at most γ_V(2^-53) times the sum of its terms' magnitudes (Higham),
-    bounded by B = max|x'| + max|y'| + log V + 1 (x', y': rows less their max; Σ p ≤ 1), four such
-    sums a side: 8 γ_V B a row."""
+    """The quality part's figures of a block of rows (`_block_figures`: NLLs, KL, agreeing argmaxes;
+    `kl_rows_of_logits`, which the gates' comparisons share) against torch's cross entropy and
+    kl_div of the two log-softmaxes in float64. The NLLs are log_softmax's own values, negated:
+    equal to the last bit. The KL rearranges the sums: each sum of V float64 terms errs by at most
+    γ_V(2^-53) times the sum of its terms' magnitudes (Higham), bounded by B = max|x'| + max|y'| +
+    log V + 1 (x', y': rows less their max; Σ p ≤ 1), four such sums a side: 8 γ_V B a row."""
     import torch
     import torch.nn.functional as F
 
@@ -392,6 +392,7 @@ def test_compare_in_row_blocks_gives_the_whole_arrays_figures(monkeypatch):
     """A 262k vocabulary's logits go through in blocks of rows; every figure is the one the
     whole arrays give (the blocks change no sum but |Δ|'s, taken whole)."""
     from pipeline.ground.backend_protocol import kl_rows, log_softmax
+    from pipeline.ground.models.numerics import gamma
     from pipeline.stages.gates import exactness
 
     rng = np.random.default_rng(0)
@@ -414,7 +415,11 @@ def test_compare_in_row_blocks_gives_the_whole_arrays_figures(monkeypatch):
         kept = np.sort(values)[-exactness._largest_needed(n, 99.0):]
         assert exactness._percentile_of_largest(kept, n, 99.0) == pytest.approx(np.percentile(values, 99), rel=4 * 2.0**-53)
     assert whole["outside"] == int(np.count_nonzero(delta > tol.atol + tol.rtol * np.abs(want)))
-    assert whole["kl_mean"] == float(np.mean(kl_rows(log_softmax(want), log_softmax(got))))
+    # The KL's sums rearranged (kl_rows_of_logits): within 8 γ_V(2^-53) B a row of the log-softmaxes'
+    # KL, B = max|x'| + max|y'| + log V + 1 (test_quality_block_figures_are_torchs_within_float64_summation).
+    spread = max(np.ptp(a, axis=-1).max() for a in (want, got))
+    kl_bound = 8 * gamma(want.shape[1], 2.0**-53) * (2 * spread + np.log(want.shape[1]) + 1)
+    assert whole["kl_mean"] == pytest.approx(float(np.mean(kl_rows(log_softmax(want), log_softmax(got)))), abs=kl_bound)
     # A first block of exactly as many values as the percentile keeps (2 of 100): held unpartitioned.
     monkeypatch.setattr(exactness, "COMPARE_BLOCK_BYTES", 2 * 4)
     for seed in range(50):  # seed 20 took the first block's first value as the least of the two

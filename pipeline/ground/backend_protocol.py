@@ -27,6 +27,33 @@ def kl_rows(log_p: np.ndarray, log_q: np.ndarray) -> np.ndarray:
     return terms.sum(axis=-1)
 
 
+def kl_rows_of_logits(p_logits: np.ndarray, q_logits: np.ndarray, targets: np.ndarray | None = None):
+    """(KL(p || q) per row, log p and log q of each row's target, or None without `targets`)
+    for rows of two distributions' logits, in float64, each row less its max (x' = x - max x):
+
+        KL = Σ e^x' (x' - y') / Σ e^x' - log Σ e^x' + log Σ e^y',   log p_t = x'_t - log Σ e^x',
+
+    which is `kl_rows(log_softmax(p_logits), log_softmax(q_logits))` rearranged: two exps a
+    logit where that takes three, and fewer passes (a gate's comparisons and quality figures
+    over Gemma 3's 262k vocabulary were a third of their time). log p_t is log_softmax's own
+    value, to the bit."""
+    x = np.array(p_logits, dtype=np.float64)  # copies: worked in place below
+    y = np.array(q_logits, dtype=np.float64)
+    x -= x.max(axis=-1, keepdims=True)
+    y -= y.max(axis=-1, keepdims=True)
+    at = np.arange(len(x)) if targets is not None else None
+    shifted_at = None if targets is None else (x[at, targets], y[at, targets])
+    weights = np.exp(x)
+    mass = weights.sum(axis=-1)
+    cross = np.einsum("...v,...v->...", weights, x) - np.einsum("...v,...v->...", weights, y)
+    np.exp(y, out=y)
+    log_mass_p, log_mass_q = np.log(mass), np.log(y.sum(axis=-1))
+    kl = cross / mass - log_mass_p + log_mass_q
+    if shifted_at is None:
+        return kl, None, None
+    return kl, shifted_at[0] - log_mass_p, shifted_at[1] - log_mass_q
+
+
 def kl_rows_against(p: np.ndarray, p_log_p: np.ndarray, logits: np.ndarray) -> np.ndarray:
     """KL(p || softmax(logits)) per row, for a p that many logits are measured against, given
     once as its probabilities `p` (float64 rows) and `p_log_p` (Σ p log p per row):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.ground.backend_protocol import ChunkSchedule, kl_rows, log_softmax
+from pipeline.ground.backend_protocol import ChunkSchedule, kl_rows_of_logits
 from pipeline.ground.scratch import ScratchFile
 from pipeline.stages.gates.fixtures import FixtureCase, ReferenceFixtures
 
@@ -121,7 +121,7 @@ def compare(got: np.ndarray, want: np.ndarray, tol: Tolerance) -> dict:
         if ok.any():
             g, w, d = (g[ok], w[ok], d[ok]) if g.ndim > 1 else (g, w, d)
             top1.append(np.atleast_1d(g.argmax(-1) == w.argmax(-1)))
-            kl.append(np.atleast_1d(kl_rows(log_softmax(w), log_softmax(g))))
+            kl.append(np.atleast_1d(kl_rows_of_logits(w, g)[0]))
             delta_max = max(delta_max, float(d.max()))
             delta_sum += float(np.sum(d, dtype=np.float64))
             counted += d.size
