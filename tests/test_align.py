@@ -388,26 +388,6 @@ def test_quality_block_figures_are_torchs_within_float64_summation():
     assert _block_figures(fp32, None, targets) == (nll_fp32, nll_fp32, 0.0, rows)
 
 
-def test_the_quality_part_reads_a_windows_logits_a_block_at_a_time(fixture_packages):
-    """The reference's `logit_blocks` makes a window's logits a block of rows at a time: each
-    block is those rows of `logits` up to the head's summation order (the model's bound), the
-    last block short. A backend without it has its whole logits sliced, the same bits."""
-    from pipeline.stages.gates.quality import _logit_blocks
-
-    intended, _ = _references(fixture_packages / "chunk_kv")
-    tokens = np.arange(1, 40)
-    whole = intended.logits(tokens)
-    blocks = list(_logit_blocks(intended, tokens, 16))
-    assert [len(b) for b in blocks] == [16, 16, 7]
-    assert np.abs(np.concatenate(blocks) - whole).max() <= model_logits_bound(intended.model, intended.context)
-
-    class WholeOnly:
-        def logits(self, ids):
-            return whole
-
-    assert all(np.array_equal(b, whole[i * 16:(i + 1) * 16]) for i, b in enumerate(_logit_blocks(WholeOnly(), tokens, 16)))
-
-
 def test_compare_in_row_blocks_gives_the_whole_arrays_figures(monkeypatch):
     """A 262k vocabulary's logits go through in blocks of rows; every figure is the one the
     whole arrays give (the blocks change no sum but |Δ|'s, taken whole)."""

@@ -93,18 +93,6 @@ class TorchBackend:
         return torch.cat([self.model.forward_cached(part, cache) for part in tokens.split(self.chunk)]).numpy()
 
     @torch.no_grad()
-    def logit_blocks(self, ids: np.ndarray, rows: int):
-        """`logits(ids)`, `rows` rows at a time, each block made by the head as it is asked for
-        (the quality part reads a window's logits so: never held whole)."""
-        if self.chunk is not None:
-            whole = self.logits(ids)
-            yield from (whole[start:start + rows] for start in range(0, len(whole), rows))
-            return
-        hidden = self.model.hidden(self._ids(ids))
-        for start in range(0, len(hidden), rows):
-            yield self.model.logits_of(hidden[start:start + rows]).numpy()
-
-    @torch.no_grad()
     def prefill(self, ids: np.ndarray) -> tuple[np.ndarray, KVCache]:
         cache = KVCache.empty(self.args, self.context)
         logits = self.model.forward_cached(self._ids(ids), cache)

@@ -5,7 +5,6 @@ text, not the gate fixtures) and on the scoring set: perplexity change, mean KL(
 package), pooled top-1 agreement, the fraction of items whose top-1 candidate changed.
 """
 
-import itertools
 from dataclasses import asdict
 from pathlib import Path
 
@@ -141,18 +140,6 @@ def _differences(ours: dict, theirs: dict, prefix: str = ""):
             yield f"{prefix}{key}", a, b
 
 
-def _logit_blocks(backend, tokens: np.ndarray, rows: int):
-    """`backend.logits(tokens)`, `rows` rows at a time: made a block at a time where the backend
-    offers it (`logit_blocks`: the reference's head), so a window's logits are never held whole
-    (Gemma 3's 262k vocabulary over 730 tokens: 766 MB written to a scratch file a window)."""
-    if hasattr(backend, "logit_blocks"):
-        yield from backend.logit_blocks(tokens, rows)
-        return
-    whole = backend.logits(tokens)
-    for start in range(0, len(whole), rows):
-        yield whole[start:start + rows]
-
-
 def _block_figures(fp32_rows: np.ndarray, package_rows: np.ndarray | None, targets: np.ndarray):
     """(FP32's summed NLL of `targets`, the package's, summed KL(FP32 || package), rows whose
     argmax agree) of a block of rows; `package_rows` None: FP32's own. The NLLs are
@@ -184,29 +171,28 @@ def measure_quality(intended, inputs: QualityInputs, budget: Budget, all_figures
     nll = {"fp32": 0.0, "package": 0.0}
     kl_sum = agree = count = positions = nonfinite = 0
     for tokens, logits in zip(inputs.windows, inputs.fp32_logits):
+        package = logits if same else intended.logits(tokens)
+        if not same:
+            nonfinite += int(np.count_nonzero(~np.isfinite(package)))
         positions += len(tokens) - 1  # a row that is not finite agrees with nothing
         # Rows in blocks: each block's log-softmaxes are its rows' own, and a window's whole
         # ones would be two more arrays of its logits' size (1 GB each for a 262k vocabulary).
         step = max(1, QUALITY_BLOCK_BYTES // (logits[0].nbytes or 1))
-        blocks = itertools.repeat(None) if same else _logit_blocks(intended, tokens, step)
-        for start, package in zip(range(0, len(tokens), step), blocks):
-            rows = np.arange(start, min(start + step, len(tokens) - 1))  # the last row predicts nothing
-            if package is not None:
-                package = np.asarray(package)
-                nonfinite += int(np.count_nonzero(~np.isfinite(package)))
+        for start in range(0, len(tokens) - 1, step):
+            rows = np.arange(start, min(start + step, len(tokens) - 1))
+            if not same:
                 # A row with an inf or NaN fails the budget whatever else (below); the figures
                 # are over the finite rows, so they stay numbers.
-                package = package[:len(rows)]
-                finite = np.isfinite(package).all(-1)
-                rows, package = rows[finite], package[finite]
-            if not len(rows):
-                continue
-            block = _block_figures(logits[rows], package, tokens[rows + 1])
+                rows = rows[np.isfinite(np.asarray(package[rows])).all(-1)]
+                if not len(rows):
+                    continue
+            block = _block_figures(logits[rows], None if same else package[rows], tokens[rows + 1])
             nll["fp32"] += block[0]
             nll["package"] += block[1]
             kl_sum += block[2]
             agree += block[3]
             count += len(rows)
+        del package
     if count:
         ppl = {k: float(np.exp(v / count)) for k, v in nll.items()}
         figures = {"ppl_change": ppl["package"] / ppl["fp32"] - 1, "top1_agreement": agree / positions,
