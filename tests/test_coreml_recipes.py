@@ -548,6 +548,33 @@ def test_input_hessians_are_the_mean_of_x_xT_within_a_float32_windows_rounding()
         assert got.dtype == np.float64 and np.all(np.abs(got - want) <= bound), proj
 
 
+def test_gptq_drops_each_hessians_pages_once_its_weight_is_coded(tmp_path, monkeypatch):
+    """A survey's Hessians are a shared map (`coreml.cache`), read whole by one weight's coding
+    each: once the code is made (or found), its Hessian's pages leave the process. The codes are
+    those made without releasing anything, bit for bit (a released page reads back the same)."""
+    from coreml.cache import ResultCache
+    from coreml.calibration import Calibration
+    from coreml.recipes import RECIPES, gptq
+    from coreml.recipes.base import Weight
+
+    model = build_model(ModelArgs.from_header({"arch": ARCH}), random_weights(seed=1)).eval()
+    ids = np.random.default_rng(3).integers(0, VOCAB, 2 * 128)
+    calib = Calibration.of_model(model, ids, count=2)
+    calib.cache, calib.weights_identity = ResultCache(tmp_path / "cache"), "test"
+    names = [f"model.layers.{i}.mlp.down_proj.weight" for i in range(2)] + ["model.layers.0.self_attn.q_proj.weight"]
+    weights = [Weight(f"w{i}", (name,), calib.weight(name).shape, ("linear",), ()) for i, name in enumerate(names)]
+    hessians = calib.input_hessians()
+    released = []
+    monkeypatch.setattr(gptq, "release_pages", lambda array: released.append(array))
+    encoders = RECIPES["gptq-int4-b32"].encoders(weights, calib)
+    for w in weights:
+        before = len(released)
+        code = encoders[w.name](calib.weight(w.hf_names[0]))
+        assert [id(a) for a in released[before:]] == [id(hessians[w.hf_names[0]])]
+        fresh = gptq.GptqAffine(4).encode_for(calib.weight(w.hf_names[0]), np.array(hessians[w.hf_names[0]]))
+        assert all(np.array_equal(getattr(code, f), getattr(fresh, f)) for f in ("data", "scale", "offset"))
+
+
 def test_sensitivity_weighted_palette_weighs_each_column_by_its_calibration_second_moment(source, tmp_path):
     with pytest.raises(RecipePrecondition, match="calibration_ids"):
         compress_package(source.path, "palette4-skm", tmp_path / "none")

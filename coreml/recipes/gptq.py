@@ -8,6 +8,7 @@ import numpy as np
 
 from coreml import calibration, codes
 from coreml.calibration import Calibration
+from pipeline.ground.pages import release_pages
 from coreml.recipes.affine import Affine
 from coreml.recipes.base import (STORAGE, WEIGHT_THRESHOLD, CodeRecipe, Context, Encoder, Prepared, Weight,
                                  register_recipe)
@@ -54,9 +55,18 @@ class GptqRecipe(CodeRecipe):
         for w in weights:
             step = self.steps(w)["code"]
             if w.hf_names and w.size > WEIGHT_THRESHOLD and isinstance(step, GptqAffine) and w.hf_names[0] in hessians:
-                encoders[w.name] = lambda value, h=hessians[w.hf_names[0]], s=step: calib.cached_code(
-                    lambda: s.encode_for(value, h), s.record(), value, h)
+                encoders[w.name] = lambda value, h=hessians[w.hf_names[0]], s=step: _coded(calib, s, value, h)
         return encoders
+
+
+def _coded(calib: Calibration, step: GptqAffine, value: np.ndarray, hessian: np.ndarray) -> codes.ShiftScale:
+    """`step`'s GPTQ code of `value` (from the shared cache where it is there), then the Hessian's
+    pages dropped from the process (`pipeline.ground.pages`): a survey's Hessians are a map of
+    1.04 GB on SmolLM2-135M (1.05 GB on Gemma 3), each read whole by one weight's coding, and
+    otherwise they stayed resident in every GPTQ worker."""
+    code = calib.cached_code(lambda: step.encode_for(value, hessian), step.record(), value, hessian)
+    release_pages(hessian)
+    return code
 
 
 register_recipe(GptqRecipe("gptq-int4-b32", GptqAffine(4)))
