@@ -1,5 +1,5 @@
-# cmfdeploy. `make all` runs the main job on the default fixture (bundle, coreml, compress,
-# align, score); `make test` runs the test suite. Both set everything up themselves: the
+# cmfdeploy. `make all` runs the main job on the default fixture (bundle, coreml, align, compress,
+# score); `make test` runs the test suite. Both set everything up themselves: the
 # venv, pinned installs and fixture builds.
 #
 #   make bundle coreml compress align      MODEL=path/to/model.cmf  RECIPES="int8-b32 int4-b32"
@@ -65,6 +65,16 @@ MIXED_BPW ?=
 # its own process with an equal share of the cores.
 SURVEY_JOBS ?= 2
 COREML_JOBS ?= 2
+# The gates `make align` runs at a time, each with its share of the cores: a gate steps the MIL
+# executor a token at a time, mostly on one core. Fewer where their memory would not fit, each
+# let its own weight file's pages as well as the private bound (`workers.mapped_job_memory`):
+# one 1.7B gate at a time on a 24 GB machine.
+ALIGN_JOBS ?= 2
+# Set by `make align` for the jobs it runs side by side (`gates`): each one's share of the cores.
+# A torch pool of every core beside another job waits on its slowest thread: FP32's scores of
+# Gemma 3 took 1.5 s an item beside a gate, 0.18 s alone.
+JOB_THREADS ?=
+JOB_ENV = $(if $(JOB_THREADS),$(foreach pool,OMP_NUM_THREADS MKL_NUM_THREADS OPENBLAS_NUM_THREADS,$(pool)=$(JOB_THREADS)))
 # The score stage's worker processes: a package on the MIL executor scores an op at a time,
 # mostly on one core, so two workers are 1.5x one process on two cores.
 SCORE_JOBS ?= 2
@@ -87,9 +97,11 @@ PACKAGES = $(PKG)/$(firstword $(KINDS))/manifest.json
 # once from its own CMF by the PyTorch reference.
 REFERENCE := $(if $(filter $(DEFAULT_MODEL),$(MODEL)),fixtures/reference,$(OUT)/reference)
 
-.PHONY: all test test-portability venv import bundle preflight coreml compress align score release clean
+.PHONY: all test test-portability venv import bundle preflight coreml compress align gates score release clean
 
-all: import bundle coreml compress align score
+# align before compress: the gates run side by side (ALIGN_JOBS), and the survey then finds
+# the FP32 chunk_kv gate it starts from passed.
+all: import bundle coreml align compress score
 
 venv: $(INSTALLED)
 
@@ -145,7 +157,11 @@ import: $(CMF)
 bundle: $(OUT)/bundle/manifest.json
 preflight: $(OUT)/preflight/manifest.json
 coreml: $(PACKAGES)
-align: $(KINDS:%=$(ALIGN)/%.passed)
+align: $(PACKAGES)
+	@jobs=$$($(PY) -c "from pipeline.ground.workers import affordable_jobs, mapped_job_memory; \
+	  print(affordable_jobs($(ALIGN_JOBS), mapped_job_memory('$(OUT)/bundle'), 'make align'))") && \
+	$(MAKE) --no-print-directory -j$$jobs JOB_THREADS=$$($(PY) -c \
+	  "from pipeline.ground.workers import thread_share; print(thread_share($$jobs))") gates
 compress: $(SURVEY)/survey.json
 score: $(SCORE_RUN)/manifest.json
 release: $(SURVEY)/release.done
@@ -173,16 +189,21 @@ $(PACKAGES): $(OUT)/bundle/manifest.json $(if $(FP16),$(OUT)/preflight/manifest.
 	  --precision $(PRECISION) $(if $(FP16),--preflight $(OUT)/preflight) $(EXECUTOR_FLAGS) --force
 
 $(OUT)/reference/index.json: $(OUT)/bundle/manifest.json
-	$(CLI) reference-fixtures $(CMF) -o $(OUT)/reference --text fixtures/botchan.txt --context $(CONTEXT) --force
+	$(JOB_ENV) $(CLI) reference-fixtures $(CMF) -o $(OUT)/reference --text fixtures/botchan.txt --context $(CONTEXT) --force
 
-# FP32's scores of the scoring set (FP32_SCORES) are made once and read by the other gates and
-# the survey instead of scoring them again (~100 s each on SmolLM2): the FP32 chunk_kv gate
-# writes them; an fp16 build, with no FP32 gate, scores the bundle itself (the same reference).
+# FP32's scores of the scoring set (FP32_SCORES) are made once, from the bundle, and read by
+# the gates that judge items against them and by the survey instead of scoring them again
+# (~100 s each on SmolLM2). Made apart from any gate, so no gate waits for another's.
 FP32_SCORES := $(OUT)/scores/fp32-reference
-ifeq ($(FP16),)
-GATE_FLAGS_chunk_kv = --scores-out $(FP32_SCORES)
-GATE_FLAGS_stateful = --fp32-scores $(FP32_SCORES)
+FP32_BASELINE := $(FP32_SCORES)/manifest.json
 SURVEY_SCORES = --fp32-scores $(FP32_SCORES)
+ifeq ($(FP16),)
+# An FP32 stateless or chunk_kv gate is its own quality baseline. The stateful one's K/V is fp16,
+# so it judges its items against FP32's, where the budget judges items (items=) or ALL_FIGURES
+# measures them; else it waits for no scores and starts beside the chunk_kv gate.
+JUDGES_ITEMS := $(or $(findstring items=,$(BUDGET)),$(ALL_FIGURES))
+GATE_FLAGS_stateful = $(if $(JUDGES_ITEMS),--fp32-scores $(FP32_SCORES))
+$(ALIGN)/stateful.passed: $(if $(JUDGES_ITEMS),$(FP32_BASELINE))
 else
 # The fp16 kinds of one conversion intend one numerics (all fp16, K/V fp16), so their quality
 # records are one record: the chunk_kv gate measures it (~300 s on SmolLM2) and the others take
@@ -192,24 +213,24 @@ QUALITY_FROM := $(if $(filter chunk_kv,$(KINDS)),--quality-from $(ALIGN)/chunk_k
 GATE_FLAGS_chunk_kv = --fp32-scores $(FP32_SCORES)
 GATE_FLAGS_stateless = $(QUALITY_FROM)
 GATE_FLAGS_stateful = $(QUALITY_FROM)
-SURVEY_SCORES = --fp32-scores $(FP32_SCORES)
-FP32_BASELINE := $(FP32_SCORES)/manifest.json
+$(KINDS:%=$(ALIGN)/%.passed): $(FP32_BASELINE)
 ifneq ($(filter chunk_kv,$(KINDS)),)
-$(ALIGN)/stateless.passed: $(ALIGN)/chunk_kv.passed
+$(ALIGN)/stateless.passed $(ALIGN)/stateful.passed: $(ALIGN)/chunk_kv.passed
 endif
 endif
 
-$(FP32_SCORES)/manifest.json: $(OUT)/bundle/manifest.json $(ITEMS)
-	$(CLI) score $(OUT)/bundle $(ITEMS) -o $(FP32_SCORES) --force
+$(FP32_BASELINE): $(OUT)/bundle/manifest.json $(ITEMS)
+	$(JOB_ENV) $(CLI) score $(OUT)/bundle $(ITEMS) -o $(FP32_SCORES) --force
 
-$(ALIGN)/%.passed: $(PACKAGES) $(REFERENCE)/index.json $(ITEMS) $(FP32_BASELINE)
+# A stateless gate has no chunk patterns to run, so it goes last, beside the end of a long one.
+gates: $(patsubst %,$(ALIGN)/%.passed,$(filter-out stateless,$(KINDS)) $(filter stateless,$(KINDS)))
+
+$(ALIGN)/%.passed: $(PACKAGES) $(REFERENCE)/index.json $(ITEMS)
 	rm -f $@
-	$(CLI) align $(PKG)/$* --fixtures $(REFERENCE) -o $(ALIGN)/$* $(QUALITY_FLAGS) $(GATE_FLAGS_$*) --force
+	$(JOB_ENV) $(CLI) align $(PKG)/$* --fixtures $(REFERENCE) -o $(ALIGN)/$* $(QUALITY_FLAGS) $(GATE_FLAGS_$*) --force
 	touch $@
 
-$(ALIGN)/stateful.passed: $(ALIGN)/chunk_kv.passed
-
-$(SURVEY)/survey.json: $(ALIGN)/chunk_kv.passed $(ITEMS)
+$(SURVEY)/survey.json: $(ALIGN)/chunk_kv.passed $(FP32_BASELINE) $(ITEMS)
 	$(CLI) survey $(PKG)/chunk_kv --fp32-gate $(ALIGN)/chunk_kv --fixtures $(REFERENCE) --target $(TARGET) \
 	  -o $(SURVEY) --recipes $(RECIPES) $(QUALITY_FLAGS) $(SURVEY_SCORES) \
 	  $(if $(MIXED_BPW),--mixed-bpw $(MIXED_BPW)) --jobs $(SURVEY_JOBS) $(EXECUTOR_FLAGS) --force

@@ -194,7 +194,7 @@ def test_single_token_steps_over_the_fp16_cache_are_checked_row_by_row_in_one_fo
 
 def test_the_stateful_gate_reads_fp32_scores_of_its_bundle_and_refuses_others(
         gate, fixture_packages, fixture_stateful, items, tmp_path, capsys):
-    """make's FP32 chunk_kv gate writes FP32's scores of the scoring set (--scores-out); the
+    """An FP32 chunk_kv gate writes FP32's scores of the scoring set (--scores-out); the
     stateful gate of the same bundle reads them (--fp32-scores) instead of scoring them again,
     and judges its items as when it scores FP32 itself (the same reference, the same code).
     A run of another scoring set or of another numerics is refused, naming the field."""
@@ -227,9 +227,10 @@ def test_the_stateful_gate_reads_fp32_scores_of_its_bundle_and_refuses_others(
 
 
 def test_a_gate_reads_fp32_scores_scored_on_the_bundle_itself(gate, fixture_stateful, items, tmp_path):
-    """An fp16 build has no FP32 gate to write FP32's scores, so make scores the bundle once
-    (`cmfdeploy score BUNDLE`) and every gate and the survey read that run: it is the same
-    FP32 reference, so the verdict is the one a gate that scores FP32 itself reaches."""
+    """make scores the bundle once (`cmfdeploy score BUNDLE`: an fp16 build has no FP32 gate to
+    write FP32's scores, and an FP32 build's gates run side by side) and the gates and the
+    survey read that run: it is the same FP32 reference, so the verdict is the one a gate that
+    scores FP32 itself reaches."""
     from pipeline.stages.gates.lineage import resolve_lineage
 
     bundle, run = resolve_lineage(fixture_stateful).bundle, tmp_path / "bundle-scores"

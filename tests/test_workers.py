@@ -53,6 +53,24 @@ def test_local_workers_are_as_many_as_fit_in_the_memory_available(monkeypatch, c
     assert "fitted: 2 workers of up to 10.0 GiB each exceed the 18.0 GiB available; running 1" in capsys.readouterr().err
 
 
+def test_a_job_that_maps_its_own_weights_is_let_them_resident_too(tmp_path, monkeypatch):
+    """make align's gates each step a weight file of their own: a gate is let its private bound
+    and the weights' pages, so two gates of Gemma 3 (1.07 GB) run side by side and two of a
+    1.7B model (6.85 GB) do not on a 24 GB machine (22 GiB available)."""
+    from pipeline.ground.bundle_format import WEIGHTS_NAME
+
+    gib = 2**30
+    monkeypatch.setattr(workers, "available_memory", lambda: 22 * gib)
+    for weight_bytes, jobs in ((int(1.07e9), 2), (int(6.85e9), 1)):
+        bundle = tmp_path / str(weight_bytes)
+        bundle.mkdir()
+        with open(bundle / WEIGHTS_NAME, "wb") as weights:
+            weights.truncate(weight_bytes)  # sparse: only its size is read
+        assert workers.mapped_job_memory(bundle) == job_memory(weight_bytes) + weight_bytes
+        assert affordable_jobs(2, workers.mapped_job_memory(bundle), "x") == jobs
+    assert workers.mapped_job_memory(tmp_path / "none") is None
+
+
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists() or os.confstr("CS_GNU_LIBC_VERSION") is None,
                     reason="reads /proc; malloc_trim is glibc's")

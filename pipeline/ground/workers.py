@@ -108,6 +108,18 @@ def bundle_job_memory(bundle: Path) -> int | None:
     return job_memory(weights.stat().st_size) if weights.exists() else None
 
 
+def mapped_job_memory(bundle: Path) -> int | None:
+    """`bundle_job_memory`, and the model's FP32 weight bytes once more: what a job that reads a
+    weight file of its own through a map needs resident (a gate steps its package's weight.bin
+    whole a token at a time, beside the bundle's map that every job shares). Those pages are
+    the page cache's, but two 1.7B gates' 6.85 GB each and their own memory do not fit in 24 GB
+    together, and a page dropped between steps is read back from disk at every step."""
+    from pipeline.ground.bundle_format import WEIGHTS_NAME
+
+    private = bundle_job_memory(bundle)
+    return None if private is None else private + (Path(bundle) / WEIGHTS_NAME).stat().st_size
+
+
 def return_freed_memory() -> None:
     """Hand the memory this process has freed back to the system. glibc keeps freed heap pages
     as the process's own: after a compression, coremltools' copy of the program (1 W, freed)
