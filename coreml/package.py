@@ -82,9 +82,19 @@ class ExecutorPackage(_Package):
         self.spec_outputs = {f.name: f for f in fn.spec_outputs}
         self.spec_states = {f.name: f for f in fn.spec_states}
 
-    def predict(self, inputs: Mapping[str, object], state=None) -> dict[str, np.ndarray]:
+    def predict(self, inputs: Mapping[str, object], state=None, rows_later: bool = False) -> dict[str, np.ndarray]:
+        """`rows_later`: the outputs among `row_outputs` are left as the rows they are made of,
+        for `finish_rows` (`Executor.run`)."""
         # Every package kind takes its tokens as `input_ids`; one token is a decode step.
-        return self.executor.run(inputs, state, single_token=np.size(inputs.get("input_ids", ())) == 1)
+        return self.executor.run(inputs, state, single_token=np.size(inputs.get("input_ids", ())) == 1,
+                                 rows_later=rows_later)
+
+    @property
+    def row_outputs(self) -> frozenset[str]:
+        return self.executor.row_outputs
+
+    def finish_rows(self, name: str, rows: np.ndarray) -> np.ndarray:
+        return self.executor.finish_rows(name, rows)
 
     def predict_batch(self, batch: list[Mapping[str, object]], rows: list[Mapping[str, np.ndarray] | None] | None = None,
                       outputs: Collection[str] | None = None) -> list[dict[str, np.ndarray]]:

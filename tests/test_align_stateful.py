@@ -6,6 +6,7 @@ import contextlib
 import io
 import os
 import shutil
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -118,6 +119,35 @@ def test_a_miscompiled_stateful_package_fails_and_keeps_its_report(fixture_state
         require_passed(tmp_path / "gate")
 
 
+@pytest.mark.parametrize("kind", ["chunk_kv", "stateful"])
+def test_decode_steps_leave_the_head_for_last_and_match_a_run_of_single_token_chunks(
+        kind, fixture_packages, fixture_stateful):
+    """`run_tokens`: a token a call, the head made once for all of them after the last. The
+    caches are the same bits as `run_schedule`'s with chunks of 1 (the same steps), and each
+    token's logits its call's up to the summation order of one product of many rows, within
+    the gate's bound (the bound of the whole chain it is part of)."""
+    package = fixture_stateful if kind == "stateful" else fixture_packages / kind
+    chunks = PackageBackend(open_package(package, backend="executor")).chunks
+    decoder = chunks._decoder()
+    head = decoder.executor._steps[decoder.executor._row_tails["logits"][0]]
+    rows_seen = []
+    decoder.executor._steps[decoder.executor._row_tails["logits"][0]] = replace(
+        head, fn=lambda **kw: rows_seen.append(kw["x"].shape[-2]) or head.fn(**kw))
+    manifest = read_json(package / MANIFEST_NAME)
+    intended, _ = intended_references(package, manifest, upstream_of(package, manifest)[2])
+    tolerance, _ = exact_tolerances(intended.model, intended.context)
+    ids = ReferenceFixtures(FIXTURE_REFERENCE).cases["long"].input_ids[:12]
+    _, start = chunks.run_schedule(ids[:5], [5])
+    stepped, stepped_end = chunks.run_schedule(ids[5:], [1] * 7, start)
+    rows_seen.clear()
+    decoded, end = chunks.run_tokens(start, ids[5:])
+    assert rows_seen == [7]  # one product of the head, for every step's row
+    assert end.position == stepped_end.position == 12
+    np.testing.assert_array_equal(end.key_cache, stepped_end.key_cache)
+    np.testing.assert_array_equal(end.value_cache, stepped_end.value_cache)
+    assert decoded.shape == stepped.shape and compare(decoded, stepped, tolerance)["passed"]
+
+
 def test_a_stateful_snapshot_is_never_mutated_by_a_later_run(runner):
     ids = ReferenceFixtures(FIXTURE_REFERENCE).cases["long"].input_ids
     _, snapshot = runner.run_schedule(ids[:9], [5, 4])
@@ -180,7 +210,8 @@ def test_single_token_steps_over_the_fp16_cache_are_checked_row_by_row_in_one_fo
         monkeypatch.setattr("pipeline.stages.gates.exactness.REFERENCE_RUN_TOKENS", 1)
         alone = run_checked(chunks, intended, ids, [1] * len(ids), cache_tolerance)
         assert checked["cache_outside"] == alone["cache_outside"] == 0
-        np.testing.assert_array_equal(checked["got"], alone["got"])
+        # The package's head makes a run's rows in one product (`run_tokens`): 64 rows against 1.
+        assert compare(checked["got"], alone["got"], tolerance)["passed"]
         assert compare(checked["got"], checked["want"], tolerance)["passed"]
         assert compare(alone["got"], alone["want"], tolerance)["passed"]
     elif where == "logits":

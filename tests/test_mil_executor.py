@@ -192,6 +192,37 @@ def test_run_batch_computes_only_the_wanted_rows_of_an_output_made_from_rows(pat
         pkg.predict_batch(feeds, outputs=["logit"])
 
 
+def test_run_leaves_the_head_for_later_and_finish_rows_makes_many_calls_rows_at_once(paths):
+    """`run(rows_later=True)`: the head (an output made from rows alone) is not run; the rows its
+    linear reads stand in its place, and the other outputs are the plain run's, the same bits.
+    `finish_rows` of one call's rows is that call's logits, the same bits (the same product of
+    the same row); of several calls' rows stacked, each row is its call's up to the product's
+    summation order (TOL)."""
+    pkg = open_package(paths["kv"])
+    executor = pkg.executor
+    assert pkg.row_outputs == {"logits"}
+    (head_index, *_), = (executor._row_tails["logits"],)
+    head = executor._steps[head_index]
+    seen = []
+    executor._steps[head_index] = replace(head, fn=lambda **kw: seen.append(kw["x"].shape) or head.fn(**kw))
+    rng = np.random.default_rng(5)
+    feeds = [{"ids": _ids(1, pos), "position": np.array([pos], np.int32),
+              "k_cache": rng.normal(size=mm.cache_shape()).astype(np.float32),
+              "v_cache": rng.normal(size=mm.cache_shape()).astype(np.float32)} for pos in (0, 3, 7, 11)]
+    plain = [pkg.predict(feed) for feed in feeds]
+    calls = len(seen)
+    later = [pkg.predict(feed, rows_later=True) for feed in feeds]
+    assert len(seen) == calls
+    for out, everything in zip(later, plain):
+        assert out.keys() == everything.keys() and out["logits"].shape == (1, 1, mm.DIM)
+        assert all(np.array_equal(out[k], everything[k]) for k in ("k_out", "v_out"))
+    assert np.array_equal(pkg.finish_rows("logits", later[2]["logits"]), plain[2]["logits"])
+    stacked = pkg.finish_rows("logits", np.concatenate([out["logits"] for out in later], axis=-2))
+    assert seen[calls + 1:] == [(1, len(feeds), mm.DIM)]  # one product for every call's rows
+    assert stacked.shape == (1, len(feeds), mm.VOCAB)
+    assert np.abs(stacked - np.concatenate([out["logits"] for out in plain], axis=-2)).max() <= TOL
+
+
 def test_stateful_package_needs_a_state(paths):
     pkg = open_package(paths["stateful"])
     with pytest.raises(MilError, match="state"):

@@ -167,6 +167,35 @@ class CacheRunner:
         return KVSnapshot(_frozen(key_cache, self.cache_dtype, fresh), _frozen(value_cache, self.cache_dtype, fresh),
                           position)
 
+    def run_tokens(self, snapshot: KVSnapshot, ids) -> tuple[np.ndarray, KVSnapshot]:
+        """`ids` a token a call (decode steps) after `snapshot`: their logits [T, vocab] and the
+        snapshot after the last, as `run_schedule` with chunks of 1 makes them. Where the package
+        runs on the executor and makes its logits from rows alone (`row_outputs`), each call
+        leaves its head's rows and the head makes every token's logits at once after the last
+        call (`Executor.run(rows_later=True)`): a token's logits feed no later call, and a step
+        otherwise reads the head's weight whole for one row. Each row is the one its call would
+        make, summed in the order of a product of many rows."""
+        ids = input_ids_array(ids)
+        decoder = self._decoder()
+        if not set(self.logit_names) <= getattr(decoder, "row_outputs", frozenset()):
+            return self.run_schedule(ids[0], [1] * ids.shape[1], snapshot)
+        self._end(snapshot, ids)
+        steps = []
+        for token in range(ids.shape[1]):
+            out, snapshot = self._decode(snapshot, ids[:, token:token + 1])
+            steps.append(out)
+        rows = {name: np.concatenate([out[name] for out in steps], axis=-2) for name in self.logit_names}
+        return joined_logits({name: decoder.finish_rows(name, rows[name]) for name in self.logit_names},
+                             self.logit_names), snapshot
+
+    def _decoder(self):
+        """The package (or function) that runs one token."""
+        raise NotImplementedError
+
+    def _decode(self, snapshot: KVSnapshot, token: np.ndarray) -> tuple[dict, KVSnapshot]:
+        """One token [1, 1] through `_decoder` with its rows left for later: (the prediction, the next snapshot)."""
+        raise NotImplementedError
+
     def run_schedule(self, ids, schedule, snapshot: KVSnapshot | None = None) -> tuple[np.ndarray, KVSnapshot]:
         """Logits of `ids` fed in chunks of the given sizes, and the snapshot after the last."""
         ids = np.asarray(ids)

@@ -90,6 +90,13 @@ class ChunkKVRunner(CacheRunner):
                                                                     states[i].position + split[i][round_][1], fresh=True)
         return [(self._logits(out), state) for out, state in zip(outs, states)]
 
+    def _decoder(self):
+        return self.package
+
+    def _decode(self, snapshot: KVSnapshot, token: np.ndarray) -> tuple[dict, KVSnapshot]:
+        out = self.package.predict(self._feed(snapshot, token), rows_later=True)
+        return out, self._snapshot(out["new_key_cache"], out["new_value_cache"], snapshot.position + 1, fresh=True)
+
     def _rows_wanted(self, pieces: list[tuple[np.ndarray, int]], index: int, last_only: bool) -> dict | None:
         """Logit output -> the rows wanted of piece `index`'s prediction; None: all of them."""
         piece, real = pieces[index]

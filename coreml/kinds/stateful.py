@@ -66,6 +66,19 @@ class StatefulRunner(CacheRunner):
         # A state's reads are copies of their own (MLState's and the executor's alike).
         return self._logits(outs), self._snapshot(keys, values, end, fresh=bool(outs))
 
+    def _decoder(self):
+        return self.functions["decode"]
+
+    def _decode(self, snapshot: KVSnapshot, token: np.ndarray) -> tuple[dict, KVSnapshot]:
+        decode = self.functions["decode"]
+        state = decode.make_state()
+        state.write_state("key_cache", snapshot.key_cache)
+        state.write_state("value_cache", snapshot.value_cache)
+        out = decode.predict({"input_ids": token, "position": np.array([snapshot.position], dtype=np.int32)},
+                             state=state, rows_later=True)
+        return out, self._snapshot(state.read_state("key_cache"), state.read_state("value_cache"),
+                                   snapshot.position + 1, fresh=True)
+
 
 @register_kind
 class Stateful(PackageKind):

@@ -351,18 +351,48 @@ class Executor:
         return State({s.name: np.zeros(s.shape, s.dtype.numpy) for s in self.function.spec_states})
 
     def run(self, inputs: Mapping[str, object], state: State | None = None,
-            single_token: bool = False) -> dict[str, np.ndarray]:
+            single_token: bool = False, rows_later: bool = False) -> dict[str, np.ndarray]:
         """The function's outputs for `inputs` (and `state`, updated in place). `single_token`:
-        the inputs are one token, whose weights' pages are kept for the next (`RESIDENT_DECODE_BYTES`)."""
+        the inputs are one token, whose weights' pages are kept for the next (`RESIDENT_DECODE_BYTES`).
+
+        `rows_later`: an output made from rows alone (`row_outputs`: the head) is not made; the
+        rows its linear would read stand in its place, for `finish_rows` to make the output of
+        many calls' rows at once. A decode step otherwise reads the head's weight whole for one
+        row (Gemma 3's 262k x 640: two thirds of a chunk-KV step), and no call reads another's
+        logits."""
         env = self._start(inputs, state)
         release = not (single_token and self.mapped_bytes <= RESIDENT_DECODE_BYTES)
-        for step, dead in zip(self._steps, self._dead_after):
-            self._store(step, self._call(step, self._bind(step, env)), env)
+        tails = {index: name for name, tail in self._row_tails.items() for index in tail} if rows_later else {}
+        rows = {}
+        for index, (step, dead) in enumerate(zip(self._steps, self._dead_after)):
+            if index not in tails:
+                self._store(step, self._call(step, self._bind(step, env)), env)
+            elif index == self._row_tails[tails[index]][0]:
+                rows[tails[index]] = self._bind(step, env)["x"]
             for name in dead:
-                del env[name]
-            for constant in step.mapped if release else ():
+                env.pop(name, None)  # absent: made by a step left for `finish_rows`
+            for constant in step.mapped if release and index not in tails else ():
                 release_pages(constant)
-        return self._outputs(env)
+        return {**self._outputs(env, [f.name for f in self.function.spec_outputs if f.name not in rows]), **rows}
+
+    @property
+    def row_outputs(self) -> frozenset[str]:
+        """The outputs made from rows alone (`_tails_of_rows`), which `run(rows_later=True)` leaves."""
+        return frozenset(self._row_tails)
+
+    def finish_rows(self, name: str, rows: np.ndarray) -> np.ndarray:
+        """Output `name` of `rows`: what `run(rows_later=True)` returned in its place, stacked
+        along the rows axis (-2) from any number of calls. Its tail (the linear, then its casts)
+        runs over all of them at once, as `run_batch` runs a batch's rows: each row is the one
+        a call would make, its sums in the order of a product of many rows."""
+        env: dict[str, object] = {}
+        for index in self._row_tails[name]:
+            step = self._steps[index]
+            kwargs = {**step.static, "x": rows} if step.rows_at_once else self._bind(step, env)
+            self._store(step, self._call(step, kwargs), env, rows_cut=True)
+            for constant in step.mapped:
+                release_pages(constant)
+        return self._outputs(env, {name})[name]
 
     def run_batch(self, batch: list[Mapping[str, object]], rows: list[Mapping[str, np.ndarray] | None] | None = None,
                   outputs: Collection[str] | None = None) -> list[dict[str, np.ndarray]]:

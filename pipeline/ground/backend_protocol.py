@@ -88,6 +88,9 @@ class ChunkSchedule(Protocol):
     def run(self, snapshot: object, ids: np.ndarray) -> tuple[np.ndarray, object]:
         """Logits of ids fed as one chunk after the snapshot, and the snapshot after them."""
 
+    def run_tokens(self, snapshot: object, ids: np.ndarray) -> tuple[np.ndarray, object]:
+        """Logits of ids fed a token a chunk after the snapshot, and the snapshot after the last."""
+
     def cache_arrays(self, snapshot: object) -> tuple[np.ndarray, np.ndarray, int]:
         """(keys, values, position): the snapshot's caches, slots [0, position) valid."""
 

@@ -339,8 +339,10 @@ def run_checked(chunks: ChunkSchedule, intended, ids: np.ndarray, schedule: list
 
     for run in reference_runs(schedule, intended.cache_dtype):
         before, run_start = chunks.cache_arrays(snapshot), start
-        for size in run:
-            logits, snapshot = chunks.run(snapshot, ids[start:start + size])
+        # A run of single tokens is decode steps, whose logits the package may make all at once
+        # after the last (`run_tokens`); the caches are checked where the run ends either way.
+        for size in [len(run)] if set(run) == {1} else run:
+            logits, snapshot = (chunks.run_tokens if set(run) == {1} else chunks.run)(snapshot, ids[start:start + size])
             write("got", start, logits)
             del logits  # the scratch rows are the ones kept; this copy would outlive the reference's batch
             start += size
