@@ -54,30 +54,31 @@ class StatefulRunner(CacheRunner):
         end = self._end(snapshot, ids)
         keys, values, position, outs = snapshot.key_cache, snapshot.value_cache, snapshot.position, []
         for piece in self._pieces(ids):  # the prefill's enumerated lengths where it has them
-            # A state of the function that runs the piece (Core ML binds a state to the model
-            # that made it), holding what the piece before wrote.
-            function = self.functions["decode" if piece.shape[1] == 1 else "prefill"]
-            state = function.make_state()
-            state.write_state("key_cache", keys)
-            state.write_state("value_cache", values)
-            outs.append(function.predict({"input_ids": piece, "position": np.array([position], dtype=np.int32)},
-                                         state=state))
-            keys, values, position = state.read_state("key_cache"), state.read_state("value_cache"), position + piece.shape[1]
+            out, keys, values = self._call("decode" if piece.shape[1] == 1 else "prefill", keys, values, position, piece)
+            outs.append(out)
+            position += piece.shape[1]
         # A state's reads are copies of their own (MLState's and the executor's alike).
         return self._logits(outs), self._snapshot(keys, values, end, fresh=bool(outs))
+
+    def _call(self, function_name: str, keys, values, position: int, piece: np.ndarray, **options):
+        """One prediction of the function from the caches: (its outputs, the caches it leaves). Its
+        state is one of the function that runs the piece (Core ML binds a state to the model that
+        made it), holding what the piece before wrote."""
+        function = self.functions[function_name]
+        state = function.make_state()
+        state.write_state("key_cache", keys)
+        state.write_state("value_cache", values)
+        out = function.predict({"input_ids": piece, "position": np.array([position], dtype=np.int32)}, state=state,
+                               **options)
+        return out, state.read_state("key_cache"), state.read_state("value_cache")
 
     def _decoder(self):
         return self.functions["decode"]
 
     def _decode(self, snapshot: KVSnapshot, token: np.ndarray) -> tuple[dict, KVSnapshot]:
-        decode = self.functions["decode"]
-        state = decode.make_state()
-        state.write_state("key_cache", snapshot.key_cache)
-        state.write_state("value_cache", snapshot.value_cache)
-        out = decode.predict({"input_ids": token, "position": np.array([snapshot.position], dtype=np.int32)},
-                             state=state, rows_later=True)
-        return out, self._snapshot(state.read_state("key_cache"), state.read_state("value_cache"),
-                                   snapshot.position + 1, fresh=True)
+        out, keys, values = self._call("decode", snapshot.key_cache, snapshot.value_cache, snapshot.position, token,
+                                       rows_later=True)
+        return out, self._snapshot(keys, values, snapshot.position + 1, fresh=True)
 
 
 @register_kind

@@ -341,8 +341,9 @@ def run_checked(chunks: ChunkSchedule, intended, ids: np.ndarray, schedule: list
         before, run_start = chunks.cache_arrays(snapshot), start
         # A run of single tokens is decode steps, whose logits the package may make all at once
         # after the last (`run_tokens`); the caches are checked where the run ends either way.
-        for size in [len(run)] if set(run) == {1} else run:
-            logits, snapshot = (chunks.run_tokens if set(run) == {1} else chunks.run)(snapshot, ids[start:start + size])
+        decode = set(run) == {1}
+        for size in [len(run)] if decode else run:
+            logits, snapshot = (chunks.run_tokens if decode else chunks.run)(snapshot, ids[start:start + size])
             write("got", start, logits)
             del logits  # the scratch rows are the ones kept; this copy would outlive the reference's batch
             start += size
