@@ -74,7 +74,9 @@ ALIGN_JOBS ?= 2
 # A torch pool of every core beside another job waits on its slowest thread: FP32's scores of
 # Gemma 3 took 1.5 s an item beside a gate, 0.18 s alone.
 JOB_THREADS ?=
-JOB_ENV = $(if $(JOB_THREADS),$(foreach pool,OMP_NUM_THREADS MKL_NUM_THREADS OPENBLAS_NUM_THREADS,$(pool)=$(JOB_THREADS)))
+# The variables that hold each BLAS/OpenMP pool to $(1) threads (workers.THREAD_VARIABLES).
+thread_pools = $(foreach pool,OMP_NUM_THREADS MKL_NUM_THREADS OPENBLAS_NUM_THREADS,$(pool)=$(1))
+JOB_ENV = $(if $(JOB_THREADS),$(call thread_pools,$(JOB_THREADS)))
 # The score stage's worker processes: a package on the MIL executor scores an op at a time,
 # mostly on one core, so two workers are 1.5x one process on two cores.
 SCORE_JOBS ?= 2
@@ -128,8 +130,7 @@ TEST_ARGS ?=
 TEST_THREADS ?= $(shell $(PY) -c "from pipeline.ground.workers import thread_share; print(thread_share($(TEST_JOBS)))")
 
 test: $(INSTALLED)
-	OMP_NUM_THREADS=$(TEST_THREADS) MKL_NUM_THREADS=$(TEST_THREADS) OPENBLAS_NUM_THREADS=$(TEST_THREADS) \
-	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_JOBS) --dist loadfile \
+	$(call thread_pools,$(TEST_THREADS)) HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_JOBS) --dist loadfile \
 	  --durations=25 $(TEST_ARGS)
 
 # The suite again under each kernel switch that changes bits on x86, so a bound fitted to one
@@ -158,10 +159,10 @@ bundle: $(OUT)/bundle/manifest.json
 preflight: $(OUT)/preflight/manifest.json
 coreml: $(PACKAGES)
 align: $(PACKAGES)
-	@jobs=$$($(PY) -c "from pipeline.ground.workers import affordable_jobs, mapped_job_memory; \
-	  print(affordable_jobs($(ALIGN_JOBS), mapped_job_memory('$(OUT)/bundle'), 'make align'))") && \
-	$(MAKE) --no-print-directory -j$$jobs JOB_THREADS=$$($(PY) -c \
-	  "from pipeline.ground.workers import thread_share; print(thread_share($$jobs))") gates
+	@jobs=$$($(PY) -c "from pipeline.ground.workers import affordable_jobs, mapped_job_memory, thread_share; \
+	  jobs = affordable_jobs($(ALIGN_JOBS), mapped_job_memory('$(OUT)/bundle'), 'make align'); \
+	  print(f'-j{jobs} JOB_THREADS={thread_share(jobs)}')") && \
+	$(MAKE) --no-print-directory $$jobs gates
 compress: $(SURVEY)/survey.json
 score: $(SCORE_RUN)/manifest.json
 release: $(SURVEY)/release.done

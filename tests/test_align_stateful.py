@@ -123,9 +123,11 @@ def test_a_miscompiled_stateful_package_fails_and_keeps_its_report(fixture_state
 def test_decode_steps_leave_the_head_for_last_and_match_a_run_of_single_token_chunks(
         kind, fixture_packages, fixture_stateful):
     """`run_tokens`: a token a call, the head made once for all of them after the last. The
-    caches are the same bits as `run_schedule`'s with chunks of 1 (the same steps), and each
-    token's logits its call's up to the summation order of one product of many rows, within
-    the gate's bound (the bound of the whole chain it is part of)."""
+    caches are the same bits as `run_schedule`'s with chunks of 1, on any machine: every op that
+    writes them runs on the same inputs of the same shapes either way. Each token's logits are
+    its call's but for the head's product, one of 7 rows against one of a row: the same
+    float32 dot products in another summation order, which the gate's bound covers (derived
+    from γ over the model's whole chain of sums, the head's among them: `exact_tolerances`)."""
     package = fixture_stateful if kind == "stateful" else fixture_packages / kind
     chunks = PackageBackend(open_package(package, backend="executor")).chunks
     decoder = chunks._decoder()
@@ -210,7 +212,9 @@ def test_single_token_steps_over_the_fp16_cache_are_checked_row_by_row_in_one_fo
         monkeypatch.setattr("pipeline.stages.gates.exactness.REFERENCE_RUN_TOKENS", 1)
         alone = run_checked(chunks, intended, ids, [1] * len(ids), cache_tolerance)
         assert checked["cache_outside"] == alone["cache_outside"] == 0
-        # The package's head makes a run's rows in one product (`run_tokens`): 64 rows against 1.
+        # The package's head makes a run's rows in one product (`run_tokens`), 64 rows against 1:
+        # the same float32 dot products in another summation order, within the gate's bound
+        # (derived from γ over the model's chain of sums, the head's among them).
         assert compare(checked["got"], alone["got"], tolerance)["passed"]
         assert compare(checked["got"], checked["want"], tolerance)["passed"]
         assert compare(alone["got"], alone["want"], tolerance)["passed"]

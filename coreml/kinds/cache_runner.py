@@ -100,7 +100,9 @@ def package_features(package, section: str, kind: str) -> dict[str, dict]:
 class CacheRunner:
     """What the cache-carrying kinds share: snapshots, the context check, chunk schedules and
     the Neural Engine layout's pieces and logit parts. Subclasses set `package`, `cache_shape`
-    and `cache_dtype`, call `_layout` once, and implement `run`."""
+    and `cache_dtype`, call `_layout` once, and implement `run`, `_decoder()` (the package or
+    function that runs one token) and `_decode(snapshot, token)` (one token [1, 1] through it
+    with its rows left for later: the prediction and the next snapshot, for `run_tokens`)."""
 
     package: object
     cache_shape: tuple[int, ...]
@@ -187,14 +189,6 @@ class CacheRunner:
         rows = {name: np.concatenate([out[name] for out in steps], axis=-2) for name in self.logit_names}
         return joined_logits({name: decoder.finish_rows(name, rows[name]) for name in self.logit_names},
                              self.logit_names), snapshot
-
-    def _decoder(self):
-        """The package (or function) that runs one token."""
-        raise NotImplementedError
-
-    def _decode(self, snapshot: KVSnapshot, token: np.ndarray) -> tuple[dict, KVSnapshot]:
-        """One token [1, 1] through `_decoder` with its rows left for later: (the prediction, the next snapshot)."""
-        raise NotImplementedError
 
     def run_schedule(self, ids, schedule, snapshot: KVSnapshot | None = None) -> tuple[np.ndarray, KVSnapshot]:
         """Logits of `ids` fed in chunks of the given sizes, and the snapshot after the last."""

@@ -158,6 +158,10 @@ class Executor:
         self._mapped_constants()
         self._dead_after = self._liveness()
         self._row_tails = self._tails_of_rows()
+        # For `run(rows_later=True)`: step index -> the output whose tail it is part of, and the
+        # outputs that run makes.
+        self._tail_of_step = {index: name for name, tail in self._row_tails.items() for index in tail}
+        self._made_with_rows_later = [f.name for f in self.function.spec_outputs if f.name not in self._row_tails]
         self._needed: dict[frozenset[str], tuple[bool, ...]] = {}
 
     # -- building ---------------------------------------------------------------------------
@@ -362,18 +366,20 @@ class Executor:
         logits."""
         env = self._start(inputs, state)
         release = not (single_token and self.mapped_bytes <= RESIDENT_DECODE_BYTES)
-        tails = {index: name for name, tail in self._row_tails.items() for index in tail} if rows_later else {}
+        tails = self._tail_of_step if rows_later else {}
         rows = {}
         for index, (step, dead) in enumerate(zip(self._steps, self._dead_after)):
             if index not in tails:
                 self._store(step, self._call(step, self._bind(step, env)), env)
+                for constant in step.mapped if release else ():
+                    release_pages(constant)
             elif index == self._row_tails[tails[index]][0]:
                 rows[tails[index]] = self._bind(step, env)["x"]
             for name in dead:
                 env.pop(name, None)  # absent: made by a step left for `finish_rows`
-            for constant in step.mapped if release and index not in tails else ():
-                release_pages(constant)
-        return {**self._outputs(env, [f.name for f in self.function.spec_outputs if f.name not in rows]), **rows}
+        if not rows_later:
+            return self._outputs(env)
+        return {**self._outputs(env, self._made_with_rows_later), **rows}
 
     @property
     def row_outputs(self) -> frozenset[str]:
