@@ -54,30 +54,59 @@ def _decompress(op: Operation, args: dict) -> np.ndarray:
             args["quantized_data"], args["zero_point"], args["scale"], int(args["axis"]))
     if kind in ("constexpr_lut_to_dense", "constexpr_sparse_to_dense") and "shape" in args:
         return getattr(ios16, kind).decompress(**args)
-    if kind in ("constexpr_blockwise_shift_scale", "constexpr_lut_to_dense", "constexpr_sparse_to_dense",
-                "constexpr_lut_to_sparse", "constexpr_sparse_blockwise_shift_scale"):
+    if kind == "constexpr_lut_to_dense" and args.get("vector_axis") is None:
+        return _lut_in_row_blocks(ios18.constexpr_lut_to_dense.decompress, np.asarray(args["indices"]),
+                                  np.asarray(args["lut"]))
+    if kind == "constexpr_blockwise_shift_scale":
+        return _shift_scale_in_row_blocks(ios18.constexpr_blockwise_shift_scale.decompress, np.asarray(args["data"]),
+                                          np.asarray(args["scale"]), args.get("offset"))
+    if kind in ("constexpr_lut_to_dense", "constexpr_sparse_to_dense", "constexpr_lut_to_sparse",
+                "constexpr_sparse_blockwise_shift_scale"):
         method = getattr(ios18, kind).decompress
-        if kind == "constexpr_lut_to_dense" and args.get("vector_axis") is None:
-            return _lut_in_row_blocks(method, np.asarray(args["indices"]), np.asarray(args["lut"]))
         names = method.__code__.co_varnames[:method.__code__.co_argcount]
         return method(**{name: args.get(name) for name in names if name != "cls"})
     raise MilError(f"constexpr op {kind} -> {op.outputs[0][0]}: no reference decompression for this op type")
 
 
-# Bytes of repeated LUT coremltools' palette decoding may build at a time (`_lut_in_row_blocks`).
-LUT_BLOCK_BYTES = 64 << 20
+# Bytes of temporaries coremltools' decoding may build at a time (`_in_row_blocks`).
+DECODE_BLOCK_BYTES = 64 << 20
+
+
+def _in_row_blocks(decompress, rows: int, unit: int, bytes_per_row: int, block_args) -> np.ndarray:
+    """`decompress(*block_args(start, stop))` over rows [start, stop) a block of whole `unit`s of
+    rows at a time, written into one array: each block's rows are the same elementwise decoding
+    of the same values, so the result is the whole decoding's to the bit, while coremltools'
+    full-size temporaries (`bytes_per_row` a row) are one block's."""
+    step = max(1, DECODE_BLOCK_BYTES // max(1, unit * bytes_per_row)) * unit
+    out = None
+    for start in range(0, rows, step):
+        block = np.asarray(decompress(*block_args(start, min(rows, start + step))))
+        if out is None:
+            out = np.empty((rows, *block.shape[1:]), block.dtype)
+        out[start:start + len(block)] = block
+    return out
 
 
 def _lut_in_row_blocks(decompress, indices: np.ndarray, lut: np.ndarray) -> np.ndarray:
-    """coremltools' `constexpr_lut_to_dense.decompress` over rows a block of whole LUT tiles at a
-    time: it repeats the LUT to every element before looking up (K entries each: 4.1 GB for
-    SmolLM2's 113 MB embedding at 64 entries), and each block's rows with their tiles' LUTs are
-    the same lookups of the same values."""
-    rows, tile = len(indices), len(indices) // lut.shape[0]
+    """coremltools' `constexpr_lut_to_dense.decompress`, rows a block of whole LUT tiles at a time:
+    it repeats the LUT to every element before looking up (K entries each: 4.1 GB for SmolLM2's
+    113 MB embedding at 64 entries)."""
+    tile = len(indices) // lut.shape[0]
     per_element = lut.shape[-2] * lut.shape[-1] * lut.itemsize
-    step = max(1, LUT_BLOCK_BYTES // max(1, indices[:1].size * per_element * tile)) * tile
-    return np.concatenate([decompress(indices[start:start + step], lut[start // tile:(start + step) // tile], None)
-                           for start in range(0, rows, step)])
+    return _in_row_blocks(decompress, len(indices), tile, indices[:1].size * per_element,
+                          lambda start, stop: (indices[start:stop], lut[start // tile:stop // tile], None))
+
+
+def _shift_scale_in_row_blocks(decompress, data: np.ndarray, scale: np.ndarray, offset) -> np.ndarray:
+    """coremltools' `constexpr_blockwise_shift_scale.decompress`, rows a block of whole scale blocks
+    at a time: it makes the codes in the scale's dtype, the scale and offset repeated to every
+    element, their difference and the product: four arrays of the weight's size at once, 0.45 GB
+    for SmolLM2's embedding with float32 scales."""
+    unit = len(data) // len(scale)
+    offset = None if offset is None else np.asarray(offset)
+    return _in_row_blocks(decompress, len(data), unit, 4 * data[:1].size * scale.itemsize,
+                          lambda start, stop: (data[start:stop], scale[start // unit:stop // unit],
+                                               None if offset is None else offset[start // unit:stop // unit]))
 
 
 class StoredProgram:
@@ -153,7 +182,7 @@ def decoded_weights(package_dir: str | Path, scratch: ScratchFile | None = None)
 
     hot = hot_rows_of(program.manifest)
     for var, hf_names in weight_vars(program.manifest).items():
-        value = program.value(var).astype(np.float32)
+        value = program.value(var).astype(np.float32, copy=False)
         if var in hot:
             value = with_hot_rows(value, *program.hot_rows(hot[var]))
         for name in hf_names:

@@ -478,15 +478,19 @@ def test_executor_holds_each_decompressed_weight_once(fixture_packages, tmp_path
     assert all(executor.constants[name].dtype == np.float32 for name in folded if name in executor.constants)
 
 
-def test_palette_decoding_in_row_blocks_gives_the_whole_decoding(fixture_packages, tmp_path, monkeypatch):
-    """coremltools' palette decoding repeats the LUT to every element first (4.1 GB for SmolLM2's
-    embedding at 64 entries), so the gate's reference decodes rows a block of whole tiles at a
-    time: the same lookups of the same values, bit for bit."""
+@pytest.mark.parametrize("recipe", ["palette4-gc32", "int8-b32", "int4-b32-emb8"])
+def test_decoding_in_row_blocks_gives_the_whole_decoding(fixture_packages, tmp_path, monkeypatch, recipe):
+    """coremltools' decodings make arrays of the weight's size, or many times it (a palette's LUT
+    repeated to every element: 4.1 GB for SmolLM2's embedding at 64 entries; a shift-scale's codes,
+    scale, offset and product), so the gate's reference decodes rows a block of whole tiles or
+    scale blocks at a time: the same elementwise decoding of the same values, bit for bit. The
+    recipes cover a LUT, float32 scales, and fp16 scales with offsets."""
     from coreml import decoded
 
-    package = compress_package(fixture_packages / "chunk_kv", "palette4-gc32", tmp_path / "palette4").path
+    package = compress_package(fixture_packages / "chunk_kv", recipe, tmp_path / recipe).path
+    monkeypatch.setattr(decoded, "DECODE_BLOCK_BYTES", 1 << 62)  # every weight in one block
     whole = decoded.decoded_weights(package)
-    monkeypatch.setattr(decoded, "LUT_BLOCK_BYTES", 1)  # one tile of rows a block
+    monkeypatch.setattr(decoded, "DECODE_BLOCK_BYTES", 1)  # one tile or scale block of rows a block
     blocked = decoded.decoded_weights(package)
     assert list(blocked) == list(whole)
     for name in whole:

@@ -206,9 +206,9 @@ def test_nothing_in_a_release_names_a_path_of_the_build_machine(release, survey,
         if path.suffix == ".json":
             absolute = [s for s in _json_strings(json.loads(text)) if s.startswith("/")]
             assert absolute == [], f"{path.relative_to(release.path)}: {absolute}"
-    # The survey page's first line names the FP32 package relative to the survey folder.
+    # The survey page's first line names the source package relative to the survey folder.
     survey_md = (release.path / "survey" / "survey.md").read_text().splitlines()
-    first = next(line for line in survey_md if line.startswith("- FP32 package"))
+    first = next(line for line in survey_md if line.startswith("- source package"))
     assert (survey.path / first.split("`")[1]).resolve() == survey.package.resolve()
 
 

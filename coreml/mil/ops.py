@@ -453,10 +453,11 @@ def _repeat_blocks(a, shape):
 
 @op("constexpr_blockwise_shift_scale")
 def constexpr_blockwise_shift_scale(data, scale, offset=None):
-    out = data.astype(scale.dtype)
+    out = data.astype(scale.dtype)  # in place below: two arrays of the weight's size at a time, not four
     if offset is not None:
-        out = out - _repeat_blocks(offset.astype(scale.dtype), data.shape)
-    return out * _repeat_blocks(scale, data.shape)
+        out -= _repeat_blocks(offset.astype(scale.dtype), data.shape)
+    out *= _repeat_blocks(scale, data.shape)
+    return out
 
 
 @op("constexpr_lut_to_dense")

@@ -226,13 +226,18 @@ def _or_not_measured(value, note: str = "¹"):
     return f"not measured{note}" if value is None else value
 
 
+def source_precision(survey: dict) -> str:
+    """The precision of the package the recipes compressed (a survey from before targets: fp32)."""
+    return target_unit(survey["target"]).precision if survey.get("target") else "fp32"
+
+
 def survey_markdown(survey: dict) -> str:
     """One table a release engineer reads at a glance, then what could not be measured."""
     fp32 = survey["fp32"]
     deployed = survey["deployed"]["recipe"]
     measured = [r for r in survey["recipes"] if r["status"] == "measured"]
     unmet = [r for r in survey["recipes"] if r["status"] != "measured"]
-    source = target_unit(survey["target"]).precision if survey.get("target") else "fp32"
+    source = source_precision(survey)
     rows = [[f"{source} (source)", fp32["package"]["bits_per_weight"], fp32["package"]["size_bytes"], 1.0, "exact",
              0.0, 1.0, 0.0, 0.0, "within", True, fp32["scoring"]["top1_accuracy"], "", ""]]
     rows += [[r["name"], r["package"]["bits_per_weight"], r["package"]["size_bytes"], r["package"]["bytes_vs_fp32"],
@@ -246,7 +251,7 @@ def survey_markdown(survey: dict) -> str:
     lines = [
         "# Compression survey",
         "",
-        f"- FP32 package: `{fp32['package']['path']}` ({fp32['package']['kind']}), gate passed "
+        f"- source package ({source}): `{fp32['package']['path']}` ({fp32['package']['kind']}), gate passed "
         f"(`{fp32['gate']['path']}`)",
         f"- gates on **{survey['backend']}**; fixtures `{survey['fixtures']['path']}`; quality on "
         f"{survey['quality']['tokens']} held-out tokens of `{survey['quality']['text']['path']}` and the scoring set "
@@ -289,7 +294,7 @@ def size_vs_error_plot(path: Path, survey: dict) -> Path:
     points = [(label(r), r["package"]["bits_per_weight"], 100 * r["gate"]["quality"]["ppl_change"],
                r["name"] == deployed) for r in survey["recipes"]
               if r["status"] == "measured" and r["gate"]["quality"]["ppl_change"] is not None]
-    points.append(("fp32", survey["fp32"]["package"]["bits_per_weight"], 0.0, False))
+    points.append((f"{source_precision(survey)} (source)", survey["fp32"]["package"]["bits_per_weight"], 0.0, False))
     return scatter_plot(path, points, title="Bits per weight against perplexity change",
                         xlabel="bits per weight", ylabel="perplexity change vs FP32 (%)")
 
@@ -424,6 +429,9 @@ def run_survey(
         # by every worker (coreml.cache), removed before the folder's inventory.
         cache = staging / SHARED_CACHE
         settings["shared_cache"] = context["shared_cache"] = str(cache)
+        fp32_summary = scoring.summarize(quality.fp32_scores)
+        identities = {"budget": parsed_budget.spec(), "fixtures": fixtures.identity(relative_to=out_dir),
+                      "quality": quality.identity(relative_to=out_dir)}
         bar = tqdm(total=len(recipes), desc="survey", unit="recipe", disable=not progress)
         if jobs == 1 and executor.in_process:
             records = []
@@ -431,11 +439,14 @@ def run_survey(
                 records.append(survey_recipe(name, package_dir, staging, context))
                 bar.update()
         else:
-            records = _recipes_in_workers(recipes, staging, settings, jobs, bar, executor,
-                                          bundle_job_memory(quality.bundle))
+            memory_per_job = bundle_job_memory(quality.bundle)
+            # Each worker builds its own context: this process's (the reference model, the
+            # quality inputs: 0.2 GB of an fp16 SmolLM2's) would only wait beside theirs.
+            del context, quality, fixtures
+            return_freed_memory()
+            records = _recipes_in_workers(recipes, staging, settings, jobs, bar, executor, memory_per_job)
         bar.close()
         shutil.rmtree(cache, ignore_errors=True)
-        fp32_summary = scoring.summarize(quality.fp32_scores)
         survey = {
             "format": FORMAT,
             "status": "complete",
@@ -451,9 +462,7 @@ def run_survey(
                             "scores_sha256": baseline_run["scores_sha256"], "run": "scores/fp32"},
             },
             "backend": records_backend(staging, records, backend),
-            "budget": parsed_budget.spec(),
-            "fixtures": fixtures.identity(relative_to=out_dir),
-            "quality": quality.identity(relative_to=out_dir),
+            **identities,
             "scoring_set": baseline_run["scoring_set"],
             "recipes": records,
             "deployed": {"recipe": deployed_recipe(records, aim.claim), "rule": DEPLOY_RULE},
