@@ -46,8 +46,15 @@ class ShiftScale:
         return self.data.shape[1] // self.scale.shape[1]
 
     def decode(self) -> np.ndarray:
-        offset = None if self.offset is None else np.repeat(self.offset, self.block, axis=1)
-        return shift_scale(self.data, offset, np.repeat(self.scale, self.block, axis=1)).astype(np.float32)
+        """float32, a block of rows at a time (`in_row_blocks`): made whole, the repeated scale and
+        offset and each step of `shift_scale` are five arrays of the weight's size (0.5 GB for
+        SmolLM2's embedding, the largest memory of a `mixed` survey worker)."""
+        def rows(start: int, stop: int) -> tuple:
+            offset = None if self.offset is None else np.repeat(self.offset[start:stop], self.block, axis=1)
+            return self.data[start:stop], offset, np.repeat(self.scale[start:stop], self.block, axis=1)
+
+        return in_row_blocks(lambda *parts: shift_scale(*parts).astype(np.float32, copy=False), len(self.data), 1,
+                             5 * 4 * self.data.shape[1], rows)
 
     def bits(self) -> int:
         """Storage in bits: the codes plus every scale and offset."""
@@ -55,6 +62,25 @@ class ShiftScale:
         if self.offset is not None:
             params += self.offset.size * (self.offset.itemsize * 8 if self.offset.dtype.kind == "f" else self.nbits)
         return self.data.size * self.nbits + params
+
+
+# Bytes of full-size temporaries a decoding may make at a time (`in_row_blocks`).
+DECODE_BLOCK_BYTES = 64 << 20
+
+
+def in_row_blocks(decode, rows: int, unit: int, bytes_per_row: int, block_args) -> np.ndarray:
+    """`decode(*block_args(start, stop))` over rows [start, stop) a block of whole `unit`s of rows
+    at a time, written into one array: each block's rows are the same elementwise decoding of
+    the same values, so the result is the whole decoding's to the bit, while the decoding's
+    full-size temporaries (`bytes_per_row` a row) are one block's."""
+    step = max(1, DECODE_BLOCK_BYTES // max(1, unit * bytes_per_row)) * unit
+    out = None
+    for start in range(0, rows, step):
+        block = np.asarray(decode(*block_args(start, min(rows, start + step))))
+        if out is None:
+            out = np.empty((rows, *block.shape[1:]), block.dtype)
+        out[start:start + len(block)] = block
+    return out
 
 
 def shift_scale(data: np.ndarray, offset: np.ndarray | None, scale: np.ndarray) -> np.ndarray:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from coreml.codes import with_hot_rows
+from coreml.codes import in_row_blocks, with_hot_rows
 from coreml.mil.errors import MilError
 from coreml.mil.loader import Operation, load_program
 from manifests.identity import load_manifest
@@ -68,32 +68,13 @@ def _decompress(op: Operation, args: dict) -> np.ndarray:
     raise MilError(f"constexpr op {kind} -> {op.outputs[0][0]}: no reference decompression for this op type")
 
 
-# Bytes of temporaries coremltools' decoding may build at a time (`_in_row_blocks`).
-DECODE_BLOCK_BYTES = 64 << 20
-
-
-def _in_row_blocks(decompress, rows: int, unit: int, bytes_per_row: int, block_args) -> np.ndarray:
-    """`decompress(*block_args(start, stop))` over rows [start, stop) a block of whole `unit`s of
-    rows at a time, written into one array: each block's rows are the same elementwise decoding
-    of the same values, so the result is the whole decoding's to the bit, while coremltools'
-    full-size temporaries (`bytes_per_row` a row) are one block's."""
-    step = max(1, DECODE_BLOCK_BYTES // max(1, unit * bytes_per_row)) * unit
-    out = None
-    for start in range(0, rows, step):
-        block = np.asarray(decompress(*block_args(start, min(rows, start + step))))
-        if out is None:
-            out = np.empty((rows, *block.shape[1:]), block.dtype)
-        out[start:start + len(block)] = block
-    return out
-
-
 def _lut_in_row_blocks(decompress, indices: np.ndarray, lut: np.ndarray) -> np.ndarray:
     """coremltools' `constexpr_lut_to_dense.decompress`, rows a block of whole LUT tiles at a time:
     it repeats the LUT to every element before looking up (K entries each: 4.1 GB for SmolLM2's
     113 MB embedding at 64 entries)."""
     tile = len(indices) // lut.shape[0]
     per_element = lut.shape[-2] * lut.shape[-1] * lut.itemsize
-    return _in_row_blocks(decompress, len(indices), tile, indices[:1].size * per_element,
+    return in_row_blocks(decompress, len(indices), tile, indices[:1].size * per_element,
                           lambda start, stop: (indices[start:stop], lut[start // tile:stop // tile], None))
 
 
@@ -104,7 +85,7 @@ def _shift_scale_in_row_blocks(decompress, data: np.ndarray, scale: np.ndarray, 
     for SmolLM2's embedding with float32 scales."""
     unit = len(data) // len(scale)
     offset = None if offset is None else np.asarray(offset)
-    return _in_row_blocks(decompress, len(data), unit, 4 * data[:1].size * scale.itemsize,
+    return in_row_blocks(decompress, len(data), unit, 4 * data[:1].size * scale.itemsize,
                           lambda start, stop: (data[start:stop], scale[start // unit:stop // unit],
                                                None if offset is None else offset[start // unit:stop // unit]))
 

@@ -485,13 +485,35 @@ def test_decoding_in_row_blocks_gives_the_whole_decoding(fixture_packages, tmp_p
     scale, offset and product), so the gate's reference decodes rows a block of whole tiles or
     scale blocks at a time: the same elementwise decoding of the same values, bit for bit. The
     recipes cover a LUT, float32 scales, and fp16 scales with offsets."""
-    from coreml import decoded
+    from coreml import codes, decoded
 
     package = compress_package(fixture_packages / "chunk_kv", recipe, tmp_path / recipe).path
-    monkeypatch.setattr(decoded, "DECODE_BLOCK_BYTES", 1 << 62)  # every weight in one block
+    monkeypatch.setattr(codes, "DECODE_BLOCK_BYTES", 1 << 62)  # every weight in one block
     whole = decoded.decoded_weights(package)
-    monkeypatch.setattr(decoded, "DECODE_BLOCK_BYTES", 1)  # one tile or scale block of rows a block
+    monkeypatch.setattr(codes, "DECODE_BLOCK_BYTES", 1)  # one tile or scale block of rows a block
     blocked = decoded.decoded_weights(package)
     assert list(blocked) == list(whole)
     for name in whole:
         assert np.array_equal(blocked[name].view(np.uint32), whole[name].view(np.uint32)), name
+
+
+@pytest.mark.parametrize("offset", [None, np.float16, np.uint8])
+def test_shift_scale_codes_decode_in_row_blocks_as_whole(monkeypatch, offset):
+    """A recipe's own codes (`coreml.codes.ShiftScale`, which `mixed` decodes for every trial) decode a
+    block of rows at a time, to the bits of one whole decoding: fp16 scales, no offset, an fp16
+    offset and an integer zero point; blocks of 32 along each row, as the recipes code them."""
+    from coreml import codes
+
+    rng = np.random.default_rng(0)
+    rows, cols, block = 37, 96, 32
+    data = rng.integers(0, 16, (rows, cols), dtype=np.uint8)
+    scale = rng.uniform(1e-3, 1e-1, (rows, cols // block)).astype(np.float16)
+    offsets = None if offset is None else (rng.integers(0, 16, scale.shape).astype(offset) if offset == np.uint8
+                                           else rng.uniform(-8, 8, scale.shape).astype(np.float16))
+    code = codes.ShiftScale(data, scale, offsets, 4, signed=False)
+    monkeypatch.setattr(codes, "DECODE_BLOCK_BYTES", 1 << 62)
+    whole = code.decode()
+    monkeypatch.setattr(codes, "DECODE_BLOCK_BYTES", 1)  # a row a block
+    blocked = code.decode()
+    assert whole.dtype == blocked.dtype == np.float32 and whole.shape == (rows, cols)
+    assert np.array_equal(blocked.view(np.uint32), whole.view(np.uint32))
