@@ -6,9 +6,9 @@ mlx-lm's own q4 and q8 beside them on the same windows.
     python benchmarks/compress_bench.py PACKAGE_DIR --recipes gptq-int4-b32-zp mixed --shared-cache   # as a survey shares
 
 PACKAGE_DIR is an FP32 chunk_kv (or stateless) package, e.g. SmolLM2-135M:
-`cmfdeploy bundle build/smollm2/*/SmolLM2-135M-Instruct-f32.cmf -o B` then
+`cmfdeploy bundle .test-cache/smollm2/*/SmolLM2-135M-Instruct-f32.cmf -o B` then
 `cmfdeploy coreml B -o P --kinds chunk_kv --context 128`; Gemma 3 270M the same from
-build/gemma3/*/gemma-3-270m-f32.cmf (`--context 256` keeps the conversion affordable).
+.test-cache/gemma3/*/gemma-3-270m-f32.cmf (`--context 256` keeps the conversion affordable).
 
 Text: the survey's own (`pipeline.stages.gates.QualityInputs`, `pipeline.stages.survey.calibration_ids`):
 fixtures/botchan.txt cut by `pipeline.ground.text_roles` into calibration lines (what

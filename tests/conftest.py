@@ -12,6 +12,10 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE_CMF = ROOT / "fixtures" / "botchan-llama-1m.cmf"
 FIXTURE_REFERENCE = ROOT / "fixtures" / "reference"
+# The suite's own caches of real-model imports: a folder of their own, outside build/, where
+# `make all` writes build/<model>/ and a cache's pruning of stale keys once deleted a user's
+# finished build of a model the user had named like one of them.
+TEST_CACHE = ROOT / ".test-cache"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -77,8 +81,8 @@ def smollm2_gguf() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_cmf(smollm2_gguf) -> Path:
-    """SmolLM2-135M-Instruct imported to an f32 CMF, cached under build/ across runs."""
-    return _cached_f32_import(smollm2_gguf, ROOT / "build" / "smollm2", "SmolLM2-135M-Instruct-f32.cmf")
+    """SmolLM2-135M-Instruct imported to an f32 CMF, cached under TEST_CACHE across runs."""
+    return _cached_f32_import(smollm2_gguf, TEST_CACHE / "smollm2", "SmolLM2-135M-Instruct-f32.cmf")
 
 
 @pytest.fixture(scope="session")
@@ -106,8 +110,8 @@ def gemma3_gguf() -> Path:
 
 @pytest.fixture(scope="session")
 def gemma3_cmf(gemma3_gguf) -> Path:
-    """Gemma 3 270M imported to an f32 CMF (1.1 GB), cached under build/ across runs."""
-    return _cached_f32_import(gemma3_gguf, ROOT / "build" / "gemma3", "gemma-3-270m-f32.cmf")
+    """Gemma 3 270M imported to an f32 CMF (1.1 GB), cached under TEST_CACHE across runs."""
+    return _cached_f32_import(gemma3_gguf, TEST_CACHE / "gemma3", "gemma-3-270m-f32.cmf")
 
 
 def _cached_f32_import(gguf: Path, cache: Path, name: str) -> Path:
@@ -131,14 +135,22 @@ def _cached_f32_import(gguf: Path, cache: Path, name: str) -> Path:
     path = cache / key / name
     with _one_builder(cache):
         if not path.exists():
-            import shutil
-
-            for stale in cache.glob("*"):  # 0.5 to 1 GB each: keep only the current key
-                if stale not in (path.parent, cache / LOCK_NAME):
-                    shutil.rmtree(stale, ignore_errors=True)
+            _drop_stale_keys(cache, path.parent)
             path.parent.mkdir(parents=True, exist_ok=True)
             import_gguf(gguf, path, policy=QuantPolicy("f32"))
     return path
+
+
+def _drop_stale_keys(cache: Path, current: Path) -> None:
+    """Every key folder of `cache` but `current` (0.5 to 1 GB each). Only `cache`'s own entries:
+    it must lie under TEST_CACHE, so no pruning can reach a folder that anything else writes."""
+    import shutil
+
+    if TEST_CACHE.resolve() not in cache.resolve().parents:
+        raise ValueError(f"{cache}: a test cache must lie under {TEST_CACHE}")
+    for stale in cache.glob("*"):
+        if stale not in (current, cache / LOCK_NAME):
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 LOCK_NAME = ".lock"
