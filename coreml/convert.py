@@ -10,18 +10,18 @@ from coreml.kinds import KINDS, UnknownKind
 from coreml.kinds.export import Conversion, Reference, reference_for_export
 from manifests.identity import Manifest, artifact_source, load_manifest
 from manifests.output import refuse_existing, staged_output
-from pipeline.ground.workers import LOCAL, Executor, bundle_job_memory, run_in_workers
+from pipeline.ground.workers import LOCAL, WorkerEngine, bundle_job_memory, run_in_workers
 
 
-def in_workers(kinds: tuple[str, ...], jobs: int, executor: Executor) -> bool:
+def in_workers(kinds: tuple[str, ...], jobs: int, engine: WorkerEngine) -> bool:
     """Whether `export_coreml` converts these kinds in workers rather than in its own process."""
-    return (jobs > 1 and len(kinds) > 1) or not executor.in_process
+    return (jobs > 1 and len(kinds) > 1) or not engine.in_process
 
 
-def export_steps(kinds: Iterable[str], jobs: int = 1, executor: Executor = LOCAL) -> int:
+def export_steps(kinds: Iterable[str], jobs: int = 1, engine: WorkerEngine = LOCAL) -> int:
     """How many times `export_coreml` calls `progress` for these kinds (for a progress bar)."""
     kinds = tuple(kinds)
-    if in_workers(kinds, jobs, executor):
+    if in_workers(kinds, jobs, engine):
         return 1 + len(kinds)  # one step as each worker's kind is done
     return 1 + sum(KINDS[k].steps for k in kinds if k in KINDS)  # an unknown kind is export_coreml's to refuse
 
@@ -35,7 +35,7 @@ def export_coreml(
     progress: Callable[[str], None] | None = None,
     jobs: int = 1,
     conversion: Conversion = Conversion(),
-    executor: Executor = LOCAL,
+    engine: WorkerEngine = LOCAL,
 ) -> dict[str, Manifest]:
     """Convert the bundle at `bundle_dir` into `out_dir/<kind>/` packages; manifests by kind.
 
@@ -44,7 +44,7 @@ def export_coreml(
     package context below the model's max_position_embeddings. `jobs` > 1 converts that
     many kinds at a time, each in a worker process (`_kinds_in_workers`). `conversion` names the
     precision and the model transform every kind traces (`coreml.kinds.export.Conversion`).
-    `executor` says where the workers run (a Ray executor converts even one kind on the cluster).
+    `engine` says where the workers run (the Ray engine converts even one kind on the cluster).
     """
     kinds, out_dir = tuple(kinds), Path(out_dir)
     unknown = [k for k in kinds if k not in KINDS]
@@ -55,9 +55,9 @@ def export_coreml(
     step("verify the bundle and build the reference model")
     ref = reference_for_export(Path(bundle_dir), context, conversion)
     with staged_output(out_dir, force) as staging:
-        if in_workers(kinds, jobs, executor):
+        if in_workers(kinds, jobs, engine):
             del ref  # each worker builds its own; this one's weights need not sit here meanwhile
-            _kinds_in_workers(kinds, Path(bundle_dir), staging, out_dir, context, jobs, step, conversion, executor)
+            _kinds_in_workers(kinds, Path(bundle_dir), staging, out_dir, context, jobs, step, conversion, engine)
         else:
             for kind in kinds:
                 _export(ref, kind, staging, out_dir, step, conversion)
@@ -74,7 +74,7 @@ def _export(ref: Reference, kind: str, staging: Path, out_dir: Path, step: Calla
 
 def _kinds_in_workers(kinds: tuple[str, ...], bundle_dir: Path, staging: Path, out_dir: Path, context: int | None,
                       jobs: int, step: Callable[[str], None], conversion: Conversion = Conversion(),
-                      executor: Executor = LOCAL) -> None:
+                      engine: WorkerEngine = LOCAL) -> None:
     """The kinds converted by `jobs` worker processes (`pipeline.ground.workers`), each with a
     1/jobs share of the cores, the longest first (the kind of most export steps: stateful,
     half the total on SmolLM2). Tracing, coremltools' MIL passes and saving run mostly on one
@@ -84,7 +84,7 @@ def _kinds_in_workers(kinds: tuple[str, ...], bundle_dir: Path, staging: Path, o
              "conversion": asdict(conversion)}
     longest_first = sorted(kinds, key=lambda kind: -KINDS[kind].steps)
     run_in_workers("coreml.convert:conversion_worker", setup, longest_first, jobs, where=out_dir, shared=(staging,),
-                   executor=executor, done=lambda kind, _: step(f"{kind}: converted"),
+                   engine=engine, done=lambda kind, _: step(f"{kind}: converted"),
                    memory_per_job=bundle_job_memory(bundle_dir))
 
 

@@ -1,13 +1,13 @@
 """Open a saved Core ML package for prediction, on macOS (Core ML) or anywhere (the executor).
 
 `open_package(path)` accepts a cmfdeploy package directory (`model.mlpackage` plus
-`manifest.json`, see coreml/manifest.py) or a bare `.mlpackage`. Both engines expose the same
+`manifest.json`, see coreml/manifest.py) or a bare `.mlpackage`. Both backends expose the same
 small interface, so gates, scoring and benchmarks never care where they run:
 
     pkg = open_package(path)                       # backend "auto": Core ML on macOS
     out = pkg.predict({"input_ids": ids})          # dict name -> np.ndarray
     state = pkg.make_state(); pkg.predict(inputs, state=state)   # stateful packages
-    state.read_state("key_cache"); state.write_state("key_cache", a)  # snapshots, either engine
+    state.read_state("key_cache"); state.write_state("key_cache", a)  # snapshots, either backend
 """
 
 from __future__ import annotations
@@ -23,11 +23,12 @@ from manifests.identity import MANIFEST_NAME, load_manifest
 from pipeline.ground.errors import CmfdeployError
 
 MODEL_NAME = "model.mlpackage"
-ENGINES = ("executor", "macos")
+# The backends a package predicts on (`--backend`): the MIL executor here, Core ML on macOS.
+PREDICTION_BACKENDS = ("executor", "macos")
 
 
 class PackageError(CmfdeployError):
-    """The path is not a Core ML package, or the requested engine cannot run here."""
+    """The path is not a Core ML package, or the requested backend cannot run here."""
 
 
 def _has(folder: Path, name: str) -> bool:
@@ -50,7 +51,7 @@ def locate(path: str | Path) -> tuple[Path, Path, dict | None]:
 
 
 class _Package:
-    """What both engines share: where the package is and what the spec says it takes."""
+    """What both backends share: where the package is and what the spec says it takes."""
 
     backend: str
 
@@ -163,19 +164,19 @@ def open_package(path: str | Path, backend: str = "auto", function_name: str | N
     """Open the package at `path`. backend: "auto" (Core ML on macOS, else the executor),
     "executor"/"coreml-executor" or "macos"/"coreml-macos". `function_name` picks a function of
     a multifunction package (default: the package's default function)."""
-    engine = package_engine(path, backend)
+    opened_by = package_class(path, backend)
     located = locate(path)
-    return engine(*located, function_name)
+    return opened_by(*located, function_name)
 
 
-def package_engine(path: str | Path, backend: str = "auto") -> type[_Package]:
-    """The engine class `open_package(path, backend)` opens the package with (its `backend`
+def package_class(path: str | Path, backend: str = "auto") -> type[_Package]:
+    """The class `open_package(path, backend)` opens the package with (its `backend`
     attribute names it), found without opening: refused when unknown or not on this platform."""
-    engine = backend.removeprefix("coreml-")
-    if engine == "auto":
-        engine = "macos" if sys.platform == "darwin" else "executor"
-    if engine not in ENGINES:
+    name = backend.removeprefix("coreml-")
+    if name == "auto":
+        name = "macos" if sys.platform == "darwin" else "executor"
+    if name not in PREDICTION_BACKENDS:
         raise PackageError(f"{path}: backend {backend!r} is not one of auto, coreml-executor, coreml-macos")
-    if engine == "macos" and sys.platform != "darwin":
+    if name == "macos" and sys.platform != "darwin":
         raise PackageError(f"{path}: backend 'macos' needs macOS (this is {sys.platform})")
-    return ExecutorPackage if engine == "executor" else MacPackage
+    return ExecutorPackage if name == "executor" else MacPackage

@@ -27,11 +27,11 @@ from coremltools.proto import Model_pb2  # noqa: E402
 from coreml.convert import _kinds_in_workers  # noqa: E402
 from pipeline.cli import main  # noqa: E402
 from pipeline.ground.ray_engine import FolderNotShared, RayUnreachable, refuse_unreachable  # noqa: E402
-from pipeline.ground.workers import Executor, WorkerFailed, run_in_workers, thread_share  # noqa: E402
+from pipeline.ground.workers import WorkerEngine, WorkerFailed, run_in_workers, thread_share  # noqa: E402
 from pipeline.stages.survey import load_survey, run_survey  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-RAY = Executor("ray")
+RAY = WorkerEngine("ray")
 # What a run measures of itself, and the hashes and sizes of files, which change with it.
 MEASURED = {"seconds"}
 HASHES = {"sha256", "manifest_sha256", "bytes"}
@@ -58,7 +58,7 @@ def _from_the_root(monkeypatch):
 def test_tasks_come_back_in_order_from_actors_that_build_their_setup_once():
     seen = []
     results = run_in_workers("tests._worker_jobs:arithmetic", {"factor": 3}, [5, 1, 4, 1, 2], jobs=2,
-                             where="test", executor=RAY, done=lambda task, result: seen.append(task))
+                             where="test", engine=RAY, done=lambda task, result: seen.append(task))
     assert [r["value"] for r in results] == [15, 3, 12, 3, 6]
     assert sorted(seen) == [1, 1, 2, 4, 5]
     assert len({r["pid"] for r in results}) <= 2
@@ -69,20 +69,20 @@ def test_tasks_come_back_in_order_from_actors_that_build_their_setup_once():
 def test_a_failing_task_is_a_typed_error_naming_it_with_the_remote_traceback():
     with pytest.raises(WorkerFailed, match=r"survey: the Ray worker running 'b' failed:\n(.|\n)*cannot do b"):
         run_in_workers("tests._worker_jobs:raises_on", {"fatal": "b"}, ["a", "b", "c"], jobs=2, where="survey",
-                       executor=RAY)
+                       engine=RAY)
 
 
 def test_a_dead_actor_is_a_typed_error_naming_its_task():
     with pytest.raises(WorkerFailed, match=r"survey: the Ray worker running 'b' failed:\n"):
         run_in_workers("tests._worker_jobs:dies_on", {"fatal": "b"}, ["a", "b", "c"], jobs=2, where="survey",
-                       executor=RAY)
+                       engine=RAY)
 
 
 def test_a_worker_that_cannot_see_the_shared_folder_names_it(tmp_path):
     unseen = tmp_path / "staging-on-another-disk"
     with pytest.raises(FolderNotShared, match=f"cannot read and write {re.escape(str(unseen))}: every node must see"):
         run_in_workers("tests._worker_jobs:arithmetic", {"factor": 1}, [1], jobs=1, where="stage",
-                       shared=(unseen,), executor=RAY)
+                       shared=(unseen,), engine=RAY)
 
 
 def _timeless(value):
@@ -150,7 +150,7 @@ def test_a_survey_on_ray_is_the_local_workers_survey(survey):
     out = local.parent / "survey-on-ray"  # beside it: the records' relative paths are the same
     remote = run_survey(survey.package, survey.fp32_gate, FIXTURE_REFERENCE, survey.items, out,
                         recipes=WORKER_RECIPES, jobs=2, progress=False, fp32_scores=survey.path / "scores" / "fp32",
-                        executor=RAY, budget=SURVEY_BUDGET)
+                        engine=RAY, budget=SURVEY_BUDGET)
     assert load_survey(out) == json.loads(json.dumps(remote))
     assert [r["name"] for r in remote["recipes"]] == list(WORKER_RECIPES)
     assert _timeless(remote) == _timeless(json.loads(json.dumps(record)))
@@ -158,10 +158,10 @@ def test_a_survey_on_ray_is_the_local_workers_survey(survey):
 
 
 def test_a_conversion_on_ray_is_the_local_workers_conversion(fixture_bundle, tmp_path):
-    """One kind, converted by the CLI on Ray (a Ray executor converts even one kind in a worker,
+    """One kind, converted by the CLI on Ray (the Ray engine converts even one kind in a worker,
     with jobs=2 a 1/2 share) and by the local pool's worker with the same share."""
     _kinds_in_workers(("chunk_kv",), fixture_bundle, tmp_path / "local", tmp_path / "local", None, 2,
                       lambda stage: None)
     assert main(["coreml", str(fixture_bundle), "-o", str(tmp_path / "ray"), "--kinds", "chunk_kv", "--jobs", "2",
-                 "--executor", "ray"]) == 0
+                 "--worker-engine", "ray"]) == 0
     _assert_same_files(tmp_path / "local", tmp_path / "ray")

@@ -13,7 +13,7 @@ import pytest
 
 from pipeline.ground.ray_engine import INSTALL, RayMissing, job_slots
 from pipeline.ground import workers
-from pipeline.ground.workers import (STDERR_TAIL, Executor, UnknownExecutor, WorkerFailed, affordable_jobs,
+from pipeline.ground.workers import (STDERR_TAIL, WorkerEngine, UnknownWorkerEngine, WorkerFailed, affordable_jobs,
                                       job_memory, run_in_workers, thread_share_env)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -155,19 +155,19 @@ def test_a_worker_dies_with_the_stage_that_started_it(tmp_path):
     assert list(temp.iterdir()) == []
 
 
-def test_an_executor_is_local_or_ray_and_only_ray_takes_an_address():
-    assert Executor().in_process and not Executor("ray", "10.0.0.1:6379").in_process
-    with pytest.raises(UnknownExecutor, match="executor 'dask' is not among"):
-        Executor("dask")
-    with pytest.raises(UnknownExecutor, match="address '10.0.0.1:6379': only the ray executor"):
-        Executor("local", "10.0.0.1:6379")
+def test_a_worker_engine_is_local_or_ray_and_only_ray_takes_an_address():
+    assert WorkerEngine().in_process and not WorkerEngine("ray", "10.0.0.1:6379").in_process
+    with pytest.raises(UnknownWorkerEngine, match="worker engine 'dask' is not among"):
+        WorkerEngine("dask")
+    with pytest.raises(UnknownWorkerEngine, match="address '10.0.0.1:6379': only the ray engine"):
+        WorkerEngine("local", "10.0.0.1:6379")
 
 
-def test_without_ray_the_ray_executor_says_how_to_install_it(monkeypatch):
+def test_without_ray_the_ray_worker_engine_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # what an environment without Ray gives `import ray`
     with pytest.raises(RayMissing, match=re.escape(INSTALL)):
         run_in_workers("tests._worker_jobs:arithmetic", {"factor": 1}, [1], jobs=1, where="test",
-                       executor=Executor("ray"))
+                       engine=WorkerEngine("ray"))
     assert INSTALL == "pip install cmfdeploy[cluster]"
 
 

@@ -6,7 +6,7 @@ from tqdm import tqdm
 
 from coreml.kinds import KINDS
 from coreml.precisions import PRECISIONS, precision
-from pipeline.cli.worker_arguments import add_executor_arguments, executor_of
+from pipeline.cli.worker_arguments import add_worker_engine_arguments, worker_engine_of
 
 # Kinds and recipes are checked by export_coreml and compress_package (typed errors naming the
 # known ones), not by argparse choices. The recipes are not listed here: coreml.recipes would
@@ -31,7 +31,7 @@ def register(subparsers) -> None:
                          help="a precision of the Neural Engine's layout (fp16): a head wider than this many rows is "
                               "split into logits_0.. outputs of at most this many (default: the Neural Engine's "
                               "H/W limit, 16384)")
-    add_executor_arguments(convert)
+    add_worker_engine_arguments(convert)
     convert.add_argument("--force", action="store_true", help="replace an existing output")
     convert.set_defaults(func=_coreml)
 
@@ -49,13 +49,13 @@ def _coreml(args: argparse.Namespace) -> int:
     from coreml.convert import export_coreml, export_steps
     from coreml.kinds.export import Conversion
 
-    kinds, executor = args.kinds or tuple(KINDS), executor_of(args)
+    kinds, engine = args.kinds or tuple(KINDS), worker_engine_of(args)
     fp16 = precision(args.precision).compute_precision == "float16"  # an unknown name is refused by name here
     conversion = _fp16_conversion(args) if fp16 else Conversion(args.precision)
     if args.head_part_width is not None:
         conversion = replace(conversion, head_part_width=args.head_part_width)
     # disable=False explicitly: the quiet CLI disables tqdm's default to silence coremltools' bars.
-    with tqdm(total=export_steps(kinds, args.jobs, executor), unit="stage", disable=False) as bar:
+    with tqdm(total=export_steps(kinds, args.jobs, engine), unit="stage", disable=False) as bar:
 
         def progress(stage: str) -> None:
             bar.set_description(stage)
@@ -63,7 +63,7 @@ def _coreml(args: argparse.Namespace) -> int:
 
         manifests = export_coreml(args.bundle, args.out, kinds, force=args.force, context=args.context,
                                   progress=progress, jobs=args.jobs, conversion=conversion,
-                                  executor=executor)
+                                  engine=engine)
     for kind, manifest in manifests.items():
         print(f"{kind}: {manifest.path} ({manifest['package_bytes']} bytes)")
     return 0

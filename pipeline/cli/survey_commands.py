@@ -3,7 +3,7 @@
 import argparse
 
 from pipeline.cli.align_commands import add_quality_arguments
-from pipeline.cli.worker_arguments import add_executor_arguments, executor_of
+from pipeline.cli.worker_arguments import add_worker_engine_arguments, worker_engine_of
 
 
 def register(subparsers) -> None:
@@ -27,7 +27,7 @@ def register(subparsers) -> None:
                              "the target's compute unit deploys (coreml.targets, coreml.ane)")
     survey.add_argument("--jobs", type=int, default=1,
                         help="recipes surveyed at a time, each in its own process with an equal share of the cores")
-    add_executor_arguments(survey)
+    add_worker_engine_arguments(survey)
     survey.add_argument("--force", action="store_true", help="replace an existing output")
     survey.set_defaults(func=_survey)
 
@@ -52,7 +52,7 @@ def _survey(args: argparse.Namespace) -> int:
                         force=args.force, backend=args.backend, budget=args.budget, quality_text=args.quality_text,
                         mixed_bpw=args.mixed_bpw, all_figures=args.all_figures, jobs=args.jobs,
                         fp32_scores=args.fp32_scores, target=args.target,
-                        executor=executor_of(args))
+                        engine=worker_engine_of(args))
     for record in survey["recipes"]:
         if record["status"] == "measured":
             gate, quality = record["gate"], record["gate"]["quality"]

@@ -1,4 +1,4 @@
-"""The worker pool's Ray engine: `run_in_workers(..., executor=Executor("ray"))` on a cluster.
+"""The worker pool's Ray engine: `run_in_workers(..., engine=WorkerEngine("ray"))` on a cluster.
 
 The same `MODULE:FACTORY` entry, JSON setup and JSON tasks as the local processes
 (`pipeline.ground.workers`), served by Ray actors, one per job slot: an actor calls the
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.ground.errors import CmfdeployError
-from pipeline.ground.workers import STDERR_TAIL, Executor, WorkerFailed, thread_env
+from pipeline.ground.workers import STDERR_TAIL, WorkerEngine, WorkerFailed, thread_env
 
 INSTALL = "pip install cmfdeploy[cluster]"
 # How long a cluster's head may take to accept a TCP connection. ray.init itself retries an
@@ -38,7 +38,7 @@ DEFAULT_PORTS = {"": 6379, "ray": 10001}
 
 
 class RayMissing(CmfdeployError):
-    """The Ray executor was asked for, and Ray is not installed."""
+    """The Ray worker engine was asked for, and Ray is not installed."""
 
 
 class RayUnreachable(CmfdeployError):
@@ -78,7 +78,7 @@ def import_ray():
     try:
         return importlib.import_module("ray")
     except ImportError as error:
-        raise RayMissing(f"the ray executor needs Ray, which is not installed here ({error}): {INSTALL}") from error
+        raise RayMissing(f"the ray worker engine needs Ray, which is not installed here ({error}): {INSTALL}") from error
 
 
 def refuse_unreachable(address: str, where: object, seconds: float = CONNECT_SECONDS) -> None:
@@ -110,12 +110,12 @@ def job_slots(nodes: Sequence[float], jobs: int, tasks: int) -> tuple[int, int]:
 
 
 def run_on_ray(entry: str, setup: dict, tasks: Sequence[Any], jobs: int, *, where: object,
-               shared: Sequence[str | Path], executor: Executor,
+               shared: Sequence[str | Path], engine: WorkerEngine,
                done: Callable[[Any, Any], None] | None) -> list[Any]:
-    """`run_in_workers` on the Ray cluster at the executor's address (a Ray instance this process
+    """`run_in_workers` on the Ray cluster at the engine's address (a Ray instance this process
     has already joined is used as it is; otherwise this run joins the address, or RAY_ADDRESS's
     cluster, or starts one here, and leaves it after)."""
-    ray, address = import_ray(), executor.address
+    ray, address = import_ray(), engine.address
     joined_here = not ray.is_initialized()
     if joined_here:
         if address or os.environ.get("RAY_ADDRESS"):

@@ -1,16 +1,16 @@
 """The one worker pool: independent jobs run by worker processes that share the cores.
 
     results = run_in_workers("coreml.convert:conversion_worker", setup, ["stateful", "stateless"], jobs=2,
-                             where=out_dir, shared=(staging,), executor=Executor("ray"))
+                             where=out_dir, shared=(staging,), engine=WorkerEngine("ray"))
 
 A worker is `python -m pipeline.ground.workers MODULE:FACTORY SETUP`: it imports
 `FACTORY`, calls it once with the JSON `SETUP` (what every job shares: a verified bundle, a
 reference model, a scored baseline), and answers each JSON task it reads on stdin with the
 JSON result of `handler(task)`, one line each. JSON in, JSON out: no pickle, so a task and
-its result are plain data any executor can ship. Each worker gets a 1/`jobs` share of the
+its result are plain data any worker engine can ship. Each worker gets a 1/`jobs` share of the
 cores for its BLAS and OpenMP pools, set in its environment before it imports numpy or torch.
 
-The `Executor` says where the workers run: local processes (the default, above), or the actors
+The `WorkerEngine` says where the workers run: local processes (the default, above), or the actors
 of a Ray cluster (`pipeline.ground.ray_engine`: the same entry, setup and tasks, one actor per
 job slot), whose nodes see the `shared` folders at the same paths as this machine.
 
@@ -41,7 +41,7 @@ STDERR_TAIL = 4000
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 # Each engine's runner, with run_in_workers' arguments, looked up by name when a stage asks for
 # it: only the Ray engine's module imports Ray.
-ENGINES = {"local": "pipeline.ground.workers:run_locally", "ray": "pipeline.ground.ray_engine:run_on_ray"}
+WORKER_ENGINES = {"local": "pipeline.ground.workers:run_locally", "ray": "pipeline.ground.ray_engine:run_on_ray"}
 
 
 class WorkerFailed(CmfdeployError):
@@ -49,31 +49,31 @@ class WorkerFailed(CmfdeployError):
     process) or of its remote traceback (a Ray actor)."""
 
 
-class UnknownExecutor(CmfdeployError):
-    """An executor that is not among ENGINES, or a cluster address given to the local one."""
+class UnknownWorkerEngine(CmfdeployError):
+    """A worker engine that is not among WORKER_ENGINES, or a cluster address given to the local one."""
 
 
 @dataclass(frozen=True)
-class Executor:
+class WorkerEngine:
     """Where a stage's workers run: `local` processes, or `ray`, the cluster at `address`
     (None: the one RAY_ADDRESS names, else a Ray instance started on this machine for the run)."""
 
-    engine: str = "local"
+    name: str = "local"
     address: str | None = None
 
     def __post_init__(self):
-        if self.engine not in ENGINES:
-            raise UnknownExecutor(f"executor {self.engine!r} is not among {list(ENGINES)}")
-        if self.address is not None and self.engine != "ray":
-            raise UnknownExecutor(f"address {self.address!r}: only the ray executor runs on a cluster")
+        if self.name not in WORKER_ENGINES:
+            raise UnknownWorkerEngine(f"worker engine {self.name!r} is not among {list(WORKER_ENGINES)}")
+        if self.address is not None and self.name != "ray":
+            raise UnknownWorkerEngine(f"address {self.address!r}: only the ray engine runs on a cluster")
 
     @property
     def in_process(self) -> bool:
         """Whether a single job may run in the calling process: only local workers would run it here."""
-        return self.engine == "local"
+        return self.name == "local"
 
 
-LOCAL = Executor()
+LOCAL = WorkerEngine()
 
 
 def thread_share(jobs: int) -> int:
@@ -158,7 +158,7 @@ def affordable_jobs(jobs: int, memory_per_job: int | None, where: object) -> int
 
 
 def run_in_workers(entry: str, setup: dict, tasks: Sequence[Any], jobs: int, *, where: object,
-                   shared: Sequence[str | Path] = (), executor: Executor = LOCAL,
+                   shared: Sequence[str | Path] = (), engine: WorkerEngine = LOCAL,
                    done: Callable[[Any, Any], None] | None = None, memory_per_job: int | None = None) -> list[Any]:
     """The result of every task, in the order of `tasks`, from at most `jobs` workers of `entry`.
 
@@ -170,15 +170,15 @@ def run_in_workers(entry: str, setup: dict, tasks: Sequence[Any], jobs: int, *, 
     `memory_per_job` (`job_memory`): local workers are as many as fit in this machine's
     available memory (`affordable_jobs`); a cluster's actors are Ray's to place.
     """
-    if executor.engine == "local":
+    if engine.name == "local":
         jobs = affordable_jobs(jobs, memory_per_job, where)
-    module, _, runner = ENGINES[executor.engine].partition(":")
+    module, _, runner = WORKER_ENGINES[engine.name].partition(":")
     return getattr(importlib.import_module(module), runner)(entry, setup, tasks, jobs, where=where, shared=shared,
-                                                            executor=executor, done=done)
+                                                            engine=engine, done=done)
 
 
 def run_locally(entry: str, setup: dict, tasks: Sequence[Any], jobs: int, *, where: object,
-                shared: Sequence[str | Path], executor: Executor, done: Callable[[Any, Any], None] | None) -> list[Any]:
+                shared: Sequence[str | Path], engine: WorkerEngine, done: Callable[[Any, Any], None] | None) -> list[Any]:
     """`run_in_workers` in worker processes of this machine (which sees every `shared` folder)."""
     env = thread_share_env(jobs)
     argv = [sys.executable, "-m", __name__, entry, json.dumps(setup), str(os.getpid())]

@@ -238,7 +238,7 @@ def score_items(backend: Backend, tokenizer: Tokenizer, items: list[Item],
 
 
 def score_items_in_workers(artifact: Path, items_path: Path, items: list[Item], tokenizer_from: Path, backend: str,
-                           jobs: int, progress: Callable[[int], None], executor=None) -> tuple[list[ItemScores], str]:
+                           jobs: int, progress: Callable[[int], None], engine=None) -> tuple[list[ItemScores], str]:
     """`score_items` over `jobs` worker processes (`pipeline.ground.workers`), each opening the
     backend once and taking a batch of `item_batches` at a time: the batches are the ones one
     process scores, so an item's scores differ from one process's only where a worker's single
@@ -258,7 +258,7 @@ def score_items_in_workers(artifact: Path, items_path: Path, items: list[Item], 
 
     answers = run_in_workers("pipeline.stages.scoring:scoring_worker", setup, batches, jobs, where=artifact,
                              shared=[path if path.is_dir() else path.parent for path in (artifact, items_path)],
-                             executor=executor or LOCAL, done=done,
+                             engine=engine or LOCAL, done=done,
                              memory_per_job=_worker_memory(artifact))
     scored = {}
     for batch, answer in zip(batches, answers):
@@ -418,13 +418,13 @@ def read_run(run_dir: str | Path) -> list[ItemScores]:
 
 def score(artifact: str | Path, items_path: str | Path, out_dir: str | Path | None, *, backend: str = "auto",
           tokenizer_from: str | Path | None = None, force: bool = False,
-          progress: bool = True, jobs: int = 1, executor=None) -> tuple[Path | None, dict]:
+          progress: bool = True, jobs: int = 1, engine=None) -> tuple[Path | None, dict]:
     """Score a scoring set with one backend and write the run directory; (path, summary).
 
     The tokenizer comes from `tokenizer_from` (a CMF or a folder with tokenizer.json),
     by default the artifact itself (packages and releases carry theirs). With `out_dir`
     None nothing is written and the path is None. `jobs` > 1 scores in that many worker
-    processes (`score_items_in_workers`, on `executor`'s engine).
+    processes (`score_items_in_workers`, on `engine`).
     """
     from pipeline.stages.backends import open_backend  # imports torch, which MLX-only scoring never needs
 
@@ -442,7 +442,7 @@ def score(artifact: str | Path, items_path: str | Path, out_dir: str | Path | No
     try:
         if jobs > 1:
             results, backend_name = score_items_in_workers(Path(artifact), Path(items_path), items, tokenizer_from,
-                                                           backend, jobs, advance, executor)
+                                                           backend, jobs, advance, engine)
         else:
             runner = open_backend(artifact, backend)
             results, backend_name = score_items(runner, tokenizer_from_artifact(tokenizer_from), items, advance), runner.name

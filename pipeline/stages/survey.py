@@ -53,7 +53,7 @@ from pipeline.stages import gates, scoring
 from pipeline.ground.errors import CmfdeployError
 from pipeline.stages.report import md_table, scatter_plot
 from pipeline.ground.text_roles import text_roles
-from pipeline.ground.workers import LOCAL, Executor, bundle_job_memory, return_freed_memory, run_in_workers
+from pipeline.ground.workers import LOCAL, WorkerEngine, bundle_job_memory, return_freed_memory, run_in_workers
 
 FORMAT = "cmfdeploy.survey/1"
 FOLDER_FORMAT = "cmfdeploy.survey_folder/1"
@@ -329,7 +329,7 @@ def survey_context(settings: dict, manifest: dict | None = None) -> dict:
 
 
 def _recipes_in_workers(recipes: tuple[str, ...], staging: Path, settings: dict, jobs: int, bar,
-                        executor: Executor, memory_per_job: int | None) -> list[dict]:
+                        engine: WorkerEngine, memory_per_job: int | None) -> list[dict]:
     """Each recipe's record from `jobs` worker processes (`pipeline.ground.workers`), each with
     an equal share of the cores for its BLAS threads: two 1-thread processes get through
     ~1.2x the items of one 2-thread process on two cores, and overlap each other's
@@ -339,7 +339,7 @@ def _recipes_in_workers(recipes: tuple[str, ...], staging: Path, settings: dict,
     setup = {"staging": str(staging), "settings": {**settings, "baseline": str(staging / "scores" / "fp32")}}
     longest_first = survey_order(recipes, jobs)
     records = run_in_workers("pipeline.stages.survey:survey_worker", setup, longest_first, jobs, where=staging,
-                             shared=(staging,), executor=executor, done=lambda recipe, record: bar.update(),
+                             shared=(staging,), engine=engine, done=lambda recipe, record: bar.update(),
                              memory_per_job=memory_per_job)
     by_recipe = dict(zip(longest_first, records))
     return [by_recipe[name] for name in recipes]
@@ -379,7 +379,7 @@ def run_survey(
     jobs: int = 1,
     fp32_scores: str | Path | None = None,
     target: str = "cpu",
-    executor: Executor = LOCAL,
+    engine: WorkerEngine = LOCAL,
 ) -> dict:
     """Survey `recipes` on the FP32 package at `package_dir`; the survey record (survey.json).
 
@@ -389,7 +389,7 @@ def run_survey(
     `mixed_bpw` overrides the mixed recipe's budget in bits per weight. `all_figures` scores
     the scoring set for every recipe, not only those within budget on the held-out text.
     `jobs` > 1 surveys that many recipes at a time, each in its own process (`_recipes_in_workers`);
-    `executor` says where those run (a Ray executor surveys even one job's recipes on the cluster).
+    `engine` says where those run (the Ray engine surveys even one job's recipes on the cluster).
     `target` (`coreml.targets`): the package must be of the target's precision, and only a
     package that can claim the target's unit deploys. `budget` None: a compressed package's
     (`pipeline.stages.gates.budget.COMPRESSED_BUDGET`), on every target.
@@ -433,7 +433,7 @@ def run_survey(
         identities = {"budget": parsed_budget.spec(), "fixtures": fixtures.identity(relative_to=out_dir),
                       "quality": quality.identity(relative_to=out_dir)}
         bar = tqdm(total=len(recipes), desc="survey", unit="recipe", disable=not progress)
-        if jobs == 1 and executor.in_process:
+        if jobs == 1 and engine.in_process:
             records = []
             for name in recipes:
                 records.append(survey_recipe(name, package_dir, staging, context))
@@ -445,7 +445,7 @@ def run_survey(
             # 0.50 GiB while its workers ran, 0.28 GiB of it the interpreter with its libraries.
             del context, quality, fixtures
             return_freed_memory()
-            records = _recipes_in_workers(recipes, staging, settings, jobs, bar, executor, memory_per_job)
+            records = _recipes_in_workers(recipes, staging, settings, jobs, bar, engine, memory_per_job)
         bar.close()
         shutil.rmtree(cache, ignore_errors=True)
         survey = {

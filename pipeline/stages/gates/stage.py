@@ -188,7 +188,7 @@ def align_package(package_dir, fixtures_dir, out_dir, *, budget: Budget | str | 
     """
     from coreml.ane import ane_report
     from coreml.kinds import KINDS
-    from coreml.package import package_engine
+    from coreml.package import package_class
     from coreml.runner import open_package_backend
     from manifests.identity import MANIFEST_NAME, artifact_source, environment, inventory, write_json
     from manifests.output import refuse_existing, staged_output
@@ -213,7 +213,7 @@ def align_package(package_dir, fixtures_dir, out_dir, *, budget: Budget | str | 
         raise GateFailed(f"{fixtures.directory / 'index.json'}: fixtures were made from CMF sha256 "
                          f"{fixtures.checkpoint_sha256}, but {package_dir} comes from {lineage.source_cmf_sha256}")
     clock.lap("lineage")
-    candidate = Unopened(package_engine(package_dir, backend).backend,
+    candidate = Unopened(package_class(package_dir, backend).backend,
                          lambda: open_package_backend(package_dir, backend=backend))
     numerics = intended_numerics(package_dir, lineage.manifest, lineage.bundle)
     identity = quality_identity(numerics, quality.text_path if quality else Path(quality_text),
