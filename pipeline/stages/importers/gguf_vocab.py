@@ -2,8 +2,9 @@
 
 Two kinds:
   - `gpt2`, byte-level BPE: the file's merges, llama.cpp's pre-tokenizer split for its
-    `tokenizer.ggml.pre`, its control tokens as special tokens and its user-defined ones as
-    added tokens;
+    `tokenizer.ggml.pre` (the GPT-2 split, that split after isolating digits, or a whole
+    regex of its own such as qwen2's), its control tokens as special tokens and its
+    user-defined ones as added tokens;
   - `llama` (SentencePiece), for gemma3: the tokenizer transformers' GGUF loader builds, so
     that both encode alike. That is transformers' GemmaTokenizer (BPE with byte fallback,
     spaces as "▁"), whose merges the file does not list: they are cut from the vocabulary,
@@ -24,6 +25,16 @@ from pipeline.stages.importers.gguf_fields import GgufFields
 # some isolate each numeric character first.
 _GPT2_PRE = ("gpt2", "mpt", "olmo", "jais")
 _DIGIT_SPLIT_PRE = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone")
+# Pre-tokenizers whose whole split is a regex other than GPT-2's: the regex isolates each piece,
+# then ByteLevel(use_regex=False) only maps bytes, as in the model's own tokenizer.json and as
+# transformers' GGUF loader builds it. qwen2 (LLAMA_VOCAB_PRE_TYPE_QWEN2 in llama-vocab.cpp, and
+# Qwen2Tokenizer's PRETOKENIZE_REGEX): GPT-2's split with case-insensitive contractions, a
+# letter run taking one leading non-letter/non-digit (not a newline), and single digits.
+_REGEX_PRE = {
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+             r"|\s+(?!\S)|\s+",
+}
+_KNOWN_PRE = _GPT2_PRE + _DIGIT_SPLIT_PRE + tuple(_REGEX_PRE)
 _CONTROL, _USER_DEFINED = 3, 4
 # The keys a gemma3 SentencePiece vocabulary may carry. Others (merges, a precompiled charsmap)
 # would change how it tokenizes, so they are refused rather than ignored.
@@ -64,8 +75,8 @@ def gguf_vocab(fields: GgufFields, architecture: str, path: Path) -> tuple[bytes
 
 def _byte_level_bpe(fields: GgufFields, path: Path) -> Tokenizer:
     pre = fields.get("tokenizer.ggml.pre")
-    if pre not in _GPT2_PRE + _DIGIT_SPLIT_PRE:
-        raise UnsupportedModel(f"{path}: tokenizer.ggml.pre is {pre!r}; known: {sorted(_GPT2_PRE + _DIGIT_SPLIT_PRE)}")
+    if pre not in _KNOWN_PRE:
+        raise UnsupportedModel(f"{path}: tokenizer.ggml.pre is {pre!r}; known: {sorted(_KNOWN_PRE)}")
     tokens = fields.get("tokenizer.ggml.tokens")
     types = fields.get("tokenizer.ggml.token_type")
     alphabet = set(pre_tokenizers.ByteLevel.alphabet())
@@ -76,11 +87,16 @@ def _byte_level_bpe(fields: GgufFields, path: Path) -> Tokenizer:
     merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges")]
     tokenizer = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, dropout=None,
                                      continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))  # fmt: skip
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tokenizer.pre_tokenizer = (
-        pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"), byte_level])
-        if pre in _DIGIT_SPLIT_PRE else byte_level
-    )  # fmt: skip
+    if pre in _REGEX_PRE:
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_REGEX_PRE[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    else:
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        tokenizer.pre_tokenizer = (
+            pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"), byte_level])
+            if pre in _DIGIT_SPLIT_PRE else byte_level
+        )  # fmt: skip
     tokenizer.decoder = decoders.ByteLevel()
     _add_marked_tokens(tokenizer, tokens, types)
     return tokenizer
