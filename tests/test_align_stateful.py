@@ -22,7 +22,8 @@ from coreml.runner import PackageBackend
 from pipeline.stages.artifacts import verify_artifact
 from manifests.identity import MANIFEST_NAME, inventory, read_json, write_json
 from pipeline.stages.gates import GateFailed, ReferenceFixtures, intended_references, require_passed, upstream_of
-from pipeline.stages.gates.exactness import chunk_patterns, compare, exact_tolerances, reference_runs, run_checked
+from pipeline.stages.gates.exactness import (NOISE_FACTOR, chunk_patterns, compare, exact_tolerances, reference_runs,
+                                            run_checked)
 from pipeline.stages.gates.invariants import BRANCH_A, BRANCH_B
 from pipeline.cli import main
 
@@ -62,9 +63,12 @@ def test_stateful_package_is_exact_against_the_fp16_cache_reference(gate, fixtur
     assert "stateful, coreml-executor, fp32, fp16 K/V cache" in printed
     chunked = {(r["case"], r["pattern"]): r for r in report["records"] if r["check"] == "stateful"}
     assert set(chunked) == {(case, p) for case in CASES for p in chunk_patterns(16)}
-    # The same bound as every FP32 package: the reference rounds its K/V to fp16 as the package
-    # does, each chunk starting from the package's own cache; the written caches agree too.
-    assert report["tolerance"]["atol"] == fixture_exact.atol and report["summary"]["max_abs"] <= fixture_exact.atol
+    # The same bound as every FP32 package (its reference's rounding noise, under FP32's a-priori
+    # ceiling): the reference rounds its K/V to fp16 as the package does, each chunk starting from
+    # the package's own cache; the written caches agree too.
+    tolerance = report["tolerance"]
+    assert tolerance["ceiling"] == fixture_exact.atol and tolerance["atol"] == NOISE_FACTOR * tolerance["noise"]
+    assert report["summary"]["max_abs"] <= tolerance["atol"] < fixture_exact.atol
     assert all(r["cache_outside"] == 0 for r in chunked.values())
     frozen = {r["case"]: r for r in report["records"] if r["check"] == "one_shot"}
     assert set(frozen) == set(CASES)  # one prefill attends over its own float32 K/V: the FP32 fixtures

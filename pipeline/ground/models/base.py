@@ -371,7 +371,9 @@ class Decoder(nn.Module):
         rope = {"FullAttention": full,
                 "SlidingAttention": full if self.sliding_inv_freq is None else _cos_sin(step, self.sliding_inv_freq)}
         h = F.embedding(ids, self.model.embed_tokens.weight)
-        if h.dtype != torch.float32:
+        if key_cache.dtype == torch.float64:
+            h = h.double()  # the float64 side of `noise.rounding_noise`: its layers are widened as they run
+        elif h.dtype != torch.float32:
             # fp16 weights (pipeline.ground.models.fp16): positions and RoPE angles stay float32,
             # as integers past 2048 and angles of hundreds of radians are not exact in fp16;
             # cos and sin enter the fp16 path rounded once.
@@ -488,9 +490,9 @@ class KVCache:
     position: int = 0
 
     @classmethod
-    def empty(cls, args: ModelArgs, context: int) -> "KVCache":
+    def empty(cls, args: ModelArgs, context: int, dtype: torch.dtype = torch.float32) -> "KVCache":
         shape = (args.num_layers, 1, args.num_kv_heads, context, args.head_dim)
-        return cls(torch.zeros(shape), torch.zeros(shape), 0)
+        return cls(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype), 0)
 
     @property
     def context(self) -> int:

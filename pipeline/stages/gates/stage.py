@@ -22,6 +22,7 @@ from pipeline.stages.gates.exactness import (
     exact_tolerances,
     exactness_chunks,
     exactness_one_shot,
+    noise_tolerances,
 )
 from pipeline.stages.gates.fixtures import ReferenceFixtures
 from pipeline.stages.gates.invariants import GateRun, PatternsEqualOneShot, run_invariants
@@ -85,6 +86,8 @@ def gate_backend(candidate, intended, fixtures: ReferenceFixtures, quality: Qual
         if isinstance(candidate, Unopened):
             candidate = candidate.open()
             clock.lap("open_package")
+        tolerance, cache_tolerance = noise_tolerances((tolerance, cache_tolerance), intended, fixtures)
+        clock.lap("rounding_noise")
         records, invariants = _exactness_and_invariants(candidate, intended, fixtures, samples, clock, tolerance,
                                                         cache_tolerance, frozen=frozen, patterns=patterns, check=check)
         exact = all(r["passed"] for r in records)

@@ -1,0 +1,99 @@
+"""The rounding noise of the float32 reference itself: its logits and written K/V against the
+same decoder evaluated in float64, case by case.
+
+A gate's a-priori bound (`numerics`) is a worst chain of roundings summed over every layer; on
+a 30-layer model it sits three decades above what float32 arithmetic actually errs, so a
+converter fault of 0.1% in one matrix passes it. The realized error of the reference is
+measured instead: float64 carries 29 more bits, so |float32 − float64| is float32's own error
+from the exact function to a relative 2^-29. The package is another float32 evaluation of the
+same function, whose error is of the same size (`pipeline.stages.gates.exactness.noise_tolerances`
+says by how much it may differ); the package never enters the measurement.
+
+The float64 side never holds the model in float64 at once: each layer's weights are widened as
+the layer runs and its float32 tensors put back after (the same objects, so a bundle's mapped
+pages stay shared), and the head goes a block of its rows at a time. Its extra memory is one
+layer in float64 and the activations, not 2x the weights (Gemma 3's would be 2.2 GB).
+"""
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+# Bytes of the head's weight widened to float64 at a time.
+HEAD_BLOCK_BYTES = 64 * 2**20
+
+
+@dataclass(frozen=True)
+class RoundingNoise:
+    """max |float32 − float64| over one case's compared positions: logits, and every layer's
+    written keys and values over the slots the case wrote."""
+    logits: float
+    cache: float
+    largest_logit: float  # max |logit|: the scale one float32 step of a logit is taken from
+
+
+@contextmanager
+def widened(modules: list[nn.Module]):
+    """Within: each module's floating parameters and buffers are float64 while its forward
+    runs, and the float32 tensors themselves again after it (exact both ways)."""
+    def widen(module, _inputs):
+        module._narrow = {}
+        for name, tensor in [*module.named_parameters(recurse=True), *module.named_buffers(recurse=True)]:
+            if tensor is not None and tensor.dtype == torch.float32:
+                owner, _, leaf = name.rpartition(".")
+                holder = module.get_submodule(owner) if owner else module
+                module._narrow[name] = (holder, leaf, tensor)
+                widened_tensor = tensor.detach().double()
+                if isinstance(tensor, nn.Parameter):
+                    holder._parameters[leaf] = nn.Parameter(widened_tensor, requires_grad=False)
+                else:
+                    holder._buffers[leaf] = widened_tensor
+
+    def narrow(module, _inputs, _output):
+        for holder, leaf, tensor in module._narrow.values():
+            (holder._parameters if isinstance(tensor, nn.Parameter) else holder._buffers)[leaf] = tensor
+        del module._narrow
+
+    handles = [h for m in modules for h in (m.register_forward_pre_hook(widen), m.register_forward_hook(narrow))]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@torch.no_grad()
+def rounding_noise(decoder, ids: np.ndarray, prefix: int | None = None) -> RoundingNoise:
+    """The float32 `decoder`'s noise on one sequence `ids` from position 0, its logits compared
+    over the first `prefix` positions (all by default) and its caches over every slot written."""
+    from pipeline.ground.models.base import KVCache
+
+    tokens = torch.from_numpy(np.asarray(ids, np.int64)).reshape(1, -1)
+    prefix = tokens.shape[1] if prefix is None else prefix
+    start = torch.zeros(1, dtype=torch.int64)
+
+    def run(dtype):
+        cache = KVCache.empty(decoder.args, tokens.shape[1], dtype)
+        hidden, keys, values = decoder.hidden_with_cache_tensors(tokens, start, cache.keys, cache.values)
+        return hidden[0, :prefix], keys, values
+
+    hidden32, keys32, values32 = run(torch.float32)
+    with widened([*decoder.model.layers, decoder.model.norm]):
+        hidden64, keys64, values64 = run(torch.float64)
+    cache = max(float((a.double() - b).abs().max()) for a, b in zip([*keys32, *values32], [*keys64, *values64]))
+    del keys32, values32, keys64, values64
+    weight = decoder.head.weight
+    step = max(1, HEAD_BLOCK_BYTES // (8 * weight.shape[1]))
+    logits, largest = 0.0, 0.0
+    for first in range(0, weight.shape[0], step):
+        rows = slice(first, first + step)
+        # A block of the head's rows is the head's own dot products (`logits_of`), each summed
+        # in float32 as the reference sums it, up to the order the noise is measured for.
+        want = torch.nn.functional.linear(hidden32, weight[rows])
+        exact = torch.nn.functional.linear(hidden64, weight[rows].double())
+        logits = max(logits, float((want.double() - exact).abs().max()))
+        largest = max(largest, float(want.abs().max()))
+    return RoundingNoise(logits, cache, largest)
