@@ -1,0 +1,71 @@
+"""The catch table: every seeded converter fault (`pipeline.stages.gates.faults`) in a correct
+FP32 package, gated, and what the gate said: which part failed, the largest |Δ logit| of the
+exactness part against its bound. The correct package's own gate first, as the baseline of the
+same run. (An FP32 package's quality part measures its intended numerics, the FP32 reference,
+not the package: a fault never moves it.) Printed, never asserted (tests/test_gate_faults.py asserts the fixture's).
+
+    python benchmarks/fault_bench.py PACKAGE --bundle BUNDLE --fixtures REFERENCE [--items ITEMS] [--work DIR]
+
+PACKAGE is an FP32 chunk-KV package (`cmfdeploy coreml BUNDLE -o OUT --kinds chunk_kv`), REFERENCE
+the model's reference fixtures (`cmfdeploy reference-fixtures`).
+"""
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pipeline.stages.gates.faults import FAULTS, FaultNotApplicable, seeded_copy  # noqa: E402
+from pipeline.stages.gates.stage import align_package  # noqa: E402
+
+
+def row(name: str, where: str, report: dict, seconds: float) -> str:
+    summary, tolerance = report["summary"], report["tolerance"]
+    parts = [part for part, ok in (("exactness", summary["exact"]), ("quality", report["quality"]["within_budget"]),
+                                   ("invariants", summary["invariants_passed"])) if ok is False]
+    delta = summary.get("max_abs")
+    ratio = "" if delta is None else f"{delta / tolerance['atol']:,.1f}x"
+    return (f"| {name} | {where} | {'caught: ' + ', '.join(parts) if parts else 'PASSED'} | "
+            f"{'' if delta is None else f'{delta:.3g}'} | {tolerance['atol']:.3g} | {ratio} | "
+            f"{100 * (report['quality']['ppl_change'] or 0):+.3f}% | {seconds:.0f} s |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("package", type=Path)
+    parser.add_argument("--bundle", type=Path, required=True)
+    parser.add_argument("--fixtures", type=Path, required=True)
+    parser.add_argument("--items", type=Path, default=ROOT / "fixtures" / "scoring" / "cloze.jsonl")
+    parser.add_argument("--faults", nargs="*", default=sorted(FAULTS))
+    parser.add_argument("--work", type=Path, help="where seeded copies and gates go (default: a temporary folder)")
+    args = parser.parse_args()
+    work = args.work or Path(tempfile.mkdtemp(prefix="fault-bench-"))
+    print("| fault | where | verdict | max |Δ logit| | bound | Δ / bound | ppl change | gate |")
+    print("|---|---|---|---|---|---|---|---|")
+    start = time.perf_counter()
+    correct = align_package(args.package, args.fixtures, work / "correct", items=args.items,
+                            force=True)
+    print(row("none (the correct package)", "", correct.report, time.perf_counter() - start), flush=True)
+    for name in args.faults:
+        folder = work / name
+        shutil.rmtree(folder, ignore_errors=True)
+        try:
+            package, where = seeded_copy(args.package, args.bundle, folder / "coreml" / "chunk_kv", name)
+        except FaultNotApplicable as error:
+            print(f"| {name} | not applicable: {error} | | | | | | |", flush=True)
+            continue
+        start = time.perf_counter()
+        gate = align_package(package, args.fixtures, folder / "gate", items=args.items, force=True)
+        print(row(name, where, gate.report, time.perf_counter() - start), flush=True)
+        shutil.rmtree(folder / "coreml", ignore_errors=True)
+    if args.work is None:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
