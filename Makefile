@@ -99,7 +99,7 @@ PACKAGES = $(PKG)/$(firstword $(KINDS))/manifest.json
 # once from its own CMF by the PyTorch reference.
 REFERENCE := $(if $(filter $(DEFAULT_MODEL),$(MODEL)),fixtures/reference,$(OUT)/reference)
 
-.PHONY: all test test-portability venv import bundle preflight coreml compress align gates score release clean
+.PHONY: all test test-mil-ops test-portability venv import bundle preflight coreml compress align gates score release clean
 
 # align before compress: the gates run side by side (ALIGN_JOBS), and the survey then finds
 # the FP32 chunk_kv gate it starts from passed.
@@ -136,6 +136,12 @@ TEST_THREADS ?= $(shell $(PY) -c "from pipeline.ground.workers import thread_sha
 test: $(INSTALLED)
 	$(call thread_pools,$(TEST_THREADS)) HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_JOBS) --dist loadfile \
 	  --durations=25 $(TEST_ARGS)
+
+# coremltools' own MIL op tests (shipped in its wheel) through the MIL executor, every case:
+# `make test` runs a sample of one case per test class (tests/_coremltools_op_tests.py).
+test-mil-ops: $(INSTALLED)
+	CMFDEPLOY_OP_TESTS=all HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider \
+	  -n $(TEST_JOBS) tests/test_coremltools_ops.py
 
 # The suite again under each kernel switch that changes bits on x86, so a bound fitted to one
 # CPU's rounding fails here before a user's machine does. Each was checked to change results

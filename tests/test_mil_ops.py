@@ -16,7 +16,10 @@ from coreml.mil.loader import DTYPE_BY_NAME, unpack_subbyte
 from coreml.mil.ops import OPS
 
 
-def run(op_type, **kwargs):
+def run(op_type, opset=18, **kwargs):
+    """Op `op_type` of `kwargs`, as in a program of iOS `opset` where its semantics depend on it."""
+    if OPS[op_type].opset:
+        kwargs["opset"] = opset
     return OPS[op_type].fn(**kwargs)
 
 
@@ -136,7 +139,8 @@ def test_scatter_accumulates_duplicate_indices_along_an_axis():
     ref = torch.from_numpy(DATA).index_add(1, torch.from_numpy(idx).long(), torch.from_numpy(upd))
     magnitude = torch.from_numpy(np.abs(DATA)).index_add(1, torch.from_numpy(idx).long(), torch.from_numpy(np.abs(upd)))
     assert_within_sums(out, ref.numpy(), magnitude.numpy(), 3)  # data + two updates, in either order
-    out = run("scatter", data=DATA, indices=np.array([-1, 0], np.int32), updates=upd[:, :2], axis=1, mode="update")
+    out = run("scatter", data=DATA, indices=np.array([-1, 0], np.int32), updates=upd[:, :2], axis=1, mode="update",
+              opset=16)  # iOS15/16 count a negative index from the end
     expected = DATA.copy()
     expected[:, [5, 0]] = upd[:, :2]
     np.testing.assert_array_equal(out, expected)
@@ -411,7 +415,8 @@ def test_builder_program_matches_torch(builder_package):
     assert {"constexpr_cast", "scaled_dot_product_attention", "gather_nd", "scatter_nd", "split", "gelu"} <= ops
     pkg = open_package(path)
     x = rng.standard_normal((1, 2, 5, 8)).astype(np.float32)
-    idx = np.array([[0, 1], [1, -1], [0, 1]], np.int32)
+    # In range: an iOS17+ scatter's negative index is out of bounds (see test_ios17_scatter_*).
+    idx = np.array([[0, 1], [1, 4], [0, 1]], np.int32)
     out = pkg.predict({"x": x, "idx": idx})
 
     t = torch.from_numpy(x)
@@ -433,3 +438,267 @@ def test_builder_program_matches_torch(builder_package):
     bound = 2 * (gamma(29) + 8 * U32) * gain * 9 * float(magnitude.max())
     assert np.abs(out[names[0]] - expected_concat.numpy()).max() <= bound
     assert np.abs(out[names[1]] - expected_gelu.numpy()).max() <= 1.13 * bound
+
+
+# ---- opset-dependent semantics and the ops added for coremltools' op tests ----------------------
+def _saved(prog, target, tmp_path, name="prog", inputs=None):
+    """`prog` converted to an fp32 ML Program of iOS `target`, saved, opened with the executor."""
+    import coremltools as ct
+
+    from coreml.package import open_package
+
+    model = ct.convert(prog, convert_to="mlprogram", minimum_deployment_target=target, inputs=inputs,
+                       compute_precision=ct.precision.FLOAT32)
+    path = tmp_path / f"{name}.mlpackage"
+    save_model(model, path)
+    return open_package(path, backend="executor")
+
+
+@pytest.mark.parametrize("output_dtype", ["int32", "uint16"])
+@pytest.mark.parametrize("kind", ["reduce_argmax", "reduce_argmin"])
+def test_ios17_arg_reductions_take_output_dtype(tmp_path, kind, output_dtype):
+    import coremltools as ct
+    from coremltools.converters.mil import Builder as mb
+
+    @mb.program(input_specs=[mb.TensorSpec(shape=(3, 7))], opset_version=ct.target.iOS17)
+    def prog(x):
+        return getattr(mb, kind)(x=x, axis=1, keep_dims=True, output_dtype=output_dtype)
+
+    pkg = _saved(prog, ct.target.iOS17, tmp_path)
+    x = rng.standard_normal((3, 7)).astype(np.float32)
+    out, = pkg.predict({"x": x}).values()
+    ref = getattr(torch, kind.removeprefix("reduce_"))(torch.from_numpy(x), dim=1, keepdim=True)
+    np.testing.assert_array_equal(out, ref.numpy())
+    direct = run(kind, x=x, axis=1, output_dtype=output_dtype)
+    assert direct.dtype == DTYPE_BY_NAME[output_dtype].numpy
+    np.testing.assert_array_equal(direct, ref.numpy()[:, 0])
+
+
+def test_an_output_of_unknown_rank_takes_the_rank_it_is_given(tmp_path):
+    import coremltools as ct
+    from coremltools.converters.mil import Builder as mb
+    from coremltools.converters.mil.mil import types
+
+    from coreml.mil import load_program
+
+    from coremltools.converters.mil.mil import get_new_symbol
+
+    # A shape of unknown length: fill's result has unknown rank.
+    @mb.program(input_specs=[mb.TensorSpec(shape=(get_new_symbol(),), dtype=types.int32)],
+                opset_version=ct.target.iOS18)
+    def prog(shape):
+        return mb.fill(shape=shape, value=2.5)
+
+    pkg = _saved(prog, ct.target.iOS18, tmp_path,
+                 inputs=[ct.TensorType(name="shape", shape=(ct.RangeDim(1, 4),), dtype=np.int32)])
+    fill = next(op for op in load_program(pkg.mlpackage).functions["main"].block.operations if op.type == "fill")
+    (_, spec), = fill.outputs
+    assert not spec.rank_known and spec.shape == ()
+    out, = pkg.predict({"shape": np.array([2, 1, 3], np.int32)}).values()
+    np.testing.assert_array_equal(out, np.full((2, 1, 3), 2.5, np.float32))
+
+
+def test_reshape_zeros_align_from_the_right_from_ios17_only():
+    x = np.arange(100, dtype=np.float32).reshape(2, 50)
+    # The iOS17 definition's own example: [1, 0, -1, 0] of [2, 50] is [1, 1, 2, 50].
+    assert run("reshape", x=x, shape=np.array([1, 0, -1, 0]), opset=17).shape == (1, 1, 2, 50)
+    assert run("reshape", x=x, shape=np.array([0, -1]), opset=17).shape == (2, 50)
+    x3 = np.zeros((2, 3, 4), np.float32)
+    assert run("reshape", x=x3, shape=np.array([0, 0, -1]), opset=17).shape == (2, 3, 4)
+    assert run("reshape", x=x3, shape=np.array([-1, 0]), opset=17).shape == (6, 4)
+    # iOS15/16: zeros copy dimensions only when the ranks agree (the builder rejects the rest).
+    assert run("reshape", x=x3, shape=np.array([0, -1, 2]), opset=16).shape == (2, 6, 2)
+    with pytest.raises(ValueError):
+        run("reshape", x=x3, shape=np.array([-1, 0]), opset=16)
+
+
+def test_the_executor_gives_reshape_its_programs_opset(tmp_path):
+    import coremltools as ct
+    from coremltools.converters.mil import Builder as mb
+
+    @mb.program(input_specs=[mb.TensorSpec(shape=(2, 50))], opset_version=ct.target.iOS17)
+    def prog(x):
+        return mb.reshape(x=x, shape=[1, 0, -1, 0])
+
+    pkg = _saved(prog, ct.target.iOS17, tmp_path)
+    assert pkg.executor.function.ios == 17
+    x = rng.standard_normal((2, 50)).astype(np.float32)
+    out, = pkg.predict({"x": x}).values()
+    np.testing.assert_array_equal(out, x.reshape(1, 1, 2, 50))
+
+
+SCATTER_DATA = np.array([[1, 2, 3], [4, 5, 6]], np.float32)
+SCATTER_UPDATES = np.array([[5, 6, 7], [8, 9, 10]], np.float32)
+
+
+def test_ios15_scatters_count_negative_indices_from_the_end():
+    out = run("scatter", data=SCATTER_DATA, indices=np.array([-1, 0]), updates=SCATTER_UPDATES, opset=16)
+    np.testing.assert_array_equal(out, [[9, 11, 13], [9, 11, 13]])
+    out = run("scatter_nd", data=SCATTER_DATA, indices=np.array([[1, 0], [0, -1]]), updates=np.array([5.0, 10.0]),
+              opset=15)
+    np.testing.assert_array_equal(out, [[1, 2, 13], [9, 5, 6]])
+
+
+def test_ios17_scatters_drop_out_of_bound_indices_unless_validated():
+    # iOS17 scatter indices are non-negative; out of bounds is undefined without validate_indices
+    # (coremltools' iOS17 TestScatter asserts Core ML does not give the wrapped result).
+    out = run("scatter", data=SCATTER_DATA, indices=np.array([-1, 0]), updates=SCATTER_UPDATES, opset=17)
+    np.testing.assert_array_equal(out, [[9, 11, 13], [4, 5, 6]])
+    out = run("scatter", data=SCATTER_DATA, indices=np.array([10, 0]), updates=SCATTER_UPDATES, axis=0, opset=18)
+    np.testing.assert_array_equal(out, [[9, 11, 13], [4, 5, 6]])
+    idx = np.array([[-1, 0, 1], [1, 1, 0]])
+    out = run("scatter_along_axis", data=SCATTER_DATA, indices=idx, updates=SCATTER_UPDATES, mode="add", opset=17)
+    np.testing.assert_array_equal(out, [[1, 8, 13], [12, 14, 13]])  # wrapped, [1, 0] would be 17
+    out = run("scatter_nd", data=SCATTER_DATA, indices=np.array([[1, 0], [0, 3]]), updates=np.array([5.0, 10.0]),
+              opset=17)
+    np.testing.assert_array_equal(out, [[1, 2, 3], [9, 5, 6]])
+
+
+@pytest.mark.parametrize("indices", [[-1, 0], [2, 0]])
+def test_ios17_validate_indices_makes_an_out_of_bound_index_an_error(indices):
+    with pytest.raises(MilError, match="validate_indices"):
+        run("scatter", data=SCATTER_DATA, indices=np.array(indices), updates=SCATTER_UPDATES, validate_indices=True,
+            opset=17)
+    with pytest.raises(MilError, match="validate_indices"):
+        run("scatter_along_axis", data=SCATTER_DATA, indices=np.array([[indices[0], 0, 1], [1, 1, 0]]),
+            updates=SCATTER_UPDATES, validate_indices=True, opset=17)
+    with pytest.raises(MilError, match="validate_indices"):
+        run("scatter_nd", data=SCATTER_DATA, indices=np.array([[indices[0], 0]]), updates=np.array([1.0]),
+            validate_indices=True, opset=17)
+    with pytest.raises(MilError, match="validate_indices"):
+        run("gather", x=SCATTER_DATA, indices=np.array(indices), validate_indices=True, opset=17)
+    with pytest.raises(MilError, match="validate_indices"):
+        run("gather_along_axis", x=SCATTER_DATA, indices=np.array([[indices[0], 0, 1]]), validate_indices=True,
+            opset=17)
+    with pytest.raises(MilError, match="validate_indices"):
+        run("gather_nd", x=SCATTER_DATA, indices=np.array([[indices[0], 0]]), validate_indices=True, opset=17)
+    # Unvalidated, a gather still counts -D <= v < 0 from the end; iOS15/16 ignore validation.
+    np.testing.assert_array_equal(run("gather", x=SCATTER_DATA, indices=np.array([-1, 0]), opset=17),
+                                  SCATTER_DATA[[1, 0]])
+    np.testing.assert_array_equal(run("gather", x=SCATTER_DATA, indices=np.array([-1, 0]), validate_indices=True,
+                                      opset=16), SCATTER_DATA[[1, 0]])
+
+
+def test_validated_scatter_fails_the_prediction_of_an_ios17_program(tmp_path):
+    import coremltools as ct
+    from coremltools.converters.mil import Builder as mb
+    from coremltools.converters.mil.mil import types
+
+    @mb.program(input_specs=[mb.TensorSpec(shape=(2, 3)), mb.TensorSpec(shape=(2,), dtype=types.int32),
+                             mb.TensorSpec(shape=(2, 3))], opset_version=ct.target.iOS17)
+    def prog(data, indices, updates):
+        return mb.scatter(data=data, indices=indices, updates=updates, validate_indices=True)
+
+    pkg = _saved(prog, ct.target.iOS17, tmp_path)
+    feed = {"data": SCATTER_DATA, "updates": SCATTER_UPDATES}
+    out, = pkg.predict({**feed, "indices": np.array([1, 0], np.int32)}).values()
+    np.testing.assert_array_equal(out, SCATTER_DATA + SCATTER_UPDATES[[1, 0]])
+    with pytest.raises(MilError, match="op scatter.*validate_indices"):
+        pkg.predict({**feed, "indices": np.array([-1, 0], np.int32)})
+
+
+@pytest.mark.parametrize("axes", [[-1], [2, 3], [1, 3], [0, 1, 2, 3]])
+def test_layer_norm_matches_torch(axes):
+    axes_n = sorted(a % 4 for a in axes)
+    gamma = rng.standard_normal([X.shape[a] for a in axes_n]).astype(np.float32)
+    beta = rng.standard_normal(gamma.shape).astype(np.float32)
+    out = run("layer_norm", x=X, axes=np.array(axes), gamma=gamma, beta=beta, epsilon=np.float32(1e-3))
+    # torch normalizes trailing axes: move the normalized ones to the end and back.
+    rest = [a for a in range(4) if a not in axes_n]
+    t = torch.from_numpy(X).permute(*rest, *axes_n)
+    ref = torch.nn.functional.layer_norm(t, gamma.shape, torch.from_numpy(gamma), torch.from_numpy(beta), eps=1e-3)
+    ref = ref.permute(*np.argsort(rest + axes_n)).numpy()
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    plain = torch.nn.functional.layer_norm(t, gamma.shape).permute(*np.argsort(rest + axes_n)).numpy()
+    np.testing.assert_allclose(run("layer_norm", x=X, axes=np.array(axes)), plain, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("ascending", [False, True])
+@pytest.mark.parametrize("axis", [-1, 1])
+def test_topk_matches_torch(axis, ascending):
+    values, indices = run("topk", x=X, k=3, axis=axis, ascending=ascending)
+    ref = torch.topk(torch.from_numpy(X), 3, dim=axis, largest=not ascending, sorted=True)
+    np.testing.assert_array_equal(values, ref.values.numpy())
+    np.testing.assert_array_equal(indices, ref.indices.numpy())
+    assert indices.dtype == np.int32
+
+
+def test_topk_ios16_and_ios17_options():
+    ties = np.array([[3, 1, 3, 2, 1]], np.uint8)
+    values, indices = run("topk", x=ties, k=-1, output_indices_dtype="uint16")
+    np.testing.assert_array_equal(values, [[3, 3, 2, 1, 1]])
+    np.testing.assert_array_equal(indices, [[0, 2, 3, 1, 4]])  # ties in index order
+    assert indices.dtype == np.uint16
+    only = run("topk", x=X, k=2, return_indices=False)
+    assert isinstance(only, np.ndarray)
+    np.testing.assert_array_equal(only, torch.topk(torch.from_numpy(X), 2).values.numpy())
+    np.testing.assert_array_equal(run("argsort", x=X, axis=2), torch.argsort(torch.from_numpy(X), 2, True).numpy())
+
+
+@pytest.mark.parametrize("mode,torch_mode", [("constant", "constant"), ("reflect", "reflect"),
+                                             ("replicate", "replicate")])
+def test_pad_matches_torch(mode, torch_mode):
+    pads = [1, 2, 0, 3]  # (before, after) of the last two axes, in MIL's order
+    out = run("pad", x=X, pad=np.array(pads), mode=mode, constant_val=np.float32(0.5))
+    # torch lists the pairs from the last axis backwards
+    ref = torch.nn.functional.pad(torch.from_numpy(X), (0, 3, 1, 2), mode=torch_mode,
+                                  **({"value": 0.5} if mode == "constant" else {}))
+    np.testing.assert_array_equal(out, ref.numpy())
+
+
+@pytest.mark.parametrize("equation", ["nchw,nwhu->nchu", "chw,whr->chr", "a b c d , a d c e -> a b c e"])
+def test_einsum_matches_torch_with_batch_broadcasting(equation):
+    if equation.replace(" ", "").index(",") == 4:  # batch axes n (-4) and h (-2) broadcast
+        shapes, broadcast = [(2, 3, 1, 4), (1, 4, 5, 6)], [(2, 3, 5, 4), (2, 4, 5, 6)]
+    else:  # batch axis h (-2) broadcasts
+        shapes, broadcast = [(3, 1, 4), (4, 5, 6)], [(3, 5, 4), (4, 5, 6)]
+    x, y = (rng.standard_normal(shape).astype(np.float32) for shape in shapes)
+    out = run("einsum", values=(x, y), equation=equation)
+    ref = torch.einsum(equation.replace(" ", ""), *(torch.from_numpy(np.broadcast_to(v, b).copy())
+                                                    for v, b in zip((x, y), broadcast)))
+    np.testing.assert_allclose(out, ref.numpy(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("op_type,reference", [
+    ("elu", lambda t: torch.nn.functional.elu(t, 0.7)),
+    ("leaky_relu", lambda t: torch.nn.functional.leaky_relu(t, 0.7)),
+    ("thresholded_relu", lambda t: torch.where(t < 0.7, 0.0, t)),
+    ("relu6", torch.nn.functional.relu6),
+    ("softsign", torch.nn.functional.softsign),
+    ("cosh", torch.cosh),
+    ("sinh", torch.sinh),
+    ("tan", torch.tan),
+])
+def test_activations_match_torch(op_type, reference):
+    kwargs = {"alpha": np.float32(0.7)} if op_type in ("elu", "leaky_relu", "thresholded_relu") else {}
+    expected = reference(torch.from_numpy(X)).numpy()
+    np.testing.assert_allclose(run(op_type, x=X, **kwargs), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_parametric_activations_follow_the_mil_definitions():
+    a, b = np.float32(0.3), np.float32(1.5)
+    t = torch.from_numpy(X)
+    np.testing.assert_allclose(run("clamped_relu", x=X, alpha=a, beta=b),
+                               torch.clamp(torch.where(t >= 0, t, a * t), max=float(b)).numpy(), rtol=1e-6)
+    np.testing.assert_allclose(run("linear_activation", x=X, alpha=a, beta=b), (a * t + b).numpy(), rtol=1e-6)
+    np.testing.assert_allclose(run("scaled_tanh", x=X, alpha=a, beta=b), (a * torch.tanh(b * t)).numpy(), rtol=1e-6)
+    np.testing.assert_allclose(run("sigmoid_hard", x=X, alpha=a, beta=b), torch.clamp(a * t + b, 0, 1).numpy(),
+                               rtol=1e-6)
+    alpha = rng.uniform(0.1, 1, X.shape[1]).astype(np.float32)
+    beta = rng.uniform(0.1, 1, X.shape[1]).astype(np.float32)
+    np.testing.assert_allclose(run("prelu", x=X, alpha=alpha),
+                               torch.nn.functional.prelu(t, torch.from_numpy(alpha)).numpy(), rtol=1e-6)
+    per_channel = (1, -1, 1, 1)
+    alpha_t, beta_t = torch.from_numpy(alpha.reshape(per_channel)), torch.from_numpy(beta.reshape(per_channel))
+    ref = alpha_t * torch.nn.functional.softplus(t * beta_t)
+    np.testing.assert_allclose(run("softplus_parametric", x=X, alpha=alpha, beta=beta), ref.numpy(), rtol=1e-5)
+
+
+def test_reverse_and_the_added_reductions():
+    np.testing.assert_array_equal(run("reverse", x=X, axes=np.array([0, -1])), X[::-1, :, :, ::-1])
+    np.testing.assert_array_equal(run("reverse", x=X), X[::-1, ::-1, ::-1, ::-1])
+    t = torch.from_numpy(X)
+    np.testing.assert_allclose(run("reduce_l1_norm", x=X, axes=np.array([1, 2])), t.abs().sum((1, 2)).numpy(),
+                               rtol=1e-6)
+    np.testing.assert_allclose(run("reduce_log_sum", x=np.abs(X), axes=np.array([-1]), keep_dims=True),
+                               t.abs().sum(-1, keepdim=True).log().numpy(), rtol=1e-6)

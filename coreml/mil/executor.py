@@ -130,7 +130,7 @@ def _conform(value, spec: TensorSpec | None, where: str):
     value = np.asarray(value)
     if value.dtype != spec.dtype.numpy:
         value = as_dtype(value, spec.dtype.numpy)
-    if spec.shape:  # scalars (no dims) are left unchecked
+    if spec.rank_known and spec.shape:  # scalars (no dims) are left unchecked, as is an unknown rank
         if value.ndim != len(spec.shape):
             raise MilError(f"{where}: result shape {value.shape} does not match the declared {spec.shape}")
         for declared, actual in zip(spec.shape, value.shape):  # a loop: this runs for every op
@@ -267,6 +267,11 @@ class Executor:
                 static[key] = values if key in lists else values[0]
             else:
                 dynamic.append((key, operands, key in lists))
+        if OPS[op.type].opset:
+            try:
+                static["opset"] = self.function.ios
+            except MilError as exc:
+                raise MilError(f"{where}: {exc}") from None
         rows_at_once = op.type == "linear" and [key for key, _, _ in dynamic] == ["x"]
         return _Step(op, OPS[op.type].fn, where, static, tuple(dynamic), rows_at_once, widens)
 
@@ -336,7 +341,7 @@ class Executor:
     def _call(step: _Step, kwargs: dict[str, object]):
         try:
             return step.fn(**kwargs)
-        except (ValueError, IndexError, TypeError) as exc:
+        except (MilError, ValueError, IndexError, TypeError) as exc:
             raise MilError(f"{step.where}: {exc}") from exc
 
     @staticmethod

@@ -67,11 +67,14 @@ DTYPE_BY_NAME: dict[str, MilDType] = {d.name: d for d in DTYPES.values()}
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """Declared type of a value: dtype and shape, `None` for a dimension unknown until run time."""
+    """Declared type of a value: dtype and shape, `None` for a dimension unknown until run time.
+    A value of unknown rank (MIL's one `variadic` dimension: `fill` of a computed shape) has
+    `rank_known` False and no dimensions."""
 
     dtype: MilDType
     shape: tuple[int | None, ...]
     is_state: bool = False
+    rank_known: bool = True
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,10 @@ class FeatureSpec:
     enumerated: tuple[tuple[int, ...], ...] | None = None
 
 
+# A function's opset string (Model.proto's `opset`) -> the iOS version whose MIL it is.
+IOS_BY_OPSET = {"CoreML5": 15, "CoreML6": 16, "CoreML7": 17, "CoreML8": 18, "CoreML9": 26}
+
+
 @dataclass(frozen=True)
 class Function:
     name: str
@@ -118,6 +125,13 @@ class Function:
     spec_inputs: tuple[FeatureSpec, ...]
     spec_outputs: tuple[FeatureSpec, ...]
     spec_states: tuple[FeatureSpec, ...]
+
+    @property
+    def ios(self) -> int:
+        """The iOS version of this function's opset, which some ops' semantics depend on."""
+        if self.opset not in IOS_BY_OPSET:
+            raise MilError(f"function {self.name}: opset {self.opset!r} is not one of {sorted(IOS_BY_OPSET)}")
+        return IOS_BY_OPSET[self.opset]
 
 
 @dataclass(frozen=True)
@@ -250,10 +264,12 @@ def tensor_spec(vt: MIL_pb2.ValueType, where: str) -> TensorSpec | None:
         inner = tensor_spec(vt.stateType.wrappedType, where)
         if inner is None:
             raise MilError(f"{where}: state type does not wrap a tensor")
-        return TensorSpec(inner.dtype, inner.shape, is_state=True)
+        return TensorSpec(inner.dtype, inner.shape, is_state=True, rank_known=inner.rank_known)
     if kind != "tensorType":
         return None
     tt = vt.tensorType
+    if any(d.WhichOneof("dimension") == "unknown" and d.unknown.variadic for d in tt.dimensions):
+        return TensorSpec(mil_dtype(tt.dataType, where), (), rank_known=False)
     dims = tuple(d.constant.size if d.WhichOneof("dimension") == "constant" else None for d in tt.dimensions)
     return TensorSpec(mil_dtype(tt.dataType, where), dims)
 

@@ -31,15 +31,18 @@ class OpDef:
     # widens the whole stacked cache once per layer's slice: SmolLM2's 30 layers, 40 % of a
     # step; a stateful step widened its fp16 state before casting it, twice per cache).
     moves: bool = False
+    # The op's semantics changed between opsets (iOS17's reshape zeros, its gather/scatter index
+    # rules): the executor passes `opset`, the iOS version of the function's opset (17 for CoreML7).
+    opset: bool = False
 
 
 OPS: dict[str, OpDef] = {}
 
 
-def op(*names: str, lists: tuple[str, ...] = (), moves: bool = False):
+def op(*names: str, lists: tuple[str, ...] = (), moves: bool = False, opset: bool = False):
     def register(fn):
         for name in names:
-            OPS[name] = OpDef(fn, frozenset(lists), moves)
+            OPS[name] = OpDef(fn, frozenset(lists), moves, opset)
         return fn
 
     return register
@@ -98,6 +101,33 @@ op("softplus")(lambda x: np.logaddexp(0, x))
 op("clip")(lambda x, alpha, beta: np.minimum(np.maximum(x, alpha), beta))
 op("erf")(lambda x: _erf(x))
 op("identity", moves=True)(lambda x: x)
+op("cosh")(lambda x: np.cosh(x))
+op("sinh")(lambda x: np.sinh(x))
+op("tan")(lambda x: np.tan(x))
+op("relu6")(lambda x: np.minimum(np.maximum(x, 0), 6))
+op("softsign")(lambda x: x / (1.0 + np.abs(x)))
+op("elu")(lambda x, alpha=1.0: np.where(x > 0, x, alpha * np.expm1(np.minimum(x, 0))))
+op("leaky_relu")(lambda x, alpha=0.01: np.where(x < 0, alpha * x, x))
+op("thresholded_relu")(lambda x, alpha=1.0: np.where(x < alpha, np.zeros((), x.dtype), x))
+op("clamped_relu")(lambda x, alpha, beta: np.minimum(np.where(x >= 0, x, alpha * x), beta))
+op("linear_activation")(lambda x, alpha, beta=0.0: alpha * x + beta)
+op("scaled_tanh")(lambda x, alpha=1.0, beta=1.0: alpha * np.tanh(beta * x))
+op("sigmoid_hard")(lambda x, alpha=0.2, beta=0.5: np.minimum(np.maximum(alpha * x + beta, 0), 1))
+
+
+def _per_channel(a, rank):
+    """A [C] parameter shaped to broadcast along axis 1 (the channel) of a rank-`rank` tensor."""
+    return np.reshape(a, (1, -1) + (1,) * (rank - 2))
+
+
+@op("prelu")
+def prelu(x, alpha):
+    return np.maximum(x, 0) + np.minimum(x, 0) * _per_channel(alpha, x.ndim)
+
+
+@op("softplus_parametric")
+def softplus_parametric(x, alpha, beta):
+    return _per_channel(alpha, x.ndim) * np.logaddexp(0, x * _per_channel(beta, x.ndim))
 
 
 def _erf(x):
@@ -156,18 +186,22 @@ op("reduce_l2_norm")(_reduction(lambda x, axis, keepdims: np.sqrt(np.sum(x * x, 
 op("reduce_log_sum_exp")(
     _reduction(lambda x, axis, keepdims: np.logaddexp.reduce(x, axis=axis, keepdims=keepdims))
 )
+op("reduce_l1_norm")(_reduction(lambda x, axis, keepdims: np.sum(np.abs(x), axis=axis, keepdims=keepdims)))
+op("reduce_log_sum")(_reduction(lambda x, axis, keepdims: np.log(np.sum(x, axis=axis, keepdims=keepdims))))
 
 
-@op("reduce_argmax")
-def reduce_argmax(x, axis=-1, keep_dims=False):
-    out = np.argmax(x, axis=int(axis))
-    return np.expand_dims(out, int(axis)) if keep_dims else out
+def _arg_reduction(fn):
+    # iOS17 added `output_dtype` (int32 by default, or uint16 and others); earlier opsets give int32.
+    def reduce(x, axis=-1, keep_dims=False, output_dtype="int32"):
+        out = fn(x, axis=int(axis))
+        out = np.expand_dims(out, int(axis)) if keep_dims else out
+        return out.astype(DTYPE_BY_NAME[str(output_dtype)].numpy)
+
+    return reduce
 
 
-@op("reduce_argmin")
-def reduce_argmin(x, axis=-1, keep_dims=False):
-    out = np.argmin(x, axis=int(axis))
-    return np.expand_dims(out, int(axis)) if keep_dims else out
+op("reduce_argmax")(_arg_reduction(np.argmax))
+op("reduce_argmin")(_arg_reduction(np.argmin))
 
 
 @op("cumsum")
@@ -186,6 +220,43 @@ def cumsum(x, axis=0, exclusive=False, reverse=False):
 def softmax(x, axis=-1):
     e = np.exp(x - np.max(x, axis=int(axis), keepdims=True))
     return e / np.sum(e, axis=int(axis), keepdims=True)
+
+
+@op("layer_norm")
+def layer_norm(x, axes=None, gamma=None, beta=None, epsilon=1e-5):
+    # gamma and beta have the shape of x's normalized axes, in their order in x.
+    axes = tuple(range(x.ndim)) if axes is None else _axes(axes, x.ndim)
+    centred = x - np.mean(x, axis=axes, keepdims=True)
+    out = centred / np.sqrt(np.mean(centred * centred, axis=axes, keepdims=True) + epsilon)
+    shape = [n if i in axes else 1 for i, n in enumerate(x.shape)]
+    if gamma is not None:
+        out = out * np.reshape(gamma, shape)
+    return out if beta is None else out + np.reshape(beta, shape)
+
+
+def _sort_order(x, axis, ascending):
+    """Indices sorting x along `axis`; ties keep index order, as a stable sort gives them."""
+    keys = x if ascending else -x.astype(np.float64 if x.dtype.kind in "iub" else x.dtype)  # unsigned: no wrap
+    return np.argsort(keys, axis=axis, kind="stable")
+
+
+@op("argsort")
+def argsort(x, axis=-1, ascending=False):
+    return _sort_order(x, int(axis) % x.ndim, ascending).astype(np.int32)
+
+
+@op("topk")
+def topk(x, k=1, axis=-1, ascending=False, sort=True, return_indices=True, output_indices_dtype="int32"):
+    # iOS16 added sort (unsorted results may come in any order: these are sorted) and
+    # return_indices, iOS17 output_indices_dtype and k = -1 for all.
+    axis = int(axis) % x.ndim
+    order = _sort_order(x, axis, ascending)
+    k = x.shape[axis] if int(k) == -1 else int(k)
+    indices = np.take(order, np.arange(k), axis=axis)
+    values = np.take_along_axis(x, indices, axis=axis)
+    if not return_indices:
+        return values
+    return values, indices.astype(DTYPE_BY_NAME[str(output_indices_dtype)].numpy)
 
 
 # ---- linear algebra --------------------------------------------------------------------------
@@ -215,6 +286,20 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None):
     return softmax(scores, -1) @ v
 
 
+@op("einsum", lists=("values",))
+def einsum(values, equation):
+    # MIL's einsum multiplies two rank-3 or rank-4 tensors over axes -1 and -3 (or their
+    # equivalent equations), broadcasting the batch axes (-2, -4) as coremltools' value inference does.
+    x, y = (_f32(v) for v in values)
+    if x.ndim not in (3, 4) or x.ndim != y.ndim:
+        raise MilError(f"einsum: operands of ranks {x.ndim} and {y.ndim}, MIL takes two of rank 3 or 4")
+    batch = [a for a in (-2, -4) if -a <= x.ndim]
+    xs, ys = list(x.shape), list(y.shape)
+    for a in batch:
+        xs[a] = ys[a] = max(x.shape[a], y.shape[a])
+    return np.einsum(str(equation), np.broadcast_to(x, xs), np.broadcast_to(y, ys))
+
+
 @op("band_part")
 def band_part(x, lower=-1, upper=-1):
     m = np.arange(x.shape[-2])[:, None]
@@ -239,6 +324,19 @@ def tile(x, reps):
     return np.tile(x, reps)
 
 
+@op("pad", moves=True)
+def pad(x, pad, mode="constant", constant_val=0.0):
+    # `pad` holds (before, after) pairs for the last len(pad) / 2 axes.
+    pairs = np.asarray(pad, dtype=np.int64).reshape(-1, 2)
+    pairs = np.concatenate([np.zeros((x.ndim - len(pairs), 2), np.int64), pairs])
+    mode = str(mode)
+    if mode == "constant":
+        return np.pad(x, pairs, "constant", constant_values=np.asarray(constant_val, x.dtype))
+    if mode not in ("reflect", "replicate"):
+        raise MilError(f"pad: mode {mode!r} is not one of constant, reflect, replicate")
+    return np.pad(x, pairs, "edge" if mode == "replicate" else "reflect")
+
+
 op("fill")(lambda shape, value=0.0: np.full([int(s) for s in shape], value))
 op("fill_like")(lambda ref_tensor, value=0.0: np.full(np.shape(ref_tensor), value))
 
@@ -248,12 +346,23 @@ def range_1d(end, start, step):
     return np.arange(start, end, step)
 
 
-@op("reshape", moves=True)
-def reshape(x, shape):
+@op("reshape", moves=True, opset=True)
+def reshape(x, shape, opset):
     shape = [int(s) for s in shape]
-    if len(shape) == x.ndim:  # 0 copies the input dimension only when ranks agree
+    if opset >= 17:
+        # A 0 copies the input dimension at the same place counted from the right, or is 1
+        # where the input has no dimension there (iOS17's reshape: [1, 0, -1, 0] of [2, 50]
+        # is [1, 1, 2, 50]).
+        offset = x.ndim - len(shape)
+        shape = [(x.shape[i + offset] if i + offset >= 0 else 1) if s == 0 else s for i, s in enumerate(shape)]
+    elif len(shape) == x.ndim:  # iOS15/16: 0 copies the input dimension only when ranks agree
         shape = [x.shape[i] if s == 0 else s for i, s in enumerate(shape)]
     return np.reshape(x, shape)
+
+
+@op("reverse", moves=True)
+def reverse(x, axes=None):
+    return np.flip(x, axis=None if axes is None else _axes(axes, x.ndim))
 
 
 @op("expand_dims", moves=True)
@@ -334,16 +443,35 @@ def slice_by_size(x, begin, size):
 
 
 # ---- gather / scatter ------------------------------------------------------------------------
+# Index rules by opset (coremltools' ops/defs iOS15 and iOS17 scatter_gather.py):
+# - iOS15/16: an index may be negative, -D <= v < D, and counts from the end.
+# - iOS17+: `validate_indices=True` makes an index outside [0, D) a runtime error. Otherwise an
+#   out-of-bound index is undefined (memory safe). Gathers keep counting a negative one from the
+#   end, as the iOS17 gather's `indices` still documents -D <= v < D. Scatters define indices as
+#   non-negative only, and Core ML does not count from the end there (coremltools'
+#   iOS17 TestScatter.test_ios17_invalid_indices asserts the wrapped result is *not* produced),
+#   so an update at an out-of-bound index is dropped.
 def _wrap(indices, size):
-    """MIL allows negative indices counted from the end."""
     indices = np.asarray(indices, dtype=np.int64)
     return np.where(indices < 0, indices + size, indices)
 
 
-@op("gather", moves=True)
-def gather(x, indices, axis=0, batch_dims=0, validate_indices=False):
+def _validated(name, indices, size, opset, validate):
+    """`indices` as int64, checked where iOS17's `validate_indices` asks (`size`: per last axis if an array)."""
+    indices = np.asarray(indices, dtype=np.int64)
+    if opset >= 17 and validate and np.any((indices < 0) | (indices >= size)):
+        raise MilError(f"{name}: an index is outside [0, {size}) and validate_indices is set")
+    return indices
+
+
+def _gather_index(name, indices, size, opset, validate):
+    return _wrap(_validated(name, indices, size, opset, validate), size)
+
+
+@op("gather", moves=True, opset=True)
+def gather(x, indices, opset, axis=0, batch_dims=0, validate_indices=False):
     axis, b = int(axis) % x.ndim, int(batch_dims)
-    indices = _wrap(indices, x.shape[axis])
+    indices = _gather_index("gather", indices, x.shape[axis], opset, validate_indices)
     if b == 0:
         return np.take(x, indices, axis=axis)
     # Batched: flatten the leading batch dims, gather per batch row with one fancy index, then
@@ -360,17 +488,20 @@ def gather(x, indices, axis=0, batch_dims=0, validate_indices=False):
     return out.reshape(batch + out.shape[1:])
 
 
-@op("gather_along_axis", moves=True)
-def gather_along_axis(x, indices, axis=0, validate_indices=False):
+@op("gather_along_axis", moves=True, opset=True)
+def gather_along_axis(x, indices, opset, axis=0, validate_indices=False):
     axis = int(axis) % x.ndim
-    return np.take_along_axis(x, _wrap(indices, x.shape[axis]), axis=axis)
+    indices = _gather_index("gather_along_axis", indices, x.shape[axis], opset, validate_indices)
+    return np.take_along_axis(x, indices, axis=axis)
 
 
-@op("gather_nd", moves=True)
-def gather_nd(x, indices, batch_dims=0, validate_indices=False):
+@op("gather_nd", moves=True, opset=True)
+def gather_nd(x, indices, opset, batch_dims=0, validate_indices=False):
     b = int(batch_dims)
     k = indices.shape[-1]
-    idx = tuple(_wrap(indices[..., i], x.shape[b + i]) for i in range(k))
+    sizes = np.array(x.shape[b : b + k], dtype=np.int64)
+    indices = _gather_index("gather_nd", indices, sizes, opset, validate_indices)
+    idx = tuple(indices[..., i] for i in range(k))
     grids = np.indices(indices.shape[:b], sparse=True) if b else ()
     lead = tuple(g.reshape(g.shape + (1,) * (indices.ndim - 1 - b)) for g in grids)
     return x[lead + idx]
@@ -387,6 +518,25 @@ _SCATTER_UFUNCS = {
 }
 
 
+def _scatter_index(name, indices, size, opset, validate):
+    """(indices, which of them are applied): iOS15/16 count negatives from the end; iOS17+
+    drops an update at an index outside [0, size)."""
+    if opset < 17:
+        indices = _wrap(indices, size)
+        return indices, np.ones(indices.shape, bool)
+    indices = _validated(name, indices, size, opset, validate)
+    return indices, (indices >= 0) & (indices < size)
+
+
+def _applied(index, updates, kept):
+    """The index arrays (broadcasting to updates' shape) and updates where `kept` is true."""
+    updates = np.asarray(updates)
+    if kept.all():
+        return index, updates
+    kept = np.broadcast_to(kept, updates.shape)
+    return tuple(np.broadcast_to(i, updates.shape)[kept] for i in index), updates[kept]
+
+
 def _scatter_into(data, index, updates, mode):
     if mode != "update" and mode not in _SCATTER_UFUNCS:
         raise MilError(f"scatter: mode {mode!r} is not one of update, {', '.join(_SCATTER_UFUNCS)}")
@@ -398,28 +548,37 @@ def _scatter_into(data, index, updates, mode):
     return out
 
 
-@op("scatter")
-def scatter(data, indices, updates, axis=0, mode="add", validate_indices=False):
+@op("scatter", opset=True)
+def scatter(data, indices, updates, opset, axis=0, mode="add", validate_indices=False):
     # indices is 1-D; updates is data's shape with `axis` resized to len(indices).
     axis = int(axis) % data.ndim
+    indices, kept = _scatter_index("scatter", indices, data.shape[axis], opset, validate_indices)
+    along = (-1,) + (1,) * (updates.ndim - axis - 1)
     index = list(np.indices(updates.shape, sparse=True))
-    index[axis] = _wrap(indices, data.shape[axis]).reshape(index[axis].shape)
-    return _scatter_into(data, tuple(index), updates, str(mode))
+    index[axis] = indices.reshape(along)
+    return _scatter_into(data, *_applied(tuple(index), updates, kept.reshape(along)), str(mode))
 
 
-@op("scatter_along_axis")
-def scatter_along_axis(data, indices, updates, axis=0, mode="add", validate_indices=False):
+@op("scatter_along_axis", opset=True)
+def scatter_along_axis(data, indices, updates, opset, axis=0, mode="add", validate_indices=False):
     axis = int(axis) % data.ndim
+    indices, kept = _scatter_index("scatter_along_axis", indices, data.shape[axis], opset, validate_indices)
     index = list(np.indices(updates.shape, sparse=True))
-    index[axis] = _wrap(indices, data.shape[axis])
-    return _scatter_into(data, tuple(index), updates, str(mode))
+    index[axis] = indices
+    return _scatter_into(data, *_applied(tuple(index), updates, kept), str(mode))
 
 
-@op("scatter_nd")
-def scatter_nd(data, indices, updates, mode="add", validate_indices=False):
+@op("scatter_nd", opset=True)
+def scatter_nd(data, indices, updates, opset, mode="add", validate_indices=False):
+    # indices is (*K, k); updates is K + data.shape[k:]: updates[K] goes to data[indices[K]].
     k = indices.shape[-1]
-    index = tuple(_wrap(indices[..., i], data.shape[i]) for i in range(k))
-    return _scatter_into(data, index, updates, str(mode))
+    sizes = np.array(data.shape[:k], dtype=np.int64)
+    indices, kept = _scatter_index("scatter_nd", indices, sizes, opset, validate_indices)
+    kept = kept.all(axis=-1)
+    updates = np.asarray(updates)
+    if not kept.all():
+        indices, updates = indices[kept], updates[kept]
+    return _scatter_into(data, tuple(indices[..., i] for i in range(k)), updates, str(mode))
 
 
 # ---- states ------------------------------------------------------------------------------------
