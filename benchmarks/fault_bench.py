@@ -48,8 +48,7 @@ def main() -> None:
     print("| fault | where | verdict | max |Δ logit| | bound | Δ / bound | ppl change | gate |")
     print("|---|---|---|---|---|---|---|---|")
     start = time.perf_counter()
-    correct = align_package(args.package, args.fixtures, work / "correct", items=args.items,
-                            force=True)
+    correct = align_package(args.package, args.fixtures, work / "correct", items=args.items, force=True)
     print(row("none (the correct package)", "", correct.report, time.perf_counter() - start), flush=True)
     for name in args.faults:
         folder = work / name

@@ -13,6 +13,7 @@ import pytest
 from _fp16_hazard import make_hazard_bundle
 from _survey_models import cloze_slice
 from pipeline.stages.gates import align_package, make_reference_fixtures
+from pipeline.stages.gates.exactness import NOISE_FACTOR
 from pipeline.stages.preflight import PreflightError, fp16_conversion, run_preflight
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
@@ -55,7 +56,11 @@ def test_the_mitigated_fp16_package_is_finite_and_passes_its_gate(hazard, mitiga
     assert report["quality"]["budget"]["spec"] == "ppl=0.5%,top1=0.99"  # the fp16 precision's default
     assert report["quality"]["nonfinite_logits"] == 0
     assert report["numerics"].startswith("fp16 at op boundaries")
-    assert "u=2^-11" in report["tolerance"]["why"]
+    # Held to 8x the fp16 reference's own rounding noise (fp16 against its function in float64),
+    # under the fp16 a-priori bound (2·γ̃ over u16) as the ceiling.
+    tolerance = report["tolerance"]
+    assert "fp16 reference's own rounding noise" in tolerance["why"]
+    assert tolerance["atol"] == NOISE_FACTOR * tolerance["noise"] < tolerance["ceiling"]
     assert gate.passed, gate.failure()
     assert set(report["compute_units"]["claimable"]) >= {"cpu", "gpu"}
 

@@ -116,3 +116,22 @@ def test_one_matrix_off_by_a_thousandth_fails_exactness_by_a_wide_margin(fixture
     assert failed and all(r["max_abs"] >= 3 * tolerance["atol"] for r in failed)
     assert {r["pattern"] for r in failed} >= {"one_shot"}
     assert "exact" in capsys.readouterr().err
+
+
+def test_an_fp16_references_noise_is_its_fp16_arithmetic_against_its_own_function_in_float64(model):
+    """The fp16 reference (its fp16 decoder, mitigations included) against a float64 copy of that
+    decoder, made independently: its fp16 weights are exact in float64, so the two give one
+    figure, and fp16's noise lies far above float32's and within fp16's a-priori bound."""
+    from pipeline.ground.models.fp16 import Fp16Mitigations, fp16_reference, mitigated_model
+    from pipeline.stages.gates.exactness import exact_tolerances
+
+    reference = fp16_reference(mitigated_model(model, model.args, Fp16Mitigations()))
+    ids = np.random.default_rng(2).integers(0, model.args.vocab_size, 64)
+    noise = rounding_noise(reference, ids)
+    double = _float64_copy(reference.decoder)
+    with torch.no_grad():
+        exact = double.logits_of(_hidden(double, ids, torch.float64)[0][0])
+        got = reference(torch.from_numpy(ids)).double()
+    # The same fp16 logits against float64 values equal to float64's rounding: one figure.
+    assert noise.logits == pytest.approx(float((got - exact).abs().max()), rel=1e-9)
+    assert 100 * rounding_noise(model, ids).logits < noise.logits <= exact_tolerances(reference, 64)[0].atol

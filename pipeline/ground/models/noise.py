@@ -1,5 +1,7 @@
-"""The rounding noise of the float32 reference itself: its logits and written K/V against the
-same decoder evaluated in float64, case by case.
+"""The rounding noise of a reference itself: its logits and written K/V against the same
+decoder evaluated in float64, case by case. The float32 reference's, and the fp16 reference's
+(`fp16.Fp16Reference`: its fp16 decoder, mitigations included, whose fp16 weights float64 holds
+exactly), each against its own function.
 
 A gate's a-priori bound (`numerics`) is a worst chain of roundings summed over every layer; on
 a 30-layer model it sits three decades above what float32 arithmetic actually errs, so a
@@ -37,12 +39,12 @@ class RoundingNoise:
 
 @contextmanager
 def widened(modules: list[nn.Module]):
-    """Within: each module's floating parameters and buffers are float64 while its forward
-    runs, and the float32 tensors themselves again after it (exact both ways)."""
+    """Within: each module's float32 and float16 parameters and buffers are float64 while its
+    forward runs, and the tensors themselves again after it (exact both ways)."""
     def widen(module, _inputs):
         module._narrow = {}
         for name, tensor in [*module.named_parameters(recurse=True), *module.named_buffers(recurse=True)]:
-            if tensor is not None and tensor.dtype == torch.float32:
+            if tensor is not None and tensor.dtype in (torch.float32, torch.float16):
                 owner, _, leaf = name.rpartition(".")
                 holder = module.get_submodule(owner) if owner else module
                 module._narrow[name] = (holder, leaf, tensor)
@@ -66,34 +68,39 @@ def widened(modules: list[nn.Module]):
 
 
 @torch.no_grad()
-def rounding_noise(decoder, ids: np.ndarray, prefix: int | None = None) -> RoundingNoise:
-    """The float32 `decoder`'s noise on one sequence `ids` from position 0, its logits compared
-    over the first `prefix` positions (all by default) and its caches over every slot written."""
-    from pipeline.ground.models.base import KVCache
+def rounding_noise(reference, ids: np.ndarray, prefix: int | None = None) -> RoundingNoise:
+    """The noise of `reference` (a float32 `Decoder`, or an `Fp16Reference`) on one sequence `ids`
+    from position 0, its logits compared over the first `prefix` positions (all by default) and
+    its caches over every slot written."""
+    from pipeline.ground.models.base import KVCache, half_linear
+    from pipeline.ground.models.fp16 import Fp16Reference
 
+    decoder = reference.decoder if isinstance(reference, Fp16Reference) else reference
     tokens = torch.from_numpy(np.asarray(ids, np.int64)).reshape(1, -1)
     prefix = tokens.shape[1] if prefix is None else prefix
     start = torch.zeros(1, dtype=torch.int64)
 
-    def run(dtype):
+    def run(model, dtype):
         cache = KVCache.empty(decoder.args, tokens.shape[1], dtype)
-        hidden, keys, values = decoder.hidden_with_cache_tensors(tokens, start, cache.keys, cache.values)
+        hidden, keys, values = model.hidden_with_cache_tensors(tokens, start, cache.keys, cache.values)
         return hidden[0, :prefix], keys, values
 
-    hidden32, keys32, values32 = run(torch.float32)
+    hidden, keys, values = run(reference, torch.float32)
     with widened([*decoder.model.layers, decoder.model.norm]):
-        hidden64, keys64, values64 = run(torch.float64)
-    cache = max(float((a.double() - b).abs().max()) for a, b in zip([*keys32, *values32], [*keys64, *values64]))
-    del keys32, values32, keys64, values64
-    weight = decoder.head.weight
+        hidden64, keys64, values64 = run(decoder, torch.float64)
+    cache = max(float((a.double() - b).abs().max()) for a, b in zip([*keys, *values], [*keys64, *values64]))
+    del keys, values, keys64, values64
+    weight, bias = decoder.head.weight, decoder.head.bias
     step = max(1, HEAD_BLOCK_BYTES // (8 * weight.shape[1]))
     logits, largest = 0.0, 0.0
     for first in range(0, weight.shape[0], step):
         rows = slice(first, first + step)
-        # A block of the head's rows is the head's own dot products (`logits_of`), each summed
-        # in float32 as the reference sums it, up to the order the noise is measured for.
-        want = torch.nn.functional.linear(hidden32, weight[rows])
-        exact = torch.nn.functional.linear(hidden64, weight[rows].double())
+        part = None if bias is None else bias[rows]
+        # A block of the head's rows is the head's own op (`Linear`: fp16 operands summed in
+        # float32 and rounded once), the same dot products in the order the noise is measured for.
+        want = half_linear(hidden, weight[rows], part) if hidden.dtype == torch.float16 else \
+            torch.nn.functional.linear(hidden, weight[rows], part)
+        exact = torch.nn.functional.linear(hidden64, weight[rows].double(), None if part is None else part.double())
         logits = max(logits, float((want.double() - exact).abs().max()))
         largest = max(largest, float(want.abs().max()))
     return RoundingNoise(logits, cache, largest)
