@@ -30,11 +30,19 @@ HEAD_BLOCK_BYTES = 64 * 2**20
 
 @dataclass(frozen=True)
 class RoundingNoise:
-    """max |float32 − float64| over one case's compared positions: logits, and every layer's
-    written keys and values over the slots the case wrote."""
-    logits: float
+    """|float32 − float64| of one case: the logits' largest at each compared position, and the
+    largest over every layer's written keys and values (the slots the case wrote)."""
+    logit_rows: np.ndarray  # (positions,) float64
     cache: float
-    largest_logit: float  # max |logit|: the scale one float32 step of a logit is taken from
+    largest_rows: np.ndarray  # (positions,) max |logit|: the scale one float32 step of a logit is taken from
+
+    @property
+    def logits(self) -> float:
+        return float(self.logit_rows.max())
+
+    @property
+    def largest_logit(self) -> float:
+        return float(self.largest_rows.max())
 
 
 @contextmanager
@@ -70,8 +78,8 @@ def widened(modules: list[nn.Module]):
 @torch.no_grad()
 def rounding_noise(reference, ids: np.ndarray, prefix: int | None = None) -> RoundingNoise:
     """The noise of `reference` (a float32 `Decoder`, or an `Fp16Reference`) on one sequence `ids`
-    from position 0, its logits compared over the first `prefix` positions (all by default) and
-    its caches over every slot written."""
+    from position 0, its logits compared position by position over the first `prefix` (all by
+    default) and its caches over every slot written."""
     from pipeline.ground.models.base import KVCache, half_linear
     from pipeline.ground.models.fp16 import Fp16Reference
 
@@ -92,7 +100,7 @@ def rounding_noise(reference, ids: np.ndarray, prefix: int | None = None) -> Rou
     del keys, values, keys64, values64
     weight, bias = decoder.head.weight, decoder.head.bias
     step = max(1, HEAD_BLOCK_BYTES // (8 * weight.shape[1]))
-    logits, largest = 0.0, 0.0
+    logits, largest = torch.zeros(prefix, dtype=torch.float64), torch.zeros(prefix, dtype=torch.float64)
     for first in range(0, weight.shape[0], step):
         rows = slice(first, first + step)
         part = None if bias is None else bias[rows]
@@ -101,6 +109,6 @@ def rounding_noise(reference, ids: np.ndarray, prefix: int | None = None) -> Rou
         want = half_linear(hidden, weight[rows], part) if hidden.dtype == torch.float16 else \
             torch.nn.functional.linear(hidden, weight[rows], part)
         exact = torch.nn.functional.linear(hidden64, weight[rows].double(), None if part is None else part.double())
-        logits = max(logits, float((want.double() - exact).abs().max()))
-        largest = max(largest, float(want.abs().max()))
-    return RoundingNoise(logits, cache, largest)
+        logits = torch.maximum(logits, (want.double() - exact).abs().amax(-1))
+        largest = torch.maximum(largest, want.abs().amax(-1).double())
+    return RoundingNoise(logits.numpy(), cache, largest.numpy())

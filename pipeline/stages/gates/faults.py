@@ -58,7 +58,10 @@ def seeded_copy(package_dir: Path, bundle_dir: Path, out_dir: Path, fault: str) 
         raise FaultNotApplicable(f"{package_dir}: faults are seeded into FP32 packages only "
                                  f"(this is {manifest['package'].get('precision')})")
     shutil.copytree(package_dir, out_dir)
-    shutil.copytree(bundle_dir, os.path.normpath(out_dir / manifest["source"]["relative_path"]), dirs_exist_ok=True)
+    linked = Path(os.path.normpath(out_dir / manifest["source"]["relative_path"]))
+    # A copy beside the package (the same depth under the same folder) links to the bundle itself.
+    if not (linked.exists() and linked.samefile(bundle_dir)):
+        shutil.copytree(bundle_dir, linked, dirs_exist_ok=True)
     arch = read_json(Path(bundle_dir) / "config.json")["arch"]
     where = FAULTS[fault].seed(out_dir / "model.mlpackage", Path(bundle_dir), arch)
     manifest["files"] = inventory(out_dir)

@@ -99,7 +99,8 @@ class PrefixUnchanged(Invariant):
     def run(self, gate: GateRun) -> list[dict]:
         short = gate.one_shot["short"][:INVARIANT_PREFIX]
         return [{"name": f"{case}_prefix_equals_short", **compare(gate.one_shot[case][:INVARIANT_PREFIX], short,
-                                                                   gate.tolerance)} for case in self.cases]
+                                                                   gate.tolerance.for_case(case, "short"))}
+                for case in self.cases]
 
     def owns(self, record: dict) -> bool:
         return record["name"] in {f"{case}_prefix_equals_short" for case in self.cases}

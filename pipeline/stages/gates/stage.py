@@ -128,7 +128,8 @@ def _exactness_and_invariants(candidate, intended, fixtures: ReferenceFixtures, 
     if chunks is not None:
         records, runs = exactness_chunks(
             chunks, intended, fixtures, patterns, samples, check, (tolerance, cache_tolerance),
-            lambda one_shot_run, run: PatternsEqualOneShot.reduce(one_shot_run, run, tolerance, fp16_cache))
+            lambda one_shot_run, run, case: PatternsEqualOneShot.reduce(one_shot_run, run, tolerance.for_case(case),
+                                                                        fp16_cache))
         one_shot = {name: runs[name, "one_shot"]["got"] for name in fixtures.cases}
         clock.lap("chunk_patterns")
     else:
