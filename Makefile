@@ -36,8 +36,15 @@ TARGET ?= cpu
 PRECISION := $(shell $(PYTHON) -m coreml.targets $(TARGET))
 $(if $(PRECISION),,$(error TARGET=$(TARGET) names no target of coreml.targets))
 FP16 := $(filter fp16,$(PRECISION))
-PKG := $(OUT)/coreml$(if $(FP16),-$(PRECISION))
-ALIGN := $(OUT)/align$(if $(FP16),-$(PRECISION))
+# The names the stateful package takes, for the Swift loader that loads it (coreml.interfaces,
+# docs/INTERFACES.md): cmfdeploy (its own), causal-lm (Apple's Llama recipe and the CausalLMModel
+# sample; fp16 logits, so TARGET=gpu or ane) or swift-transformers (its LanguageModel). The other
+# kinds keep cmfdeploy's; the gates feed every interface alike. Another interface's packages and
+# gates have folders of their own, so switching it never reuses a stamp of the other.
+INTERFACE ?= cmfdeploy
+VARIANT := $(if $(FP16),-$(PRECISION))$(if $(filter-out cmfdeploy,$(INTERFACE)),-$(INTERFACE))
+PKG := $(OUT)/coreml$(VARIANT)
+ALIGN := $(OUT)/align$(VARIANT)
 SURVEY := $(OUT)/survey$(if $(filter-out cpu,$(TARGET)),-$(TARGET))
 SCORE_RUN := $(OUT)/scores/$(PRECISION)-chunk_kv
 # Each target's recipes: the ANE reads palettes and per-channel scales only (coreml.ane; a survey
@@ -93,6 +100,7 @@ QUALITY_TEXT ?= fixtures/botchan.txt
 CONTEXT ?= 128
 # The package kinds converted and gated (coreml.kinds registers them).
 KINDS ?= stateless chunk_kv stateful
+
 # The conversion writes every kind at once; its first kind's manifest stands for the whole output.
 PACKAGES = $(PKG)/$(firstword $(KINDS))/manifest.json
 # The default fixture ships frozen reference logits; any other model gets them computed
@@ -204,7 +212,7 @@ $(OUT)/preflight/manifest.json: $(OUT)/bundle/manifest.json $(QUALITY_TEXT)
 
 $(PACKAGES): $(OUT)/bundle/manifest.json $(if $(FP16),$(OUT)/preflight/manifest.json)
 	$(CLI) coreml $(OUT)/bundle -o $(PKG) --kinds $(KINDS) --context $(CONTEXT) --jobs $(COREML_JOBS) \
-	  --precision $(PRECISION) $(if $(FP16),--preflight $(OUT)/preflight) $(WORKER_FLAGS) --force
+	  --precision $(PRECISION) $(if $(FP16),--preflight $(OUT)/preflight) --interface $(INTERFACE) $(WORKER_FLAGS) --force
 
 $(OUT)/reference/index.json: $(OUT)/bundle/manifest.json
 	$(JOB_ENV) $(CLI) reference-fixtures $(CMF) -o $(OUT)/reference --text fixtures/botchan.txt --context $(CONTEXT) --force

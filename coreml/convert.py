@@ -6,8 +6,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from coreml.interfaces import DEFAULT_INTERFACE, INTERFACES, Interface, shaping
 from coreml.kinds import KINDS, UnknownKind
 from coreml.kinds.export import Conversion, Reference, reference_for_export
+from coreml.precisions import precision
 from manifests.identity import Manifest, artifact_source, load_manifest
 from manifests.output import refuse_existing, staged_output
 from pipeline.ground.workers import LOCAL, WorkerEngine, bundle_job_memory, run_in_workers
@@ -45,11 +47,13 @@ def export_coreml(
     many kinds at a time, each in a worker process (`_kinds_in_workers`). `conversion` names the
     precision and the model transform every kind traces (`coreml.kinds.export.Conversion`).
     `engine` says where the workers run (the Ray engine converts even one kind on the cluster).
+    The kinds `conversion.interface` shapes take its names (`coreml.interfaces`), the others cmfdeploy's.
     """
     kinds, out_dir = tuple(kinds), Path(out_dir)
     unknown = [k for k in kinds if k not in KINDS]
     if unknown or not kinds:
         raise UnknownKind(f"{out_dir}: package kinds {unknown or '(none)'} are not among {tuple(KINDS)}")
+    shaping(conversion.interface, kinds, precision(conversion.precision).float_dtype, out_dir)
     step = progress or (lambda stage: None)
     refuse_existing(out_dir, force)
     step("verify the bundle and build the reference model")
@@ -68,8 +72,18 @@ def _export(ref: Reference, kind: str, staging: Path, out_dir: Path, step: Calla
             conversion: Conversion) -> None:
     # A package's records take their relative paths from its final folder, not the staging one.
     final = out_dir / kind
+    unit = kind_interface(conversion.interface, kind)
+    # A single-function interface's loader reads one `logits` output: its head is never split.
+    head_rows = None if unit.single_function else ref.head_rows
     KINDS[kind].export(replace(ref, source=artifact_source(ref.bundle_dir, relative_to=final),
-                               numerics=conversion.record(final)), staging / kind, step)
+                               numerics=conversion.record(final), interface=unit, head_rows=head_rows),
+                       staging / kind, step)
+
+
+def kind_interface(name: str, kind: str) -> Interface:
+    """The interface a package of `kind` takes in a conversion asking for interface `name`."""
+    unit = INTERFACES[name]
+    return unit if unit.shapes(kind) else INTERFACES[DEFAULT_INTERFACE]
 
 
 def _kinds_in_workers(kinds: tuple[str, ...], bundle_dir: Path, staging: Path, out_dir: Path, context: int | None,

@@ -21,9 +21,10 @@ from pathlib import Path
 
 import numpy as np
 
+from coreml.interfaces import DEFAULT_INTERFACE, MASK_DTYPE, package_interface
 from coreml.mil.errors import MilError
 from coreml.layout import logit_outputs
-from coreml.precisions import package_precision, positional_values
+from coreml.precisions import POSITION_INPUT, package_precision, positional_values
 from coreml.mil.loader import (
     BlobStorage,
     FeatureSpec,
@@ -39,8 +40,9 @@ from pipeline.ground.errors import IdentityError
 # Ops whose fp16 output is storage (a constant, the fp16 state, the casts around it), not
 # arithmetic: they do not make a program compute in fp16.
 STORAGE_OPS = ("const", "cast", "read_state", "coreml_update_state")
-CACHE_FEATURES = ("key_cache", "value_cache")
 KIND_KEY = "cmfdeploy.kind"
+# The loader interface (coreml.interfaces) the program was converted in.
+INTERFACE_KEY = "cmfdeploy.interface"
 # A converted program names the bundle it came from by the sha256 of the bundle's manifest.
 BUNDLE_SHA_KEY = "cmfdeploy.bundle_manifest_sha256"
 
@@ -199,6 +201,37 @@ def _features(claims: _Claims, kind: str, claimed: list, stated: dict, dims: dic
             claims.same(f"{at}.shape (function {function})", shape, stated_shape)
 
 
+def _loader_interface(claims: _Claims, block: dict) -> None:
+    """The program has the names its recorded interface's loader asserts (`coreml.interfaces`):
+    every function's token input first, and a stateful program's functions, mask or position,
+    states and logits as its loader reads them."""
+    unit, kind = package_interface(block, claims.where), block["kind"]
+    if not unit.shapes(kind):
+        raise IdentityError(f"{claims.where}: field 'package.interface' is {unit.name!r}, which shapes "
+                            f"{list(unit.kinds or ())} packages, not a {kind} one")
+    program = claims.program
+    if kind != "stateful":
+        for name, function in program.functions.items():
+            claims.same(f"package.interface ({unit.name!r}: first input of function {name})", unit.token_input,
+                        next(iter(function.inputs), None))
+        return
+    functions = ["main"] if unit.single_function else ["decode", "prefill"]
+    claims.same(f"package.interface ({unit.name!r}: functions, default function)",
+                (functions, functions[0]), (sorted(program.functions), program.default_function))
+    logits = ["logits"] if unit.single_function else logit_outputs(block)
+    expected = ([unit.token_input, unit.mask_input or POSITION_INPUT], [unit.key_cache, unit.value_cache], logits)
+    for name, function in program.functions.items():
+        claims.same(f"package.interface ({unit.name!r}: inputs, states, outputs of function {name})", expected,
+                    (list(function.inputs), list(function.states), list(function.outputs)))
+        if unit.mask_input is not None:
+            claims.same(f"package.interface ({unit.name!r}: dtype of {unit.mask_input}, function {name})", MASK_DTYPE,
+                        _dtype_name(function.inputs[unit.mask_input].dtype))
+        if unit.logits_dtype is not None:
+            result = function.results["logits"]
+            claims.same(f"package.interface ({unit.name!r}: dtype of logits, function {name})", unit.logits_dtype,
+                        _dtype_name(result.dtype if result is not None else None))
+
+
 def _interface(claims: _Claims, block: dict) -> None:
     program = claims.program
     claimed_functions = sorted(block.get("functions", {"main": {}}))
@@ -214,12 +247,12 @@ def _interface(claims: _Claims, block: dict) -> None:
 
 
 def _context(claims: _Claims, block: dict, architecture: dict) -> None:
-    """The context is the largest token count any function takes, and the caches' slot count."""
-    program = claims.program
-    tops = [hi for f in program.functions.values() for spec in f.inputs.values() for lo, hi in spec.ranges or ()
-            if lo != hi]
-    tops += [max(sizes) for f in program.functions.values() for spec in f.inputs.values() if spec.enumerated
-             for sizes in zip(*spec.enumerated) if len(set(sizes)) > 1]
+    """The context is the largest token count any function takes, and the caches' slot count.
+    (A loader's mask may have more key columns than the cache has slots: `mask_extra_columns`.)"""
+    program, unit = claims.program, package_interface(block, claims.where)
+    tokens = [f.inputs[unit.token_input] for f in program.functions.values() if unit.token_input in f.inputs]
+    tops = [hi for spec in tokens for lo, hi in spec.ranges or () if lo != hi]
+    tops += [max(sizes) for spec in tokens if spec.enumerated for sizes in zip(*spec.enumerated) if len(set(sizes)) > 1]
     if tops:
         claims.same("package.context", block["context"], max(tops),
                     "the largest flexible input range or enumerated size of the program")
@@ -227,7 +260,7 @@ def _context(claims: _Claims, block: dict, architecture: dict) -> None:
                 architecture.get("head_dim")]
     for function in program.functions.values():
         for name, spec in {**function.inputs, **function.states}.items():
-            if name in CACHE_FEATURES:
+            if name in (unit.key_cache, unit.value_cache):
                 claims.same("cache shape [architecture.num_layers, 1, architecture.num_kv_heads, package.context, "
                             f"architecture.head_dim] of {name}", expected, list(spec.shape))
         parts = [function.results.get(name) for name in logit_outputs(block)]
@@ -302,9 +335,13 @@ def _precision(claims: _Claims, block: dict) -> None:
     if units not in unit.allowed_compute_units:
         raise IdentityError(f"{claims.where}: field 'package.compute_units' is {units!r}, which a {unit.name} "
                             f"package cannot run on; it may claim {list(unit.allowed_compute_units)}")
+    mask = package_interface(block, claims.where).mask_input
     for kind in ("inputs", "outputs"):
         for feature in block[kind]:
-            if feature["dtype"].startswith("float"):
+            if feature["name"] == mask:
+                claims.same(f"package.{kind}[{mask}].dtype", feature["dtype"], MASK_DTYPE,
+                            f"the mask dtype of interface {block['interface']!r}")
+            elif feature["dtype"].startswith("float"):
                 claims.same(f"package.{kind}[{feature['name']}].dtype", feature["dtype"], unit.float_dtype,
                             f"the float dtype of precision {unit.name!r}")
     if stated == "float16":
@@ -363,8 +400,16 @@ def _blob_headers(claims: _Claims) -> None:
 
 
 def _metadata(claims: _Claims, manifest: dict, from_bundle: bool) -> None:
-    metadata = claims.program.metadata
-    claims.same("package.kind", manifest["package"]["kind"], metadata.get(KIND_KEY), f"the program's {KIND_KEY}")
+    metadata, block = claims.program.metadata, manifest["package"]
+    claims.same("package.kind", block["kind"], metadata.get(KIND_KEY), f"the program's {KIND_KEY}")
+    # Programs converted before interfaces were recorded are cmfdeploy's, as their manifests are.
+    claims.same("package.interface", block.get("interface", DEFAULT_INTERFACE),
+                metadata.get(INTERFACE_KEY, DEFAULT_INTERFACE), f"the program's {INTERFACE_KEY}")
+    for key in package_interface(block, claims.where).name_metadata:
+        if not metadata.get(key):
+            raise IdentityError(f"{claims.where}: field 'package.interface' is {block['interface']!r}, whose loader "
+                                f"reads the metadata key {key!r}, but the program ({claims.program.spec_path}) "
+                                "has no value for it")
     if from_bundle:
         claims.same("source.manifest_sha256", manifest["source"].get("manifest_sha256"),
                     metadata.get(BUNDLE_SHA_KEY), f"the program's {BUNDLE_SHA_KEY}")
@@ -384,6 +429,7 @@ def check_package(package_dir: Path, manifest: dict, from_bundle: bool) -> None:
     except MilError as error:
         raise IdentityError(f"{where}: the package's program cannot be read: {error}") from None
     _metadata(claims, manifest, from_bundle)
+    _loader_interface(claims, block)
     _interface(claims, block)
     _context(claims, block, manifest["architecture"])
     _head_split(claims, block, manifest["architecture"])

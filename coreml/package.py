@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from coreml.interfaces import package_interface
 from manifests.identity import MANIFEST_NAME, load_manifest
 from pipeline.ground.errors import CmfdeployError
 
@@ -77,6 +78,7 @@ class ExecutorPackage(_Package):
         self.program = program or load_program(mlpackage)
         self.executor = Executor(self.program, function_name)
         super().__init__(path, mlpackage, manifest, self.executor.function.name)
+        self.token_input = package_interface((manifest or {}).get("package", {}), path).token_input
         self.functions = tuple(self.program.functions)
         fn = self.executor.function
         self.spec_inputs = {f.name: f for f in fn.spec_inputs}
@@ -86,8 +88,8 @@ class ExecutorPackage(_Package):
     def predict(self, inputs: Mapping[str, object], state=None, rows_later: bool = False) -> dict[str, np.ndarray]:
         """`rows_later`: the outputs among `row_outputs` are left as the rows they are made of,
         for `finish_rows` (`Executor.run`)."""
-        # Every package kind takes its tokens as `input_ids`; one token is a decode step.
-        return self.executor.run(inputs, state, single_token=np.size(inputs.get("input_ids", ())) == 1,
+        # One token (in the input its interface names) is a decode step.
+        return self.executor.run(inputs, state, single_token=np.size(inputs.get(self.token_input, ())) == 1,
                                  rows_later=rows_later)
 
     @property

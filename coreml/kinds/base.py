@@ -88,8 +88,6 @@ class PackageKind(ABC):
     # Drives a saved package chunk by chunk through cache snapshots (coreml.runner); None for
     # a kind without a cache, which runs one full forward per call.
     runner: type[CacheRunner] | None = None
-    # Arguments RELEASE.md's Python example adds to `ct.models.MLModel(path...)`.
-    snippet_model_arguments: str = ""
 
     def cache_dtype(self, precision: Precision) -> type[np.floating] | None:
         """The dtype of the K/V cache a package of this kind and `precision` carries (inputs/outputs
@@ -120,16 +118,23 @@ class PackageKind(ABC):
             "compute_units": ref.precision.compute_units,
             "minimum_deployment_target": "iOS18",
             "dims": {"T": [1, ref.context]},
-            "inputs": [feature("input_ids", "int32", [1, "T"], "token ids")],
+            "interface": ref.interface.name,
+            "inputs": [feature(ref.interface.token_input, "int32", [1, "T"], "token ids")],
             "outputs": logits_features(ref),
         }
         if ref.precision.neural_engine_layout:
             block["enumerated"] = {"T": list(chunk_lengths(ref.context))}
         return block
 
-    def description_for(self, precision: Precision) -> str:
-        """The package's Core ML description at `precision` (FP32's is `description` unchanged)."""
+    def description_for(self, ref: Reference) -> str:
+        """The package's Core ML description for `ref`'s precision and interface (FP32's in
+        cmfdeploy's interface is `description` unchanged)."""
         return self.description
+
+    def snippet_model_arguments(self, interface: dict) -> str:
+        """Arguments RELEASE.md's Python example adds to `ct.models.MLModel(path...)` for a package
+        of `interface` (its manifest's `package` block)."""
+        return ""
 
     @abstractmethod
     def graph(self, ref: Reference) -> nn.Module:

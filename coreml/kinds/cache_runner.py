@@ -86,14 +86,16 @@ def joined_logits(out: dict, names: list[str]) -> np.ndarray:
     return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
 
 
-def package_features(package, section: str, kind: str) -> dict[str, dict]:
-    """The manifest's `package.<section>` features by name, checked to be the `kind` interface."""
+def package_features(package, section: str, kind: str,
+                     caches: tuple[str, str] = ("key_cache", "value_cache")) -> dict[str, dict]:
+    """The manifest's `package.<section>` features by name, checked to be the `kind` interface
+    with its `caches` (the names of the key and value caches) among them."""
     block = (package.manifest or {}).get("package", {})
     features = {f["name"]: f for f in block.get(section, [])}
-    if block.get("kind") != kind or "key_cache" not in features or "value_cache" not in features:
+    if block.get("kind") != kind or not set(caches) <= set(features):
         raise PackageInterfaceError(
             f"{package.path}: manifest package.kind {block.get('kind')!r} with {section} {sorted(features)} "
-            f"is not the {kind} interface (key_cache and value_cache {section})")
+            f"is not the {kind} interface ({' and '.join(caches)} {section})")
     return features
 
 

@@ -124,8 +124,8 @@ class ChunkKV(PackageKind):
     def cache_dtype(self, precision: Precision) -> type[np.floating]:
         return precision.numpy_dtype.type
 
-    def description_for(self, precision: Precision) -> str:
-        return self.description.replace("float32", precision.float_dtype)
+    def description_for(self, ref: Reference) -> str:
+        return self.description.replace("float32", ref.precision.float_dtype)
 
     def interface(self, ref: Reference) -> dict:
         block, cache, dtype = super().interface(ref), list(ref.cache_shape), ref.precision.float_dtype
@@ -158,7 +158,7 @@ class ChunkKV(PackageKind):
         traced = trace_module(self.graph(ref), example)
         checks = {"schedules_vs_reference_max_abs": check_chunk_schedules(traced, ref), "tolerance": ref.tolerance,
                   **traced_check_record(ref.precision)}
-        return save_single(ref, package_dir, step, traced, self.interface(ref), self.description_for(ref.precision),
+        return save_single(ref, package_dir, step, traced, self.interface(ref), self.description_for(ref),
                            checks, start)
 
     def snippet(self, interface: dict) -> list[str]:

@@ -21,6 +21,7 @@ from torch import nn
 from coreml import crosscheck
 from coreml import manifest as package_manifest
 from coreml.ane import HW_LIMIT
+from coreml.interfaces import DEFAULT_INTERFACE, INTERFACES, Interface
 from coreml.layout import HEAD_SPLIT_REASON, head_rows
 from coreml.mil import blob_const_digests
 from coreml.precisions import FP32, POSITIONAL_REASON, Precision, precision
@@ -66,7 +67,9 @@ class Conversion:
     the reference. `mitigations` is the record handed to it and written to each manifest;
     `preflight` the report that chose them, bound by sha256. `head_part_width`: at a precision
     of the Neural Engine's layout, a head wider than this many rows is split into parts of at
-    most this many (`HeadParts`; the default is the Neural Engine's H/W limit).
+    most this many (`HeadParts`; the default is the Neural Engine's H/W limit). `interface` names a
+    unit of coreml.interfaces: the kinds it shapes take its names (`coreml.convert`), the others
+    cmfdeploy's.
     """
 
     precision: str = "fp32"
@@ -74,6 +77,7 @@ class Conversion:
     mitigations: dict | None = None
     preflight: str | None = None
     head_part_width: int = HW_LIMIT
+    interface: str = DEFAULT_INTERFACE
 
     def record(self, package_dir: Path) -> dict:
         """The manifest's `numerics` record for a package whose final folder is `package_dir`
@@ -104,6 +108,7 @@ class Reference:
     precision: Precision = FP32
     numerics: dict = field(default_factory=dict)  # the manifest's `numerics` record (Conversion.record)
     head_rows: tuple[tuple[int, int], ...] | None = None  # the head's parts (coreml.layout.head_rows)
+    interface: Interface = INTERFACES[DEFAULT_INTERFACE]  # the loader interface of the kind being exported
 
     @property
     def check_schedules(self) -> tuple[tuple[int, ...], ...]:
@@ -413,14 +418,18 @@ def convert_traced(traced, block: dict, function: dict, unit: Precision, mlpacka
 
 
 def describe_model(mlmodel, block: dict, ref: Reference, description: str, features: bool = True) -> None:
-    """Model-level metadata, and per-feature descriptions (single-function models only:
-    coremltools cannot address a multifunction model's features by name)."""
+    """Model-level metadata (the loader's name keys among it, `Interface.name_metadata`), and
+    per-feature descriptions (single-function models only: coremltools cannot address a
+    multifunction model's features by name)."""
+    # The loader's name keys hold the source CMF's stem, as a release names the model.
+    names = {key: Path(ref.bundle_manifest["source"]["file"]).stem for key in ref.interface.name_metadata}
     package_manifest.set_model_metadata(
         mlmodel,
         description=description,
         license_=ref.bundle_manifest.get("license") or "unspecified; see the source CMF's provenance",
         version=f"{package_manifest.COREML_FORMAT} {block['kind']}",
-        user={crosscheck.BUNDLE_SHA_KEY: ref.source["manifest_sha256"], crosscheck.KIND_KEY: block["kind"]},
+        user={crosscheck.BUNDLE_SHA_KEY: ref.source["manifest_sha256"], crosscheck.KIND_KEY: block["kind"],
+              crosscheck.INTERFACE_KEY: block["interface"], **names},
     )
     if features:
         for f in block["inputs"]:

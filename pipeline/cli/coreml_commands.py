@@ -4,6 +4,7 @@ import argparse
 
 from tqdm import tqdm
 
+from coreml.interfaces import DEFAULT_INTERFACE, INTERFACES, loader_interface
 from coreml.kinds import KINDS
 from coreml.precisions import PRECISIONS, precision
 from pipeline.cli.worker_arguments import add_worker_engine_arguments, worker_engine_of
@@ -31,6 +32,10 @@ def register(subparsers) -> None:
                          help="a precision of the Neural Engine's layout (fp16): a head wider than this many rows is "
                               "split into logits_0.. outputs of at most this many (default: the Neural Engine's "
                               "H/W limit, 16384)")
+    convert.add_argument("--interface", default=DEFAULT_INTERFACE,
+                         help="the names the stateful package takes, for the Swift loader that loads it (docs/INTERFACES.md): "
+                              + "; ".join(f"{i.name}: {i.description}" for i in INTERFACES.values())
+                              + f" (default: {DEFAULT_INTERFACE}; the other kinds keep it)")
     add_worker_engine_arguments(convert)
     convert.add_argument("--force", action="store_true", help="replace an existing output")
     convert.set_defaults(func=_coreml)
@@ -51,9 +56,11 @@ def _coreml(args: argparse.Namespace) -> int:
 
     kinds, engine = args.kinds or tuple(KINDS), worker_engine_of(args)
     fp16 = precision(args.precision).compute_precision == "float16"  # an unknown name is refused by name here
+    loader_interface(args.interface)  # and so is an unknown interface, before the preflight
     conversion = _fp16_conversion(args) if fp16 else Conversion(args.precision)
     if args.head_part_width is not None:
         conversion = replace(conversion, head_part_width=args.head_part_width)
+    conversion = replace(conversion, interface=args.interface)
     # disable=False explicitly: the quiet CLI disables tqdm's default to silence coremltools' bars.
     with tqdm(total=export_steps(kinds, args.jobs, engine), unit="stage", disable=False) as bar:
 

@@ -29,6 +29,7 @@ import shutil
 from pathlib import Path
 
 from coreml import manifest as package_manifest
+from coreml.interfaces import package_interface
 from coreml.kinds import package_kind
 from coreml.layout import enumerated_lengths, logit_outputs
 from pipeline.stages.survey import REPORT_NAME as SURVEY_NAME
@@ -343,12 +344,13 @@ def _python_snippet(manifest: dict) -> str:
         f'release = "dist/{manifest["model"]}-{recipe}"  # this folder',
         'tokenizer = Tokenizer.from_file(f"{release}/tokenizer/tokenizer.json")',
         'config = json.load(open(f"{release}/tokenizer/tokenizer_config.json"))',
-        f'model = ct.models.MLModel(f"{{release}}/packages/{recipe}/model.mlpackage"{kind.snippet_model_arguments},',
+        f'model = ct.models.MLModel(f"{{release}}/packages/{recipe}/model.mlpackage"'
+        f'{kind.snippet_model_arguments(interface)},',
         f'                          compute_units=ct.ComputeUnit.{aim.compute_units})  # target {aim.name}: {aim.description}',
         'ids = tokenizer.encode("I was sent to", add_special_tokens=False).ids',
         'if config.get("bos_token_id") is not None:',
         '    ids = [config["bos_token_id"]] + ids',
-        'inputs = {"input_ids": np.array([ids], dtype=np.int32)}',
+        f'inputs = {{"{package_interface(interface, "the release").token_input}": np.array([ids], dtype=np.int32)}}',
     ]
     lines += prediction_lines(interface)
     lines += ["print(tokenizer.decode(ids + [next_id]))"]
@@ -375,6 +377,9 @@ def release_target(manifest: dict):
 def _swift_sketch(manifest: dict) -> str:
     release, recipe = f"dist/{manifest['model']}-{manifest['recipe']}", manifest["recipe"]
     interface = manifest["interface"]
+    unit = package_interface(interface, "the release")
+    if unit.swift_usage:
+        return _swift_loader_sketch(manifest, unit)
     lengths, names = enumerated_lengths(interface, "prefill"), logit_outputs(interface)
     head = (['let logits = out.featureValue(for: "logits")!.multiArrayValue!  // [1, T, vocab]: argmax of the last row']
             if names == ["logits"] else
@@ -398,9 +403,23 @@ def _swift_sketch(manifest: dict) -> str:
         "for (i, id) in ids.enumerated() { inputIds[i] = NSNumber(value: id) }",
         *chunks,
         "// + the other inputs of the Interface table below (position, caches), zero-filled for a first call",
-        'let out = try await model.prediction(from: MLDictionaryFeatureProvider(dictionary: ["input_ids": inputIds]))',
+        f'let out = try await model.prediction(from: MLDictionaryFeatureProvider(dictionary: ["{unit.token_input}": '
+        "inputIds]))",
         *head,
     ])
+
+
+def _swift_loader_sketch(manifest: dict, unit) -> str:
+    """A package in a Swift loader's interface (`coreml.interfaces`) is that loader's to run."""
+    release, recipe = f"dist/{manifest['model']}-{manifest['recipe']}", manifest["recipe"]
+    return "\n".join([
+        "import CoreML", "",
+        f"// The package takes the names {unit.loader} asserts (interface {unit.name}, docs/INTERFACES.md).",
+        f'let package = URL(fileURLWithPath: "{release}/packages/{recipe}/model.mlpackage")',
+        "let config = MLModelConfiguration()",
+        f"config.computeUnits = {release_target(manifest).swift_compute_units}",
+        "let model = try MLModel(contentsOf: try await MLModel.compileModel(at: package), configuration: config)",
+        *(line.format(tokenizer=f"{release}/{TOKENIZER_DIR}") for line in unit.swift_usage)])
 
 
 def usage_markdown(manifest: dict) -> list[str]:

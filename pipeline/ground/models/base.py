@@ -163,6 +163,8 @@ class Attention(nn.Module):
         keys, values = step.write(key_cache, k), step.write(value_cache, v)
         seen_keys, seen_values = step.attended(key_cache, k, keys), step.attended(value_cache, v, values)
         scores = self.score_probe(matmul(q, self._repeat_kv(seen_keys).transpose(2, 3))) * self.scale
+        if step.bias is not None:
+            scores = scores + step.bias
         scores = scores.masked_fill(~(step.attend_sliding if self.sliding else step.attend), self.mask_value)
         out = matmul(torch.softmax(scores, dim=-1), self._repeat_kv(seen_values))
         if self.head_mask is not None:
@@ -262,9 +264,15 @@ class CacheStep:
     position, so the slots before a token's position are the cache its call read; it attends
     to those and to its own K/V, never to the slot the package wrote for it. That is each
     call's arithmetic, summation order aside: a masked score's weight is exactly 0.
+
+    `bias` [1, 1, T, S] (or None) is added to every head's scores before the causal and window
+    masks: a package's loader may pass an additive mask of its own (`coreml.interfaces`), which can
+    mask more than causality does but never less, as the masks after it still hold.
     """
 
-    def __init__(self, ids, position, slots_axis, sliding_window: int | None = None, rows_apart: bool = False):
+    def __init__(self, ids, position, slots_axis, sliding_window: int | None = None, rows_apart: bool = False,
+                 bias=None):
+        self.bias = bias
         self.positions = position.to(torch.float32).reshape(1) + _axis_index(ids[0])  # [T]
         self.rows_apart = rows_apart
         slots = _axis_index(slots_axis)  # [S]
@@ -351,22 +359,24 @@ class Decoder(nn.Module):
     def make_ffn(self, args: ModelArgs, weights: Weights, prefix: str, index: int, masks: TaskMask | None):
         return GatedMLP(args, weights, prefix, None if masks is None else masks.ffn[index])
 
-    def forward_with_cache_tensors(self, ids, position, key_cache, value_cache):
+    def forward_with_cache_tensors(self, ids, position, key_cache, value_cache, attention_bias=None):
         """One chunk through the model with explicit cache tensors (the Core ML converter's entry).
 
         ids [1, T] int; position: int tensor of one element, the absolute position of ids[0, 0];
-        key_cache / value_cache [layers, 1, kv_heads, context, head_dim]. Returns logits
-        [1, T, vocab] and the caches with slots position..position+T-1 written. The inputs
-        are never modified.
+        key_cache / value_cache [layers, 1, kv_heads, context, head_dim]; `attention_bias`: an
+        additive [1, 1, T, context] on the scores (`CacheStep`). Returns logits [1, T, vocab] and
+        the caches with slots position..position+T-1 written. The inputs are never modified.
         """
-        hidden, keys, values = self.hidden_with_cache_tensors(ids, position, key_cache, value_cache)
+        hidden, keys, values = self.hidden_with_cache_tensors(ids, position, key_cache, value_cache,
+                                                              attention_bias=attention_bias)
         return self.logits_of(hidden), torch.stack(keys), torch.stack(values)
 
-    def hidden_with_cache_tensors(self, ids, position, key_cache, value_cache, rows_apart: bool = False):
+    def hidden_with_cache_tensors(self, ids, position, key_cache, value_cache, rows_apart: bool = False,
+                                  attention_bias=None):
         """`forward_with_cache_tensors` short of the head: the final-normed hidden states, and
         each layer's written caches as lists (stacked after the head, the converted program's
         op order stays what it was). `rows_apart`: each token a chunk of its own (`CacheStep`)."""
-        step = CacheStep(ids, position, key_cache[0, 0, 0, :, 0], self.sliding_window, rows_apart)
+        step = CacheStep(ids, position, key_cache[0, 0, 0, :, 0], self.sliding_window, rows_apart, attention_bias)
         full = _cos_sin(step, self.inv_freq)
         rope = {"FullAttention": full,
                 "SlidingAttention": full if self.sliding_inv_freq is None else _cos_sin(step, self.sliding_inv_freq)}
