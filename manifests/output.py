@@ -90,7 +90,9 @@ def _clear_leftovers(out_dir: Path) -> None:
 
 
 def temp_file_beside(path: Path, tag: str = "tmp") -> BinaryIO:
-    """A new hidden file beside `path`, opened read/write, with a normal file's mode."""
+    """A new hidden file beside `path`, opened read/write, with a normal file's mode. A missing
+    parent folder is made, as `staged_output` makes one (`import-gguf -o new/model.cmf`)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     return open(_sibling(path, tag), "x+b")  # noqa: SIM115 - the caller owns and closes it
 
 

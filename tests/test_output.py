@@ -128,3 +128,11 @@ def test_the_next_run_clears_what_killed_runs_left(tmp_path):
     assert (out / "f").read_text() == "new"
     assert sorted(os.listdir(tmp_path)) == [f".out.b.{'2' * 12}.partial", "out"]
     assert not other.exists()
+
+
+def test_a_staged_file_makes_a_missing_parent_folder(tmp_path):
+    """`import-gguf -o new/model.cmf` once failed with an untyped FileNotFoundError."""
+    path = tmp_path / "new" / "deeper" / "model.bin"
+    with staged_file(path) as file:
+        file.write(b"payload")
+    assert path.read_bytes() == b"payload" and [p.name for p in path.parent.iterdir()] == ["model.bin"]
