@@ -46,6 +46,10 @@ VARIANT := $(if $(FP16),-$(PRECISION))$(if $(filter-out cmfdeploy,$(INTERFACE)),
 PKG := $(OUT)/coreml$(VARIANT)
 ALIGN := $(OUT)/align$(VARIANT)
 SURVEY := $(OUT)/survey$(if $(filter-out cpu,$(TARGET)),-$(TARGET))
+# The survey's deployed recipe on the stateful package, which is what an app runs and what the
+# release ships (pipeline.stages.deploy); the stateless package where KINDS has no stateful one.
+DEPLOYED := $(SURVEY)-deployed$(if $(filter-out cmfdeploy,$(INTERFACE)),-$(INTERFACE))
+SHIPPED_KIND = $(if $(filter stateful,$(KINDS)),stateful,stateless)
 SCORE_RUN := $(OUT)/scores/$(PRECISION)-chunk_kv
 # Each target's recipes: the ANE reads palettes and per-channel scales only (coreml.ane; a survey
 # deploys nothing there that cannot claim it anyway), the GPU per-block scales too.
@@ -107,11 +111,11 @@ PACKAGES = $(PKG)/$(firstword $(KINDS))/manifest.json
 # once from its own CMF by the PyTorch reference.
 REFERENCE := $(if $(filter $(DEFAULT_MODEL),$(MODEL)),fixtures/reference,$(OUT)/reference)
 
-.PHONY: all test test-mil-ops test-portability venv import bundle preflight coreml compress align gates score release clean
+.PHONY: all test test-mil-ops test-portability venv import bundle preflight coreml compress align gates deploy score release clean
 
 # align before compress: the gates run side by side (ALIGN_JOBS), and the survey then finds
 # the FP32 chunk_kv gate it starts from passed.
-all: import bundle coreml align compress score
+all: import bundle coreml align compress $(if $(filter stateful,$(KINDS)),deploy) score
 
 venv: $(INSTALLED)
 
@@ -182,6 +186,7 @@ align: $(PACKAGES)
 	  print(f'-j{jobs} JOB_THREADS={thread_share(jobs)}')") && \
 	$(MAKE) --no-print-directory $$jobs gates
 compress: $(SURVEY)/survey.json
+deploy: $(DEPLOYED).passed
 score: $(SCORE_RUN)/manifest.json
 release: $(SURVEY).released
 
@@ -264,10 +269,18 @@ $(SURVEY)/survey.json: $(ALIGN)/chunk_kv.passed $(FP32_BASELINE) $(ITEMS)
 $(SCORE_RUN)/manifest.json: $(ALIGN)/chunk_kv.passed $(ITEMS)
 	$(CLI) score $(PKG)/chunk_kv $(ITEMS) -o $(SCORE_RUN) --jobs $(SCORE_JOBS) $(WORKER_FLAGS) --force
 
+# A failing deployment keeps its folder (its gate's report) but not its stamp, as a gate does.
+$(DEPLOYED).passed: $(SURVEY)/survey.json $(ALIGN)/stateful.passed $(FP32_BASELINE) $(ITEMS)
+	rm -f $@
+	$(CLI) deploy $(SURVEY) $(PKG)/stateful --gate $(ALIGN)/stateful --fixtures $(REFERENCE) -o $(DEPLOYED) \
+	  --quality-text $(QUALITY_TEXT) --items $(ITEMS) --fp32-scores $(FP32_SCORES) --force
+	touch $@
+
 # Stamps sit beside the folders they stand for, never inside: verify-artifact refuses a file its
 # folder's manifest does not list.
-$(SURVEY).released: $(SURVEY)/survey.json $(ALIGN)/stateless.passed
-	$(CLI) release $(SURVEY) -o dist --name $(NAME) --package $(PKG)/stateless $(ALIGN)/stateless --force
+$(SURVEY).released: $(SURVEY)/survey.json $(ALIGN)/$(SHIPPED_KIND).passed $(if $(filter stateful,$(SHIPPED_KIND)),$(DEPLOYED).passed)
+	$(CLI) release $(SURVEY) -o dist --name $(NAME) --package $(PKG)/$(SHIPPED_KIND) $(ALIGN)/$(SHIPPED_KIND) \
+	  $(if $(filter stateful,$(SHIPPED_KIND)),--deployment $(DEPLOYED)) --force
 	$(CLI) verify-artifact dist/$(NAME)-$$($(PY) -c "import json;print(json.load(open('$(SURVEY)/survey.json'))['deployed']['recipe'])")
 	touch $@
 

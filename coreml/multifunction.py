@@ -16,6 +16,7 @@ share weights as save_multifunction's deduplication makes them. The sources are 
 import hashlib
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import coremltools as ct
@@ -33,12 +34,14 @@ class MergeError(CmfdeployError):
     """The packages to merge are not single-function ML Programs with one weight file each."""
 
 
-def merge_functions(sources: dict[str, Path], default_function: str) -> ct.models.MLModel:
+def merge_functions(sources: dict[str, Path], default_function: str,
+                    metadata: Model_pb2.Metadata | None = None) -> ct.models.MLModel:
     """One multifunction model whose function `name` is the program of `sources[name]`.
 
     Returns the model unsaved (its package lives in coremltools' temporary folder, like a
     converted model's) so the caller can set metadata first: as with save_multifunction,
-    the merged spec carries none. The first source's function comes first.
+    the merged spec carries none but `metadata` (a package's own, merged again after its
+    functions were rewritten one by one). The first source's function comes first.
     """
     first = Path(next(iter(sources), ""))
     if default_function not in sources:
@@ -50,6 +53,8 @@ def merge_functions(sources: dict[str, Path], default_function: str) -> ct.model
         weights.parent.mkdir()
         _merge_blobs(sources, specs, weights)
         spec = _multifunction_spec(specs, default_function)
+        if metadata is not None:
+            spec.description.metadata.CopyFrom(metadata)
         return ct.models.MLModel(spec, weights_dir=str(weights.parent), skip_model_load=True)
 
 
@@ -180,3 +185,52 @@ def _multifunction_spec(specs: dict[str, Model_pb2.Model], default_function: str
     for name, s in specs.items():
         merged.mlProgram.functions[name].CopyFrom(s.mlProgram.functions[SOURCE_FUNCTION])
     return merged
+
+
+
+@dataclass(frozen=True)
+class PackageFunctions:
+    """The functions of a multifunction package, each to be had as a single-function model
+    (`model`): the inverse of `merge_functions`, so a step that works on one program (a
+    compression recipe) can run function by function and `merge_functions` store what they
+    share once again."""
+
+    path: Path
+    spec: Model_pb2.Model
+    weights_dir: Path
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.spec.mlProgram.functions)
+
+    @property
+    def default_function(self) -> str:
+        return self.spec.description.defaultFunctionName
+
+    @property
+    def metadata(self) -> Model_pb2.Metadata:
+        return self.spec.description.metadata
+
+    def model(self, name: str) -> ct.models.MLModel:
+        """Function `name` as an unsaved single-function model (its program renamed `main`, its
+        description the function's), over a copy of the weight file coremltools makes for it:
+        made one at a time, so a function's copy is gone before the next is made."""
+        described = {f.name: f for f in self.spec.description.functions}
+        if name not in described or name not in self.spec.mlProgram.functions:
+            raise MergeError(f"{self.path}: no described function {name!r} (functions: {self.names})")
+        single = Model_pb2.Model(specificationVersion=self.spec.specificationVersion)
+        description = described[name]
+        single.description.input.extend(description.input)
+        single.description.output.extend(description.output)
+        single.description.state.extend(description.state)
+        single.description.predictedFeatureName = description.predictedFeatureName
+        single.description.predictedProbabilitiesName = description.predictedProbabilitiesName
+        single.description.metadata.CopyFrom(self.metadata)
+        single.mlProgram.version = self.spec.mlProgram.version
+        single.mlProgram.functions[SOURCE_FUNCTION].CopyFrom(self.spec.mlProgram.functions[name])
+        return ct.models.MLModel(single, weights_dir=str(self.weights_dir), skip_model_load=True)
+
+
+def package_functions(package: Path) -> PackageFunctions:
+    path, spec = program_spec(package)
+    return PackageFunctions(path, spec, path.parent / "weights")

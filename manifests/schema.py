@@ -24,6 +24,7 @@ SCHEMA_FILES = {
     "cmfdeploy.scores/1": "scores.schema.json",
     "cmfdeploy.release/1": "release.schema.json",
     "cmfdeploy.preflight/1": "preflight.schema.json",
+    "cmfdeploy.deployment/1": "deployment.schema.json",
 }
 COMMON_FILE = "common.schema.json"
 

@@ -10,6 +10,8 @@ checked to hold a decompression op for every selected weight (`_bind_compressed`
 coremltools itself only logs a warning and skips a weight it cannot compress.
 """
 
+import hashlib
+import tempfile
 import time
 from collections.abc import Callable, Mapping
 from contextlib import contextmanager
@@ -27,12 +29,12 @@ from coreml import cache as cache_module
 from coreml import calibration, codes
 from coreml import manifest as package_manifest
 from coreml.recipes.base import RECIPES, WEIGHT_THRESHOLD, Context, Encoder, Recipe, RecipePrecondition, Selected, Weight
-from coreml.mil.loader import BlobStorage, tensor_spec
+from coreml.mil.loader import BlobStorage, blob_file, mil_dtype, program_spec, tensor_spec
+from coreml.multifunction import PackageFunctions, merge_functions, package_functions
 from coreml.recipes.emit import WriteCodes
 from coreml.recipes.mixed import MIXED_BPW
 from manifests.identity import Manifest, artifact_source
 from manifests.output import refuse_existing, staged_output
-from pipeline.ground.errors import UnsupportedModel
 
 
 def load_program(mlmodel):
@@ -174,6 +176,50 @@ def apply_recipe(mlmodel, program, recipe: Recipe, steps: dict[str, dict], encod
                        pass_pipeline=ct.PassPipeline.EMPTY), hot_rows
 
 
+def _apply_per_function(functions: PackageFunctions, program, recipe: Recipe, steps: dict[str, dict],
+                        encoders: Mapping[str, Encoder], scratch: Path):
+    """`apply_recipe` on each function of a multifunction package (`program`: its default
+    function's, loaded already), each saved apart and merged (`merge_functions`), which
+    stores each distinct blob once: the functions read one set of codes, made once."""
+    code_steps = steps.get("code", {})
+    once = _EncodedOnce({name: encoders.get(name, step.encode) for name, step in code_steps.items()})
+    hot_rows = {}
+    with tempfile.TemporaryDirectory(dir=scratch) as folder:
+        paths = {}
+        for name in [functions.default_function, *(n for n in functions.names if n != functions.default_function)]:
+            model = functions.model(name)
+            compressed, hot = apply_recipe(model, program if program is not None else load_program(model),
+                                           recipe, steps, once)
+            paths[name] = Path(folder) / f"{name}.mlpackage"
+            package_manifest.save_model(compressed, paths[name])
+            hot_rows.update(hot)
+            program = None  # the next function's is loaded from its own model
+            del model, compressed
+        ordered = {name: paths[name] for name in functions.names}
+        return merge_functions(ordered, functions.default_function, functions.metadata), hot_rows
+
+
+class _EncodedOnce(dict):
+    """Encoders that code each weight once and hand the same code to every function reading
+    it; a function whose constant of that name holds other values is refused by name, as a
+    package whose functions disagree on a weight."""
+
+    def __init__(self, encoders: Mapping[str, Encoder]):
+        super().__init__({name: self._once(name, encode) for name, encode in encoders.items()})
+        self.codes: dict[str, tuple[str, object]] = {}
+
+    def _once(self, name: str, encode: Encoder) -> Encoder:
+        def encoded(value: np.ndarray):
+            digest = hashlib.sha256(np.ascontiguousarray(value).view(np.uint8)).hexdigest()
+            if name not in self.codes:
+                self.codes[name] = (digest, encode(value))
+            elif self.codes[name][0] != digest:
+                raise RecipePrecondition(f"weight {name}: the package's functions hold different values under "
+                                         "this name, so no one code can stand for it")
+            return self.codes[name][1]
+        return encoded
+
+
 def _bind_compressed(mlpackage: Path, weights: list[Weight], selection: dict, recipe: str) -> None:
     """Record under each selected weight the variable that now feeds its consumers, and check
     that a decompression op produces it (coremltools skips a weight with only a warning) and
@@ -246,16 +292,15 @@ def compress_package(
     refuse_existing(out_dir, force)
     source = package_manifest.verify_package(package_dir)
     mlpackage = package_dir / source["package"]["name"]
-    if len(source["op_histogram"]) > 1:
-        raise UnsupportedModel(
-            f"{mlpackage}: a multifunction package ({', '.join(source['op_histogram'])}); coremltools 9.0 "
-            "post-training compression refuses multifunction models: compress the chunk_kv or stateless package"
-        )
     if unit.calibration and (calibration_ids is None or len(calibration_ids) < 2):
         raise RecipePrecondition(f"{package_dir}: recipe {recipe} measures on calibration text and got no "
                                  f"calibration_ids (pipeline.ground.text_roles: text_roles(lines)['calibration'])")
     start = time.perf_counter()
-    mlmodel = ct.models.MLModel(str(mlpackage), skip_model_load=True)
+    # coremltools 9.0's post-training compression refuses a multifunction model, so a stateful
+    # package's functions are compressed one by one, with the same codes, and merged again.
+    functions = package_functions(mlpackage) if len(source["op_histogram"]) > 1 else None
+    mlmodel = (functions.model(functions.default_function) if functions
+               else ct.models.MLModel(str(mlpackage), skip_model_load=True))
     program = load_program(mlmodel)
     weights = program_weights(program, source["package"].get("weights", {}), head_parts(program, source["package"]))
     cache = None if shared_cache is None else Path(shared_cache)
@@ -263,7 +308,12 @@ def compress_package(
     plan = plan_selection(weights, prepared.select)
     with staged_output(out_dir, force) as staging:
         with package_manifest.working_files_in(staging):
-            compressed, hot_rows = apply_recipe(mlmodel, program, unit, plan["steps"], prepared.encoders)
+            if functions is None:
+                compressed, hot_rows = apply_recipe(mlmodel, program, unit, plan["steps"], prepared.encoders)
+            else:
+                del mlmodel
+                compressed, hot_rows = _apply_per_function(functions, program, unit, plan["steps"],
+                                                           prepared.encoders, staging)
             package_manifest.save_model(compressed, staging / package_manifest.MODEL_NAME)
         for name, record in hot_rows.items():
             plan["record"]["weights"][name]["hot_rows"] = record
@@ -288,3 +338,50 @@ def compress_package(
             },
         })
     return Manifest(out_dir, manifest.data)
+
+
+def code_digests(package_dir: str | Path) -> dict[str, str]:
+    """A compressed package's codes, by the bundle weight each stands for (its HF names, and the
+    rows of a split head's part): the sha256 of every constant its decompression ops read, in
+    the order they read them. Two packages with equal digests for a weight decode it alike,
+    whatever their kind or their constants' names (`pipeline.stages.deploy`)."""
+    package_dir = Path(package_dir)
+    manifest = package_manifest.verify_package(package_dir, hashes=False)
+    path, spec = program_spec(package_dir / manifest["package"]["name"])
+    function = spec.mlProgram.functions[spec.description.defaultFunctionName or "main"]
+    producers = {output.name: op for block in function.block_specializations.values()
+                 for op in block.operations for output in op.outputs}
+    storages: dict[Path, BlobStorage] = {}
+
+    def value_digest(value, where: str, digest) -> None:
+        if value.WhichOneof("value") != "blobFileValue":
+            digest.update(value.SerializeToString(deterministic=True))
+            return
+        file = blob_file(path.parent, value.blobFileValue.fileName, where)
+        storage = storages.setdefault(file, BlobStorage(file))
+        entry = storage.entry(value.blobFileValue.offset, mil_dtype(value.type.tensorType.dataType, where))
+        for chunk in storage.stream(entry):
+            digest.update(chunk)
+
+    def op_digest(var: str, digest) -> None:
+        op = producers[var]
+        digest.update(op.type.encode())
+        if op.type == "const":
+            value_digest(op.attributes["val"], f"{path}: const {var}", digest)
+            return
+        for param in sorted(op.inputs):
+            for binding in op.inputs[param].arguments:
+                digest.update(param.encode())
+                if binding.WhichOneof("binding") == "value":
+                    value_digest(binding.value, f"{path}: {op.type} -> {var}", digest)
+                else:
+                    op_digest(binding.name, digest)
+
+    digests = {}
+    for entry in manifest["selection"]["weights"].values():
+        if entry.get("compressed"):
+            key = "+".join(entry["hf_names"]) + (f"[{entry['rows'][0]}:{entry['rows'][1]}]" if "rows" in entry else "")
+            digest = hashlib.sha256()
+            op_digest(entry["compressed_as"], digest)
+            digests[key] = digest.hexdigest()
+    return digests

@@ -1,9 +1,12 @@
-"""CLI: `cmfdeploy survey PACKAGE ...` (every recipe, gated in three parts) and `cmfdeploy release SURVEY`."""
+"""CLI: `cmfdeploy survey PACKAGE ...` (every recipe, gated in three parts), `cmfdeploy deploy SURVEY PACKAGE ...`
+(the deployed recipe on the package an app runs, gated; exit 1 when its gate fails) and `cmfdeploy release SURVEY`."""
 
 import argparse
+from pathlib import Path
 
 from pipeline.cli.align_commands import add_quality_arguments
 from pipeline.cli.worker_arguments import add_worker_engine_arguments, worker_engine_of
+from pipeline.stages.gates import DEFAULT_ITEMS, DEFAULT_QUALITY_TEXT
 
 
 def register(subparsers) -> None:
@@ -31,12 +34,30 @@ def register(subparsers) -> None:
     survey.add_argument("--force", action="store_true", help="replace an existing output")
     survey.set_defaults(func=_survey)
 
+    deploy = subparsers.add_parser("deploy", help="apply the survey's deployed recipe to the package an app runs "
+                                                  "(the stateful one), with the surveyed codes; gate it in three parts")
+    deploy.add_argument("survey", help="survey folder (from `cmfdeploy survey`)")
+    deploy.add_argument("package", help="the FP32 (or fp16) package to compress, of the survey's bundle and precision")
+    deploy.add_argument("--gate", required=True, help="that package's passed alignment folder")
+    deploy.add_argument("--fixtures", required=True, help="reference fixtures folder (index.json + logits.npz)")
+    deploy.add_argument("-o", "--out", required=True, help="deployment folder to create")
+    deploy.add_argument("--quality-text", type=Path, default=DEFAULT_QUALITY_TEXT,
+                        help="the text the survey read (its calibration lines make a calibration-aware recipe's codes)")
+    deploy.add_argument("--items", type=Path, default=DEFAULT_ITEMS, help="scoring set (JSON lines) of the quality part")
+    deploy.add_argument("--fp32-scores", metavar="RUN", help="FP32's scoring run of the same scoring set and bundle")
+    deploy.add_argument("--backend", default="auto", help="package backend for the gate")
+    deploy.add_argument("--force", action="store_true", help="replace an existing output")
+    deploy.set_defaults(func=_deploy)
+
     release = subparsers.add_parser("release", help="pack the deployed recipe, FP32 packages and reports into dist/")
     release.add_argument("survey", help="survey folder (from `cmfdeploy survey`)")
     release.add_argument("-o", "--out", default="dist", help="folder the release folder <model>-<recipe>/ goes in")
     release.add_argument("--recipe", help="release this recipe instead of the survey's deployed one")
     release.add_argument("--package", nargs=2, action="append", default=[], metavar=("PACKAGE", "GATE"),
                          help="a further FP32 package and its passed alignment folder (repeatable)")
+    release.add_argument("--deployment", metavar="FOLDER",
+                         help="a passed `cmfdeploy deploy` folder of this survey: its package is the one the release "
+                              "ships (interface, metadata.json, RELEASE.md); pass its FP32 package with --package")
     release.add_argument("--name", help="model name (default: the source CMF's file stem)")
     release.add_argument("--sign", metavar="KEY",
                          help="Ed25519 private key (PEM or 32 raw bytes): sign the release manifest")
@@ -72,6 +93,21 @@ def _release(args: argparse.Namespace) -> int:
     from pipeline.stages.release import make_release
 
     manifest = make_release(args.survey, args.out, recipe=args.recipe, packages=[tuple(p) for p in args.package],
-                            name=args.name, force=args.force, sign_key=args.sign)
+                            name=args.name, force=args.force, sign_key=args.sign, deployment=args.deployment)
     print(f"{manifest.path}: {len(manifest['files'])} files, {manifest['inventory']['total_bytes']} bytes")
+    return 0
+
+
+def _deploy(args: argparse.Namespace) -> int:
+    from pipeline.stages.deploy import deploy_package
+    from pipeline.stages.gates import GateFailed
+
+    deployment = deploy_package(args.survey, args.package, args.gate, args.out, fixtures_dir=args.fixtures,
+                                quality_text=args.quality_text, items=args.items, backend=args.backend,
+                                fp32_scores=args.fp32_scores, force=args.force)
+    if not deployment.passed:
+        raise GateFailed(deployment.gate.failure())  # `main` prints it as one line and exits 1
+    record = deployment.manifest
+    print(f"deployed {record['recipe']} on the {record['package']['kind']} package: {record['package']['size_bytes']} "
+          f"bytes, the survey's codes on all {record['codes']['weights']} weights, gate passed; {args.out}")
     return 0

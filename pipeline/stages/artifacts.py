@@ -28,6 +28,7 @@ VERIFIERS = {
     "cmfdeploy.scores/1": "pipeline.stages.scoring:verify_scores",
     "cmfdeploy.survey_folder/1": "pipeline.stages.survey:verify_survey",
     "cmfdeploy.preflight/1": "pipeline.stages.preflight:verify_preflight",
+    "cmfdeploy.deployment/1": "pipeline.stages.deploy:verify_deployment",
 }
 # What each verifier checks beyond the file inventory, as `verify-artifact` reports it.
 CHECKS = {
@@ -41,6 +42,8 @@ CHECKS = {
     "cmfdeploy.scores/1": "scores and items as recorded",
     "cmfdeploy.survey_folder/1": "survey.json against its schema and inventory, every measured package and gate",
     "cmfdeploy.preflight/1": "the report's verdict, mitigations and source against the manifest",
+    "cmfdeploy.deployment/1": ("the package and its gate (of exactly that package, the verdict as recorded), and the "
+                               "package's codes against the digest of the survey's codes"),
 }
 
 

@@ -20,8 +20,8 @@ from pipeline.ground.torch_backend import TorchBackend
 PACKAGE_MARKER = "model.mlpackage"
 RELEASE_FORMAT = "cmfdeploy.release/1"
 def release_package(path: Path) -> Path | None:
-    """The package folder a release folder runs as: the compressed package it ships (the
-    manifest's second package, by the release schema); None when `path` is not a release."""
+    """The package folder a release folder runs as: the package it ships (`shipped_entry`: its
+    deployment's, else the survey's compressed one); None when `path` is not a release."""
     from manifests.identity import MANIFEST_NAME, load_manifest
 
     if not (path.is_dir() and (path / MANIFEST_NAME).is_file()) or (path / PACKAGE_MARKER).exists():
@@ -29,7 +29,14 @@ def release_package(path: Path) -> Path | None:
     manifest = load_manifest(path)
     if manifest["format"] != RELEASE_FORMAT:
         return None
-    return path / manifest["packages"][1]["path"]
+    return path / shipped_entry(manifest)["path"]
+
+
+def shipped_entry(manifest: dict) -> dict:
+    """The release manifest's entry of the package an app loads: the deployment's (role
+    "shipped") where the release has one, else the survey's compressed package (the second, by
+    the release schema)."""
+    return next((e for e in manifest["packages"] if e["role"] == "shipped"), manifest["packages"][1])
 
 
 def open_backend(artifact: str | Path, backend: str = "auto", **options) -> Backend:

@@ -51,6 +51,7 @@ from manifests.output import staged_output
 from pipeline.stages.signing import sign_manifest
 from pipeline.stages import gates
 from pipeline.ground.errors import CmfdeployError, IdentityError
+from pipeline.stages.backends import shipped_entry
 from pipeline.stages.release_copies import check_release_copies
 
 FORMAT = "cmfdeploy.release/1"
@@ -112,15 +113,22 @@ def make_release(
     name: str | None = None,
     force: bool = False,
     sign_key: str | Path | None = None,
+    deployment: str | Path | None = None,
 ) -> Manifest:
     """Pack the survey's deployed recipe (or `recipe`) into `out_root/<model>-<recipe>/`.
 
     `packages` adds further FP32 packages (e.g. the stateless one), each with its passed
-    alignment folder. `sign_key` (an Ed25519 private key file) adds a detached signature
-    over the release manifest (`pipeline.stages.signing`). Returns the release manifest.
+    alignment folder. `deployment` (`pipeline.stages.deploy`) ships its package as the one an
+    app loads (role "shipped": the interface, metadata.json and RELEASE.md are its), with the
+    surveyed package beside it; the FP32 package it was compressed from must be among
+    `packages`. `sign_key` (an Ed25519 private key file) adds a detached signature over the
+    release manifest (`pipeline.stages.signing`). Returns the release manifest.
     """
     survey_dir = Path(survey_dir)
     survey = load_survey(survey_dir)
+    if deployment is not None:
+        deployment = _passed_deployment(Path(deployment), survey_dir, recipe)
+        recipe = deployment["recipe"]
     recipe = recipe or survey["deployed"]["recipe"]
     if recipe is None:
         raise ReleaseError(f"{survey_dir / SURVEY_NAME}: field 'deployed.recipe' is null: no recipe passed its gate")
@@ -139,6 +147,11 @@ def make_release(
     for package_dir, gate_dir in packages:
         extra = load_manifest(package_dir)
         included.append(("fp32", f"fp32-{extra['package']['kind']}", Path(package_dir), Path(gate_dir)))
+    if deployment is not None:
+        deployed_package = deployment.path / deployment["package"]["path"]
+        included.append(("shipped", f"{recipe}-{deployment['package']['kind']}", deployed_package,
+                          deployment.path / deployment["gate"]["path"]))
+        _check_deployment_source(deployed_package, included)
     checked = [(role, label, *_gated(package_dir, gate_dir)) for role, label, package_dir, gate_dir in included]
     labels = [label for _, label, _, _ in checked]
     if len(set(labels)) != len(labels):
@@ -156,7 +169,8 @@ def make_release(
         (staging / "survey").mkdir()
         for file_name in SURVEY_FILES:
             shutil.copy2(survey_dir / file_name, staging / "survey" / file_name)
-        tokenizer = package_manifest.carry_tokenizer(checked[1][2].path, staging / TOKENIZER_DIR)
+        shipped = next(package for role, _, package, _ in checked if role == "shipped") if deployment else checked[1][2]
+        tokenizer = package_manifest.carry_tokenizer(shipped.path, staging / TOKENIZER_DIR)
         manifest = {
             "format": FORMAT,
             "status": "incomplete",
@@ -164,9 +178,9 @@ def make_release(
             "model": name,
             "recipe": recipe,
             "deployed": recipe == survey["deployed"]["recipe"],
-            "interface": checked[1][2]["package"],
-            "special_tokens": checked[1][2]["special_tokens"],
-            "architecture": checked[1][2]["architecture"],
+            "interface": shipped["package"],
+            "special_tokens": shipped["special_tokens"],
+            "architecture": shipped["architecture"],
             "packages": entries,
             "survey": {"path": f"survey/{SURVEY_NAME}", "sha256": sha256_file(survey_dir / SURVEY_NAME),
                        "deployed_rule": survey["deployed"]["rule"], "target": survey.get("target", "cpu")},
@@ -185,6 +199,34 @@ def make_release(
         if sign_key is not None:
             sign_manifest(staging, sign_key)
     return Manifest(out_dir, manifest)
+
+
+def _passed_deployment(path: Path, survey_dir: Path, recipe: str | None) -> Manifest:
+    """The verified deployment at `path`: passed, of this survey, of `recipe` where one is asked."""
+    from pipeline.stages.deploy import verify_deployment
+
+    deployment = verify_deployment(path)
+    where = path / MANIFEST_NAME
+    if not deployment["gate"]["passed"]:
+        raise ReleaseError(f"{where}: field 'gate.passed' is false: its package failed its gate "
+                           f"({path / deployment['gate']['path'] / 'alignment.md'})")
+    survey_sha = sha256_file(survey_dir / SURVEY_NAME)
+    if deployment["survey"]["sha256"] != survey_sha:
+        raise ReleaseError(f"{where}: field 'survey.sha256' is {deployment['survey']['sha256']}, but "
+                           f"{survey_dir / SURVEY_NAME} has sha256 {survey_sha}: a deployment of another survey")
+    if recipe is not None and recipe != deployment["recipe"]:
+        raise ReleaseError(f"{where}: field 'recipe' is {deployment['recipe']!r}; the release asked for {recipe!r}")
+    return deployment
+
+
+def _check_deployment_source(deployed_package: Path, included: list) -> None:
+    """The deployed package's FP32 source is one of the packages released with it (its chain
+    and its fp32_alignment binding then verify inside the release)."""
+    source_sha = read_json(deployed_package / MANIFEST_NAME)["source"]["manifest_sha256"]
+    if not any(role == "fp32" and sha256_file(Path(p) / MANIFEST_NAME) == source_sha for role, _, p, _ in included):
+        raise ReleaseError(f"{deployed_package / MANIFEST_NAME}: field 'source.manifest_sha256' is {source_sha}, the "
+                           "manifest of no FP32 package in this release: pass the package it was compressed from "
+                           "and its gate with packages= (`--package PACKAGE GATE`)")
 
 
 def _check_survey_bindings(survey_dir: Path, survey: dict, record: dict, checked: list) -> None:
@@ -260,6 +302,9 @@ def verify_release(path: str | Path, hashes: bool = True) -> Manifest:
             compressed_manifest["source"]["manifest_sha256"], path / fp32["path"] / MANIFEST_NAME)
     _expect(path / compressed["path"] / MANIFEST_NAME, "fp32_alignment.report_sha256",
             compressed_manifest["fp32_alignment"]["report_sha256"], path / fp32["gate"]["path"] / gates.REPORT_NAME)
+    shipped = shipped_entry(manifest)
+    if shipped["role"] == "shipped":
+        _check_shipped(path, manifest, shipped)
     _check_tokenizer(path, manifest)
     _check_metadata(path, manifest)
     survey = read_json(path / manifest["survey"]["path"])
@@ -272,6 +317,31 @@ def verify_release(path: str | Path, hashes: bool = True) -> Manifest:
             record["gate"]["report"]["sha256"], path / compressed["gate"]["path"] / gates.REPORT_NAME)
     check_release_copies(path, manifest, survey, record)
     return Manifest(path, manifest)
+
+
+def _check_shipped(path: Path, manifest: dict, shipped: dict) -> None:
+    """The shipped package is bound to an FP32 package and gate of this release, as the surveyed
+    one is, its gate judged the release's recipe, and it carries the surveyed package's codes."""
+    from coreml.recipes.compress import code_digests
+
+    where, package_dir = path / MANIFEST_NAME, path / shipped["path"]
+    compressed_manifest = read_json(package_dir / MANIFEST_NAME)
+    source = next((e for e in manifest["packages"] if e["role"] == "fp32"
+                   and e["manifest_sha256"] == compressed_manifest["source"]["manifest_sha256"]), None)
+    if source is None:
+        raise IdentityError(f"{package_dir / MANIFEST_NAME}: field 'source.manifest_sha256' is the manifest of no FP32 "
+                            "package of this release")
+    _expect(package_dir / MANIFEST_NAME, "fp32_alignment.report_sha256",
+            compressed_manifest["fp32_alignment"]["report_sha256"], path / source["gate"]["path"] / gates.REPORT_NAME)
+    if shipped["gate"]["recipe"] != manifest["recipe"]:
+        raise IdentityError(f"{where}: the shipped package's gate judged recipe {shipped['gate']['recipe']!r}, "
+                            f"the release's is {manifest['recipe']!r}")
+    surveyed = manifest["packages"][1]
+    ours, theirs = code_digests(package_dir), code_digests(path / surveyed["path"])
+    differ = sorted(name for name in ours.keys() | theirs.keys() if ours.get(name) != theirs.get(name))
+    if differ:
+        raise IdentityError(f"{package_dir}: the codes of {', '.join(differ[:4])} differ from the surveyed package "
+                            f"{path / surveyed['path']}'s: the shipped package is not what the survey measured")
 
 
 def _check_tokenizer(path: Path, manifest: dict) -> None:
@@ -307,7 +377,7 @@ def release_metadata(manifest: dict, record: dict) -> dict:
     """The release's descriptor, in the spirit of Apple's Core AI export bundles (`metadata.json`
     beside the model, the tokenizer saved in `tokenizer/`): what an app needs to load it."""
     interface = manifest["interface"]
-    deployed = manifest["packages"][1]
+    deployed = shipped_entry(manifest)
     return {
         "kind": "causal-language-model",
         "model": manifest["model"],
@@ -322,11 +392,18 @@ def release_metadata(manifest: dict, record: dict) -> dict:
             "packages": {e["name"]: {"path": f"{e['path']}/{interface['name']}", "kind": e["kind"], "role": e["role"]}
                          for e in manifest["packages"]},
         },
-        "compression": {"recipe": manifest["recipe"], "params": record["params"],
-                        "size_bytes": record["package"]["size_bytes"],
-                        "bytes_vs_fp32": record["package"]["bytes_vs_fp32"]},
+        "compression": {"recipe": manifest["recipe"], "params": record["params"], **_shipped_size(manifest, record)},
         "special_tokens": manifest["special_tokens"],
     }
+
+
+def _shipped_size(manifest: dict, record: dict) -> dict:
+    """The shipped package's bytes, and their ratio to the FP32 package it was compressed from."""
+    shipped = shipped_entry(manifest)
+    if shipped["role"] != "shipped":
+        return {"size_bytes": record["package"]["size_bytes"], "bytes_vs_fp32": record["package"]["bytes_vs_fp32"]}
+    source = next(e for e in manifest["packages"] if e["manifest_sha256"] == shipped["source_manifest_sha256"])
+    return {"size_bytes": shipped["size_bytes"], "bytes_vs_fp32": shipped["size_bytes"] / source["size_bytes"]}
 
 
 def _python_snippet(manifest: dict) -> str:
@@ -344,7 +421,7 @@ def _python_snippet(manifest: dict) -> str:
         f'release = "dist/{manifest["model"]}-{recipe}"  # this folder',
         'tokenizer = Tokenizer.from_file(f"{release}/tokenizer/tokenizer.json")',
         'config = json.load(open(f"{release}/tokenizer/tokenizer_config.json"))',
-        f'model = ct.models.MLModel(f"{{release}}/packages/{recipe}/model.mlpackage"'
+        f'model = ct.models.MLModel(f"{{release}}/{shipped_entry(manifest)["path"]}/model.mlpackage"'
         f'{kind.snippet_model_arguments(interface)},',
         f'                          compute_units=ct.ComputeUnit.{aim.compute_units})  # target {aim.name}: {aim.description}',
         'ids = tokenizer.encode("I was sent to", add_special_tokens=False).ids',
@@ -394,7 +471,7 @@ def _swift_sketch(manifest: dict) -> str:
         "",
         f'let release = URL(fileURLWithPath: "{release}")',
         'let tokenizer = try await AutoTokenizer.from(modelFolder: release.appendingPathComponent("tokenizer"))',
-        f'let package = release.appendingPathComponent("packages/{recipe}/model.mlpackage")',
+        f'let package = release.appendingPathComponent("{shipped_entry(manifest)["path"]}/model.mlpackage")',
         "let config = MLModelConfiguration()",
         f"config.computeUnits = {release_target(manifest).swift_compute_units}",
         "let model = try MLModel(contentsOf: try await MLModel.compileModel(at: package), configuration: config)",
@@ -415,7 +492,7 @@ def _swift_loader_sketch(manifest: dict, unit) -> str:
     return "\n".join([
         "import CoreML", "",
         f"// The package takes the names {unit.loader} asserts (interface {unit.name}, docs/INTERFACES.md).",
-        f'let package = URL(fileURLWithPath: "{release}/packages/{recipe}/model.mlpackage")',
+        f'let package = URL(fileURLWithPath: "{release}/{shipped_entry(manifest)["path"]}/model.mlpackage")',
         "let config = MLModelConfiguration()",
         f"config.computeUnits = {release_target(manifest).swift_compute_units}",
         "let model = try MLModel(contentsOf: try await MLModel.compileModel(at: package), configuration: config)",
@@ -482,7 +559,7 @@ def release_markdown(manifest: dict, survey: dict) -> str:
     lines = [
         f"# {manifest['model']} — {manifest['recipe']}",
         "",
-        f"Core ML package `packages/{manifest['recipe']}/model.mlpackage` ({interface['kind']}, "
+        f"Core ML package `{shipped_entry(manifest)['path']}/model.mlpackage` ({interface['kind']}, "
         f"context {interface['context']}, minimum deployment target {interface['minimum_deployment_target']}, "
         f"compute precision {interface['compute_precision']}), compressed with recipe `{manifest['recipe']}` "
         f"({chosen}).",

@@ -9,6 +9,7 @@ from coreml import manifest as package_manifest
 from manifests.copied import check_copied
 from manifests.identity import MANIFEST_NAME, read_json
 from pipeline.stages import gates
+from pipeline.stages.backends import shipped_entry
 
 
 def check_release_copies(path: Path, manifest: dict, survey: dict, record: dict) -> None:
@@ -27,10 +28,12 @@ def check_release_copies(path: Path, manifest: dict, survey: dict, record: dict)
             keys=("recipe", "backend", "passed", "tolerance", "summary"))
     fp32, compressed = manifest["packages"][0], manifest["packages"][1]
     deployed = read_json(path / compressed["path"] / MANIFEST_NAME)
-    check_copied(where, "", manifest, deployed, path / compressed["path"] / MANIFEST_NAME,
+    shipped = shipped_entry(manifest)  # what the release describes is the package an app loads
+    shipped_manifest = read_json(path / shipped["path"] / MANIFEST_NAME)
+    check_copied(where, "", manifest, shipped_manifest, path / shipped["path"] / MANIFEST_NAME,
                  keys=("architecture", "special_tokens"))
-    check_copied(where, "interface", manifest["interface"], deployed["package"],
-                 path / compressed["path"] / MANIFEST_NAME)
+    check_copied(where, "interface", manifest["interface"], shipped_manifest["package"],
+                 path / shipped["path"] / MANIFEST_NAME)
     report = read_json(path / compressed["gate"]["path"] / gates.REPORT_NAME)
     check_copied(survey_where, f"recipes[{record['name']}].gate", record["gate"],
                  {**report["summary"], "passed": report["passed"], "tolerance": report["tolerance"],

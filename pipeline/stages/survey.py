@@ -98,8 +98,9 @@ def fp32_gate(package_dir: Path, alignment_dir: Path, survey_dir: Path) -> dict:
     }
 
 
-def bind_fp32_gate(compressed_dir: Path, gate: dict) -> None:
-    """Add the FP32 gate record to a freshly written compressed manifest (still in staging).
+def bind_fp32_gate(compressed_dir: Path, gate: dict, path_from_package: str) -> None:
+    """Add the FP32 gate record (`fp32_gate`) to a freshly written compressed manifest (still in
+    staging), the gate named by its path from the package's final folder.
 
     Its file inventory excludes manifest.json, so the added field leaves it valid; the
     rewrite is atomic.
@@ -107,7 +108,7 @@ def bind_fp32_gate(compressed_dir: Path, gate: dict) -> None:
     path = compressed_dir / MANIFEST_NAME
     manifest = read_json(path)
     manifest["fp32_alignment"] = {k: gate[k] for k in ("manifest_sha256", "report_sha256", "passed")}
-    manifest["fp32_alignment"]["path"] = f"../../{gate['path']}"  # from packages/<recipe>/ to the survey folder
+    manifest["fp32_alignment"]["path"] = path_from_package
     validate(manifest, where=str(path))
     write_json(path, manifest)
 
@@ -156,7 +157,8 @@ def survey_recipe(name: str, package_dir: Path, staging: Path, context: dict) ->
     except RecipePrecondition as error:
         return _unmet(name, "compress", str(error))
     return_freed_memory()  # the compression's copies of the program, before the gate loads its own
-    bind_fp32_gate(compressed, context["fp32_gate"])
+    # From packages/<recipe>/ to the survey folder, which the gate's path is relative to.
+    bind_fp32_gate(compressed, context["fp32_gate"], f"../../{context['fp32_gate']['path']}")
     gate = gates.align_package(compressed, context["fixtures"].directory, gate_dir, budget=context["budget"],
                                backend=context["backend"], quality=context["quality"], scores_out=run_dir,
                                all_figures=context["all_figures"])
