@@ -142,6 +142,9 @@ class Attention(nn.Module):
         self.mask_value = float("-inf")
         # A no-op the preflight hooks to see q . k as the matmul gives it (before the scale).
         self.score_probe = nn.Identity()
+        # Added to the rotated keys, a module of the positions (float32) or None: where k's bias
+        # is moved past RoPE, an fp16 mitigation (pipeline.ground.models.fp16.RopeKeyOffset).
+        self.key_offset = None
 
     def _heads(self, x, count: int, norm: RMSNorm | None):
         x = x.view(1, -1, count, self.head_dim)
@@ -159,6 +162,8 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, step: "CacheStep", key_cache, value_cache):
         q = self._rope(self._heads(self.q_proj(x), self.heads, self.q_norm), cos, sin)
         k = self._rope(self._heads(self.k_proj(x), self.kv_heads, self.k_norm), cos, sin)
+        if self.key_offset is not None:
+            k = k + self.key_offset(step.positions).to(k.dtype)
         v = self._heads(self.v_proj(x), self.kv_heads, None)
         keys, values = step.write(key_cache, k), step.write(value_cache, v)
         seen_keys, seen_values = step.attended(key_cache, k, keys), step.attended(value_cache, v, values)

@@ -58,6 +58,16 @@ The mitigations (`Fp16Mitigations`), each keeping the FP32 function:
   not documented. It keeps the function where every row's largest visible score exceeds
   mask_value + 104: softmax subtracts the row max inside the op, and exp of anything under
   -103.9 is exactly 0 in float32, as exp(-inf) is.
+- `key_bias = "rope_offset"`: k's bias b moved past RoPE, less itself. The keys become
+  k' = RoPE_j(W x_j) + (R_j - I) b instead of RoPE_j(W x_j + b), so every score of a query row
+  is q . k - q . b: the same constant off for every key of the row, which softmax removes
+  exactly. (R_j - I) b is a function of the position alone (positional, float32, rounded once
+  where it meets the keys), and small where b is large: Qwen2.5's biases (up to 211) sit in
+  RoPE's lowest frequencies, which turn by ~1e-6 rad a position. Without it, q . b sets the
+  fp16 step of the scores (Qwen2.5-0.5B's layer 0: q . k ~ 11,800, a step of 8, 0.5 after the
+  1/8 scale) and of the cached keys (145: a step of 0.125), and those roundings, not the
+  head or the residual stream, cost it 2 % of its top-1 (docs/FP16.md). Adds a sub-graph of
+  positional ops and one add per layer; drops the bias add of k_proj.
 - Softmax with the max subtracted needs no rewrite: torch's softmax kernel subtracts the row
   max, `torch.softmax` converts to MIL's one `softmax` op (the executor's subtracts it too,
   coreml/mil/ops.py), and under the op-boundary model that subtraction is inside the op.
@@ -76,7 +86,7 @@ from torch import nn
 
 from pipeline.ground.errors import CmfdeployError
 from pipeline.ground.models.args import ModelArgs
-from pipeline.ground.models.base import Decoder, GatedMLP, RMSNorm
+from pipeline.ground.models.base import Decoder, GatedMLP, RMSNorm, rotate_half
 from pipeline.ground.scratch import ScratchFile
 
 FP16_MAX = 65504.0
@@ -84,6 +94,7 @@ FP16_MAX = 65504.0
 # divides by it (no 0 / 0) and a tiny row keeps full precision.
 FP16_TINY = 2.0**-14
 RMSNORM_FORMS = ("plain", "max_scaled")
+KEY_BIAS_FORMS = ("plain", "rope_offset")
 # A declared margin, not a derived one: the preflight sees a few windows, and an input it
 # did not see may peak higher. Every mitigated peak must stay under FP16_MAX / HEADROOM.
 HEADROOM = 4.0
@@ -119,6 +130,7 @@ class Fp16Mitigations:
     rmsnorm: str = "plain"  # or "max_scaled"
     mask_value: float | None = None  # None: -inf
     headroom: float = field(default=HEADROOM, compare=False)  # the margin the choice kept
+    key_bias: str = "plain"  # or "rope_offset"
 
     def __post_init__(self):
         if not (_power_of_two(self.residual_scale) and self.residual_scale <= 1.0):
@@ -126,6 +138,8 @@ class Fp16Mitigations:
                                       "<= 1 (only those scale the stream exactly)")
         if self.rmsnorm not in RMSNORM_FORMS:
             raise Fp16MitigationError(f"fp16 mitigations: rmsnorm {self.rmsnorm!r} is not one of {RMSNORM_FORMS}")
+        if self.key_bias not in KEY_BIAS_FORMS:
+            raise Fp16MitigationError(f"fp16 mitigations: key_bias {self.key_bias!r} is not one of {KEY_BIAS_FORMS}")
         if self.mask_value is not None and not (math.isfinite(self.mask_value) and -FP16_MAX <= self.mask_value < 0):
             raise Fp16MitigationError(f"fp16 mitigations: mask_value {self.mask_value!r} is not a finite negative "
                                       f"fp16 value (>= {-FP16_MAX})")
@@ -139,7 +153,13 @@ class Fp16Mitigations:
         return self == Fp16Mitigations()
 
     def to_record(self) -> dict:
-        return asdict(self)
+        """The fields; `key_bias` only where it is not plain, so the records (and the gates'
+        quality identities holding them) of every package converted before it existed stay
+        what they were, and read back as they mean: plain."""
+        record = asdict(self)
+        if self.key_bias == "plain":
+            del record["key_bias"]
+        return record
 
     @classmethod
     def from_record(cls, record: dict, where: str = "fp16 mitigations") -> "Fp16Mitigations":
@@ -172,6 +192,39 @@ class MaxScaledRMSNorm(RMSNorm):
     def forward(self, x):
         y, t = self.scaled(x)
         return y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + t * t) * _gain(self)
+
+
+class RopeKeyOffset(nn.Module):
+    """(R_pos - I) b for a key bias b [kv_heads * head_dim], per position: what the keys of a
+    k_proj without its bias need added after RoPE (module docstring, `key_bias`). Its buffers
+    stay float32 in the fp16 reference, as the RoPE angles do (`Fp16Reference`): the offset is
+    positional and enters the fp16 path rounded once."""
+
+    def __init__(self, bias: torch.Tensor, inv_freq: torch.Tensor, kv_heads: int, head_dim: int):
+        super().__init__()
+        self.half_dim = head_dim // 2
+        self.register_buffer("bias", bias.detach().float().reshape(kv_heads, 1, head_dim).clone(), persistent=False)
+        self.register_buffer("inv_freq", inv_freq.clone(), persistent=False)
+
+    def forward(self, positions):
+        """[1, kv_heads, T, head_dim]. cos - 1 is written -2 sin^2(angle / 2): no cancellation
+        where the angle is ~1e-6 rad, the low frequencies the large biases sit in."""
+        freqs = positions[:, None] * self.inv_freq[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        turned = rotate_half(self.bias, self.half_dim) * torch.sin(angles)
+        return (self.bias * (-2 * torch.sin(angles / 2) ** 2) + turned)[None]
+
+
+def _offset_key_bias(model: Decoder) -> None:
+    """Move every attention's k bias past RoPE (`key_bias = "rope_offset"`)."""
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        if attn.k_proj.bias is None:
+            continue
+        local = attn.sliding and model.sliding_inv_freq is not None
+        attn.key_offset = RopeKeyOffset(attn.k_proj.bias, model.sliding_inv_freq if local else model.inv_freq,
+                                        attn.kv_heads, attn.head_dim)
+        attn.k_proj.bias = None  # the copy's own Linear: the source model keeps its bias
 
 
 def squares(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
@@ -253,7 +306,8 @@ def mitigated_model(model: Decoder, args: ModelArgs, mitigations: Fp16Mitigation
     and the mask are applied.
     The residual scale and a finite mask change weights and constants only: the traced
     graph has the same op kinds. The max-scaled norm adds abs, a max reduction, the floor
-    (clamp_min), the division and a reciprocal (sqrt(eps) / m) per norm."""
+    (clamp_min), the division and a reciprocal (sqrt(eps) / m) per norm; the key-bias offset
+    a positional sub-graph (the angles, sin, pow, mul, add) and an add per layer with a k bias."""
     if model.args != args:
         raise Fp16MitigationError(f"mitigated_model: the args given are not the model's ({args.arch_name})")
     if weights_scaled and mitigations.residual_scale != 1.0 and args.norm_style == "gemma":
@@ -274,6 +328,8 @@ def mitigated_model(model: Decoder, args: ModelArgs, mitigations: Fp16Mitigation
     if mitigations.mask_value is not None:
         for layer in safe.model.layers:
             layer.self_attn.mask_value = float(mitigations.mask_value)
+    if mitigations.key_bias == "rope_offset":
+        _offset_key_bias(safe)
     return safe.eval()
 
 
@@ -301,7 +357,10 @@ class Fp16Reference(nn.Module):
         halves = {id(p): nn.Parameter(torch.from_numpy(scratch.hold(p.detach().half().numpy())), requires_grad=False)
                   for p in decoder.parameters()}
         self.decoder = copy.deepcopy(decoder, memo=halves)
-        keep = {name: buffer for name, buffer in self.decoder.named_buffers() if name.endswith("inv_freq")}
+        offsets = {f"{owner}.{name}" for owner, module in self.decoder.named_modules()
+                   if isinstance(module, RopeKeyOffset) for name, _ in module.named_buffers()}
+        keep = {name: buffer for name, buffer in self.decoder.named_buffers()
+                if name.endswith("inv_freq") or name in offsets}
         self.decoder.half()
         for name, buffer in keep.items():
             owner, _, attribute = name.rpartition(".")
@@ -447,13 +506,15 @@ def preflight_findings(model: Decoder, args: ModelArgs, windows: dict[str, np.nd
     where the model has one), in FP32 (the function) and in the fp16 reference of the same
     model (where it overflows: `nonfinite` lists, per window, the first (layer, quantity)
     in forward order with an inf or NaN, its first token position, and how many
-    measured quantities after it were not finite either). A peak is
+    measured quantities after it were not finite either), and whether any attention adds a
+    bias to its keys (`key_bias`, what `choose_mitigations` moves past RoPE). A peak is
     {value, window, position}; None where the quantity does not exist (a layer without
     q/k or sandwich norms has no branch_norm_square)."""
     if model.args != args:
         raise Fp16MitigationError(f"preflight: the args given are not the model's ({args.arch_name})")
     half = fp16_reference(model)
     return {"windows": {name: len(ids) for name, ids in windows.items()},
+            "key_bias": any(layer.self_attn.k_proj.bias is not None for layer in model.model.layers),
             "fp32": _measure(model, model, windows), "fp16": _measure(half, half.decoder, windows)}
 
 
@@ -476,7 +537,10 @@ def choose_mitigations(findings: dict, headroom: float = HEADROOM, where: str = 
     the limit; the norms reading it then square alpha * x, and the max-scaled form is chosen
     when one of those squares, or a branch norm's, would still pass the limit. q . k, the MLP
     intermediate and the logits read normed inputs, which alpha does not change: over the
-    limit they are refused."""
+    limit they are refused. A model whose keys have a bias gets it moved past RoPE
+    (`key_bias = "rope_offset"`), for the scores' precision rather than their range and
+    whatever the peaks: it keeps the function exactly (a constant per query row) and takes
+    the term q . b, which sets the scores' fp16 step, out of them."""
     limit = FP16_MAX / headroom
     peaks = list(_peaks(findings["fp32"]))
     stream = max(p["value"] for _, q, p in peaks if q in ("residual", "embedding"))
@@ -490,7 +554,8 @@ def choose_mitigations(findings: dict, headroom: float = HEADROOM, where: str = 
             raise Fp16Unsafe(where, layer, quantity, peak["value"],
                              f"over fp16's {FP16_MAX:g} / headroom {headroom:g} = {limit:g} (window "
                              f"{peak['window']!r}, token {peak['position']}), and no mitigation here rescales it")
-    return Fp16Mitigations(residual_scale=alpha, rmsnorm=norm_form, headroom=headroom)
+    return Fp16Mitigations(residual_scale=alpha, rmsnorm=norm_form, headroom=headroom,
+                           key_bias="rope_offset" if findings.get("key_bias") else "plain")
 
 
 def check_mitigated(findings: dict, headroom: float = HEADROOM, where: str = "model") -> None:

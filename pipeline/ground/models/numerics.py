@@ -195,6 +195,9 @@ MAX_SCALED_NORM_BOUNDARIES = 10  # |x|, max, clamp, x / m, then the six above
 # q_proj, RoPE (x cos + rotate(x) sin: two on a path), q . k, * scale, softmax, p @ V, o_proj,
 # the residual add; plus the input norm, and q norm / post-attention norm where present.
 ATTENTION_BOUNDARIES = 9
+# A k bias moved past RoPE (fp16 mitigation `key_bias`): the offset rounded to fp16 where it
+# meets the keys, and its add.
+KEY_OFFSET_BOUNDARIES = 2
 # gate, activation, * up, down, the residual add; plus the norms.
 FFN_BOUNDARIES = 5
 
@@ -213,6 +216,7 @@ def fp16_boundaries(model) -> int:
     for layer in model.model.layers:
         attn, norms = layer.self_attn, _norm_boundaries(layer.input_layernorm)
         count += ATTENTION_BOUNDARIES + norms + (0 if attn.q_norm is None else _norm_boundaries(attn.q_norm))
+        count += 0 if attn.key_offset is None else KEY_OFFSET_BOUNDARIES
         count += FFN_BOUNDARIES + _norm_boundaries(layer.pre_feedforward_layernorm or layer.post_attention_layernorm)
         if layer.pre_feedforward_layernorm is not None:  # sandwich: the attention output's norm
             count += _norm_boundaries(layer.post_attention_layernorm)

@@ -122,5 +122,6 @@ def _mitigations_name(mitigations) -> str:
         return "none"
     parts = [f"residual x{mitigations.residual_scale:g}" if mitigations.residual_scale != 1.0 else None,
              f"{mitigations.rmsnorm} RMSNorm" if mitigations.rmsnorm != "plain" else None,
-             f"mask {mitigations.mask_value:g}" if mitigations.mask_value is not None else None]
+             f"mask {mitigations.mask_value:g}" if mitigations.mask_value is not None else None,
+             "k bias past RoPE" if mitigations.key_bias != "plain" else None]
     return ", ".join(p for p in parts if p)
