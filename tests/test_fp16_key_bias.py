@@ -136,3 +136,19 @@ def test_the_mitigated_model_traces(biased):
             want = step(chunk, torch.tensor([position]), cache.keys, cache.values)
             got = traced(chunk, torch.tensor([position]), cache.keys, cache.values)
             assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_the_preflight_manifest_schema_takes_the_record():
+    """The 0.5B's first preflight with it was refused by its own manifest's schema."""
+    import json
+
+    import jsonschema
+
+    from conftest import ROOT
+
+    schema = json.loads((ROOT / "manifests" / "schemas" / "preflight.schema.json").read_text())
+    mitigations = schema["properties"]["mitigations"]
+    jsonschema.validate(Fp16Mitigations(rmsnorm="max_scaled", key_bias="rope_offset").to_record(), mitigations)
+    jsonschema.validate(Fp16Mitigations().to_record(), mitigations)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({**Fp16Mitigations().to_record(), "key_bias": "sideways"}, mitigations)
