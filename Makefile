@@ -100,8 +100,11 @@ WORKER_FLAGS = --worker-engine $(WORKER_ENGINE) $(if $(RAY_ADDRESS),--address $(
 QUALITY_FLAGS = $(if $(BUDGET),--budget "$(BUDGET)") --quality-text $(QUALITY_TEXT) --items $(ITEMS) $(if $(ALL_FIGURES),--all-figures)
 # Its calibration lines feed calibration-aware recipes, its held-out lines the quality part.
 QUALITY_TEXT ?= fixtures/botchan.txt
-# Tokens the packages take (and the gates' long case covers); 128 is the fixture's context.
-CONTEXT ?= 128
+# Tokens the packages take (and the gates' long case covers). Empty: each stage's default, the
+# model's own limit or 2048, whichever is smaller (ModelArgs.deployed_context): the context apps
+# ship at; the fixture's limit is 128.
+CONTEXT ?=
+CONTEXT_FLAG = $(if $(CONTEXT),--context $(CONTEXT))
 # The package kinds converted and gated (coreml.kinds registers them).
 KINDS ?= stateless chunk_kv stateful
 
@@ -213,14 +216,14 @@ $(OUT)/bundle/manifest.json: $(CMF) | $(INSTALLED)
 
 # Where fp16 would overflow, and the mitigations an fp16 package takes (exits 1 when none is safe).
 $(OUT)/preflight/manifest.json: $(OUT)/bundle/manifest.json $(QUALITY_TEXT)
-	$(CLI) preflight $(OUT)/bundle -o $(OUT)/preflight --text $(QUALITY_TEXT) --context $(CONTEXT) --force
+	$(CLI) preflight $(OUT)/bundle -o $(OUT)/preflight --text $(QUALITY_TEXT) $(CONTEXT_FLAG) --force
 
 $(PACKAGES): $(OUT)/bundle/manifest.json $(if $(FP16),$(OUT)/preflight/manifest.json)
-	$(CLI) coreml $(OUT)/bundle -o $(PKG) --kinds $(KINDS) --context $(CONTEXT) --jobs $(COREML_JOBS) \
+	$(CLI) coreml $(OUT)/bundle -o $(PKG) --kinds $(KINDS) $(CONTEXT_FLAG) --jobs $(COREML_JOBS) \
 	  --precision $(PRECISION) $(if $(FP16),--preflight $(OUT)/preflight) --interface $(INTERFACE) $(WORKER_FLAGS) --force
 
 $(OUT)/reference/index.json: $(OUT)/bundle/manifest.json
-	$(JOB_ENV) $(CLI) reference-fixtures $(CMF) -o $(OUT)/reference --text fixtures/botchan.txt --context $(CONTEXT) --force
+	$(JOB_ENV) $(CLI) reference-fixtures $(CMF) -o $(OUT)/reference --text fixtures/botchan.txt $(CONTEXT_FLAG) --force
 
 # FP32's scores of the scoring set (FP32_SCORES) are made once, from the bundle, and read by
 # the gates that judge items against them and by the survey instead of scoring them again

@@ -148,7 +148,7 @@ def reference_for_export(bundle_dir: Path, context: int | None = None,
             f"{where}: Core ML conversion supports dense full- and sliding-attention decoders; "
             f"got layer_types {sorted(set(args.layer_types))}, moe {args.moe is not None}"
         )
-    context = args.max_position_embeddings if context is None else context
+    context = args.deployed_context if context is None else context
     if not 1 <= context <= args.max_position_embeddings:
         raise UnsupportedModel(
             f"{where}: context {context} is outside 1..arch.max_position_embeddings {args.max_position_embeddings}"

@@ -78,7 +78,8 @@ def register(subparsers) -> None:
     p.add_argument("cmf", help="the CMF the packages were made from")
     p.add_argument("-o", "--out", required=True, help="fixtures directory to create")
     p.add_argument("--text", required=True, help="plain text; cases start at lines 0, 100 and 200")
-    p.add_argument("--context", type=int, default=128, help="tokens of the long case (the packages' context)")
+    p.add_argument("--context", type=int,
+                   help="tokens of the long case, the packages' context (default: the model's limit, at most 2048)")
     p.add_argument("--step-logits", action="store_true",
                    help="also long_kv_step_logits: the long case fed one token at a time through the cached path "
                         "(no gate reads them; a forward per position)")

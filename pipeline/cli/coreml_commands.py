@@ -19,7 +19,7 @@ def register(subparsers) -> None:
     convert.add_argument("bundle", help="bundle directory (from `cmfdeploy bundle`)")
     convert.add_argument("-o", "--out", required=True, help="output directory; one subfolder per package kind")
     convert.add_argument("--kinds", nargs="+", help=f"{', '.join(KINDS)} (default: all of them)")
-    convert.add_argument("--context", type=int, help="KV/flexible-length context (default: max_position_embeddings)")
+    convert.add_argument("--context", type=int, help="KV/flexible-length context (default: the model's limit, at most 2048)")
     convert.add_argument("--jobs", type=int, default=1,
                          help="package kinds converted at a time, each in its own process with an equal share of the cores")
     convert.add_argument("--precision", default="fp32",

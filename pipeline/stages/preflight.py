@@ -51,8 +51,6 @@ DEFAULT_TEXT = ROOT / "fixtures" / "botchan.txt"
 # whole context. A few windows: massive activations sit on fixed tokens, not rare text.
 CALIBRATION_WINDOWS = 4
 CALIBRATION_WINDOW = 128
-# The context measured when none is given: the torch reference's default cap.
-DEFAULT_CONTEXT = 2048
 PLOTTED = ("residual", "attention_logits", "mlp_intermediate", "norm_square", "branch_norm_square")
 
 
@@ -98,7 +96,7 @@ def run_preflight(bundle_dir: str | Path, out_dir: str | Path, *, text: str | Pa
     bundle_dir, out_dir, text = Path(bundle_dir), Path(out_dir), Path(text)
     refuse_existing(out_dir, force)
     model, args, _ = load_reference(bundle_dir)
-    context = min(args.max_position_embeddings, DEFAULT_CONTEXT) if context is None else context
+    context = args.deployed_context if context is None else context
     if not 2 <= context <= args.max_position_embeddings:
         raise PreflightError(f"{bundle_dir}: context {context} is outside 2..arch.max_position_embeddings "
                              f"{args.max_position_embeddings}")

@@ -51,6 +51,12 @@ class MoeArgs:
     shared_expert_intermediate_size: int | None = None
 
 
+# What apps ship (Apple's stateful Llama recipe, ANEMLL, Core AI: 512-4096 tokens), and what
+# a default build costs: at SmolLM2's own limit of 8192, chunk-KV's conversion alone took 14
+# minutes (issue 50).
+DEPLOYED_CONTEXT = 2048
+
+
 @dataclass(frozen=True)
 class ModelArgs:
     arch_name: str
@@ -77,6 +83,12 @@ class ModelArgs:
     rope_local_base_freq: float | None = None
     # Queries are scaled by query_pre_attn_scalar ** -0.5; None: by head_dim ** -0.5.
     query_pre_attn_scalar: float | None = None
+
+    @property
+    def deployed_context(self) -> int:
+        """The context a package, its preflight and its fixtures are built for when none is
+        asked: DEPLOYED_CONTEXT, or the model's own limit where that is smaller."""
+        return min(DEPLOYED_CONTEXT, self.max_position_embeddings)
 
     @property
     def family(self) -> str:

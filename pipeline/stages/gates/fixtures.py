@@ -144,13 +144,15 @@ def reference_arrays(artifact: Path, cases: dict[str, dict], context: int, step_
     return arrays
 
 
-def make_reference_fixtures(artifact: str | Path, out_dir: str | Path, lines: list[str], *, context: int,
+def make_reference_fixtures(artifact: str | Path, out_dir: str | Path, lines: list[str], *, context: int | None = None,
                             step_logits: bool = False, force: bool = False) -> Path:
     """Compute the cases from `lines` of text with the CMF at `artifact` (and `long_kv_step_logits` when
-    `step_logits`); write `out_dir` atomically."""
+    `step_logits`); write `out_dir` atomically. `context` None: the model's deployed context
+    (`ModelArgs.deployed_context`), the packages' default."""
     import torch
 
     from pipeline.ground.cmf import open_cmf
+    from pipeline.ground.models.args import ModelArgs
     from pipeline.ground.tokenizer import tokenizer_from_artifact
 
     artifact, out_dir = Path(artifact), Path(out_dir)
@@ -158,6 +160,9 @@ def make_reference_fixtures(artifact: str | Path, out_dir: str | Path, lines: li
     torch.manual_seed(0)
     torch.use_deterministic_algorithms(True)
     tokenizer = tokenizer_from_artifact(artifact)
+    if context is None:
+        with open_cmf(artifact) as cmf:
+            context = ModelArgs.from_header(cmf.header, source=cmf.path.name).deployed_context
     cases = build_cases(tokenizer, lines, context)
     arrays = reference_arrays(artifact, cases, context, step_logits)
     index = {
