@@ -56,7 +56,7 @@ SCORE_RUN := $(OUT)/scores/$(PRECISION)-chunk_kv
 RECIPES_cpu := int8-b32 int8-b32-fp16scale int4-b32 int4-b32-emb8 gptq-int4-b32 gptq-int4-b64 gptq-int4-b64-emb8 gptq-int4-b32-zp \
   palette6-gc32 palette4-gc32 int8-b32-embfp16 palette4-int8lut mixed
 RECIPES_gpu := int8-b32 int8-pc int4-b32 int4-b32-emb8 gptq-int4-b32 gptq-int4-b32-zp palette6-gc32 palette4-gc32
-RECIPES_ane := int8-pc palette6-gc32 palette4-gc32 palette4-int8lut
+RECIPES_ane := int8-pc palette6-gc32 palette4-gc32 palette4-int8lut palette4-gptq-gc32-emb8x32
 RECIPES ?= $(RECIPES_$(TARGET))
 ITEMS ?= fixtures/scoring/cloze.jsonl
 # How far from FP32 a package's numerics may go (the gates' quality part): perplexity change

@@ -23,7 +23,10 @@ decoded by the MIL executor's own constexpr ops (`coreml.mil.executor.Executor`)
 into the torch reference model, which by the survey's exactness gate computes what the
 package computes; perplexity and top-1 agreement with the FP32 model per predicted token.
 Bits per weight as mlx-lm and Core ML count them (`coreml.bits.bits_per_weight`: every
-stored byte of the package's weights, x 8, over the parameter count).
+stored byte of the package's weights, x 8, over the parameter count). Each compressed package
+also gets the Neural Engine's static check (`coreml.ane.ane_report`): the compute units it can
+claim, and the verdict of its weight compression alone, which is the recipe's part (an FP32
+package fails the fp16 check whatever its recipe; compress an fp16 package for the whole claim).
 
 `--mlx-lm 4 8`: mlx-lm's own quantization (`benchmarks/mlx_lm_reference.py`: its model
 file and `quantize_model`, group 64, bf16 scales and biases as `mlx_lm.convert` stores
@@ -205,6 +208,28 @@ def exactness(model: Model, manifest, weights: dict[str, np.ndarray]) -> dict:
     return {"passed": record["passed"], "max_abs": record["max_abs"], "bound": tolerance.atol}
 
 
+def ane_claim(package: Path) -> dict:
+    """The compute units the package's program can claim by the Neural Engine's static check, and
+    the verdict of the check of its weights' compression."""
+    from coreml.ane import ane_report
+
+    report = ane_report(package / "model.mlpackage")
+    weights = [c for f in report["functions"].values() for c in f["checks"] if c["check"] == "weight_compression"]
+    return {"compute_units": report["compute_units"],
+            "weight_compression": "pass" if all(c["verdict"] == "pass" for c in weights) else "fail",
+            "failed": sorted({c["check"] for f in report["functions"].values() for c in f["checks"]
+                              if c["verdict"] == "fail"})}
+
+
+def _ane(row: dict) -> str:
+    if "ane" not in row:
+        return ""
+    claim = row["ane"]
+    if "ane" in claim["compute_units"]:
+        return "claims ane"
+    return f"weights {claim['weight_compression']}; fails {', '.join(claim['failed'])}"
+
+
 def decompressed_weights(manifest) -> dict[str, np.ndarray]:
     """HF name -> the package's constant as the MIL executor's constexpr ops decode it (a table
     with hot rows: as the package reads it, `coreml.codes.with_hot_rows`)."""
@@ -260,7 +285,8 @@ def run_recipes(package: Path, recipes: list[str], work: Path, mlx_bits: list[in
         weights = decompressed_weights(manifest)
         scored = model.score(weights)
         row = {**scored, "bpw": bits_per_weight(manifest.path)["bits_per_weight"], "seconds": seconds,
-               "ppl_delta": scored["perplexity"] / base["perplexity"] - 1, "compressed_tensors": len(weights)}
+               "ppl_delta": scored["perplexity"] / base["perplexity"] - 1, "compressed_tensors": len(weights),
+               "ane": ane_claim(manifest.path)}
         if exact:
             row["exact"] = exactness(model, manifest, weights)
         if "mixed" in manifest["selection"]:
@@ -271,7 +297,7 @@ def run_recipes(package: Path, recipes: list[str], work: Path, mlx_bits: list[in
         shutil.rmtree(work / spec, ignore_errors=True)
         print(f"{spec}: {row['bpw']:.3f} bpw, ppl {row['perplexity']:.3f} ({row['ppl_delta']:+.2%}), "
               f"top-1 {row['top1_agreement']:.3f}, KL {_kl(row)}, {seconds:.1f} s"
-              + (f", chose {row['chosen']}" if "chosen" in row else "")
+              + (f", chose {row['chosen']}" if "chosen" in row else "") + f", ANE check: {_ane(row)}"
               + (f", exact {row['exact']['passed']} (max |Δ logit| {row['exact']['max_abs']:.2g}, bound "
                  f"{row['exact']['bound']:.2g})" if exact else ""), flush=True)
     if mlx_bits:
@@ -433,7 +459,7 @@ def markdown(result: dict) -> str:
                         else f"NO ({r['exact']['max_abs']:.2g} > {r['exact']['bound']:.2g})") if "exact" in r else ""
                  for name, r in recipes.items()}
         rows = [[name, f"{r['bpw']:.3f}", f"{r['perplexity']:.3f}", f"{r.get('ppl_delta', 0.0):+.2%}",
-                 f"{r['top1_agreement']:.3f}", _kl(r), exact[name], f"{r['seconds']:.1f}",
+                 f"{r['top1_agreement']:.3f}", _kl(r), exact[name], _ane(r), f"{r['seconds']:.1f}",
                  *(f"{r.get('ppl_delta', 0.0) / d:.2f}" if d else "" for d in anchors.values())]
                 for name, r in recipes.items()]
         return (f"# Compression on {result['package']}\n\nMeasured as {result['how']}. "
@@ -441,7 +467,7 @@ def markdown(result: dict) -> str:
                 f"{result['window']} (BOS {result['bos_id']} first), {result['calibration_tokens']} calibration "
                 f"tokens, {result['parameters']} parameters; mlx-lm rows against mlx-lm's own FP32\n\n"
                 + md_table(["recipe", "bits/weight", "perplexity", "Δ ppl", "top-1 agreement", "KL mean",
-                            "exact on the executor", "seconds",
+                            "exact on the executor", "ANE check", "seconds",
                             *(f"Δ / {name}'s" for name in anchors)], rows))
     methods = list(result["ppl_delta"])
     parts = [k for k in ("embedding_only", "head_use_only", "lookup_only", *(f"hot{c}" for c in result["hot_rows"]),

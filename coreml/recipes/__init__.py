@@ -7,7 +7,7 @@ A recipe (`base.Recipe`) is a typed, registered unit that records its params ver
 the manifest and gives each weight its steps: codes computed in numpy (`coreml.codes`;
 written as iOS18 constexpr ops by `emit`) or coremltools 9.0 `linear_quantize_weights`.
 The families: `linear` (coremltools int8 per block), `affine` (affine and symmetric block
-codes), `palette` (k-means LUTs, their int8-quantized LUTs, sensitivity-weighted ones),
+codes), `palette` (k-means LUTs, their int8-quantized LUTs, sensitivity-weighted and GPTQ-chosen ones),
 `gptq`, `hot_rows` (GPTQ, the tied table's most read rows corrected at int8), `mixed` (a
 per-layer choice among the others under a size budget), `cmf_native`
 (the source CMF's own codes). `compress` applies any of them. docs/COMPRESSION.md gives what
@@ -33,7 +33,8 @@ from coreml.recipes.mixed import MIXED_BPW, choose_mixed
 order_recipes(("int8-b32", "int4-b32", "int4-b32-emb8", "palette6-gc32", "palette4-gc32", "int8-b32-embfp16",
                "palette4-int8lut", "palette4-skm", "mixed", "cmf-native", "gptq-int4-b32", "gptq-int4-b64",
                "int8-b32-fp16scale", "gptq-int4-b64-emb8", "int8-pc", "gptq-int4-b32-zp",
-               "gptq-int4-b32-zp-hot"))
+               "gptq-int4-b32-zp-hot", "palette4-gptq-gc32", "palette4-gptq-gc32-emb8x32",
+               "palette4-gptq-g8-head6"))
 
 __all__ = ["EMBEDDING", "MIXED_BPW", "RECIPES", "WEIGHT_THRESHOLD", "Context", "Prepared", "Recipe",
            "RecipePrecondition", "Selected", "StepRecipe", "UnknownRecipe", "Weight", "apply_recipe", "choose_mixed",

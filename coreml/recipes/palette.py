@@ -1,9 +1,13 @@
 """K-means palettes (`coreml.codes.kmeans_tiles`): one LUT per tile of 32 output rows x 32
 input columns. palette6-gc32 and palette4-gc32; palette4-int8lut, whose fp32 LUT coremltools
 then quantizes to int8 (joint compression); palette4-skm, each error weighted by the
-calibration inputs' second moments."""
+calibration inputs' second moments; and the GPTQ palettes (`coreml.codes.gptq_palette`), whose
+codes GPTQ chooses against each linear's calibration Hessian with the LUT as the grid, per
+32 x 32 tile or per group of output rows across all columns, the tied embedding/head at 4 or
+6 bits. Every one is a `constexpr_lut_to_dense` of scalar LUTs, which the Neural Engine reads
+(`coreml.ane.weight_compression`)."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import coremltools.optimize.coreml as cto
@@ -12,8 +16,10 @@ from coremltools.optimize.coreml._quantization_passes import linear_quantize_wei
 
 from coreml import codes
 from coreml.cache import ResultCache
-from coreml.recipes.base import (STORAGE, WEIGHT_THRESHOLD, Code, CodeRecipe, Context, Prepared, Step, Weight,
+from coreml.calibration import Calibration
+from coreml.recipes.base import (STORAGE, WEIGHT_THRESHOLD, Code, CodeRecipe, Context, Encoder, Prepared, Step, Weight,
                                  describe_params, register_recipe)
+from coreml.recipes.gptq import GPTQ, GptqRecipe, _coded
 from coreml.recipes.linear import Quantize
 
 # Output rows x input columns that share one palette LUT (see coreml.codes.kmeans_tiles).
@@ -95,8 +101,53 @@ class WeightedPaletteRecipe(CodeRecipe):
             for w in weights if w.hf_names and w.size > WEIGHT_THRESHOLD and w.hf_names[0] in moments})
 
 
+@dataclass(frozen=True)
+class GptqKmeans(Kmeans):
+    """One LUT per `tile`, its codes chosen by GPTQ where the weight's Hessian is known
+    (`codes.gptq_palette`: H_jj-weighted k-means LUTs, GPTQ's assignment in act order, the LUTs
+    refitted by least squares on the full H, `rounds` times); a weight without one keeps the
+    data-free k-means. A tile of (rows, None) is `rows` output rows across all the columns
+    (coremltools' grouped-channel palette)."""
+
+    importance: str | None = "H_jj of the calibration Hessian (the LUTs' k-means start)"
+    rounds: int = 2  # of GPTQ's assignment and the LUTs' refit
+
+    def record(self) -> dict:
+        return {**super().record(), "gptq": {**GPTQ, "order": "descending H_jj"}, "rounds": self.rounds,
+                "refit": "LUT entries by least squares on the full Hessian"}
+
+    def for_shape(self, shape: tuple[int, ...]) -> "GptqKmeans":
+        return replace(self, tile=(self.tile[0], shape[1])) if self.tile[1] is None and len(shape) == 2 else self
+
+    def encode_for(self, value: np.ndarray, hessian: np.ndarray) -> codes.Palette:
+        return codes.gptq_palette(value, hessian, self.nbits, self.tile, STORAGE[self.dtype], rounds=self.rounds)
+
+
+@dataclass(frozen=True)
+class GptqPaletteRecipe(GptqRecipe):
+    """GPTQ palettes for every selected weight that feeds a linear (the tied embedding as the
+    head), on the GPTQ recipes' Hessians and through their shared cache of codes."""
+
+    def encoders(self, weights: list[Weight], calib: Calibration) -> dict[str, Encoder]:
+        hessians = calib.input_hessians()
+        return {w.name: partial(_coded, calib, self.steps(w)["code"], hessian=hessians[w.hf_names[0]])
+                for w in weights if w.hf_names and w.size > WEIGHT_THRESHOLD and w.hf_names[0] in hessians
+                and isinstance(self.steps(w)["code"], GptqKmeans)}
+
+
 register_recipe(PaletteRecipe("palette6-gc32", Kmeans(6)))
 register_recipe(PaletteRecipe("palette4-gc32", Kmeans(4)))
 register_recipe(QuantizedLutRecipe("palette4-int8lut", Kmeans(4, dtype="fp32"),
                                    quantize_lut=Quantize("int8", granularity="per_tensor", block_size=None)))
 register_recipe(WeightedPaletteRecipe("palette4-skm", Kmeans(4, importance="calibration input second moments")))
+# The GPTQ palettes (docs/COMPRESSION.md, 2026-12-06, says what each ingredient bought). Per
+# 32 x 32 tile, as palette4-gc32 stores it: 4.25 bits per weight; the tied embedding/head, whose
+# 4-bit code costs the most per weight, per tile of 8 rows x 32 columns: 4 + 256/256 = 5.0
+# bits, 4.42 bits per weight on SmolLM2, where it is a fifth of the model.
+register_recipe(GptqPaletteRecipe("palette4-gptq-gc32", GptqKmeans(4)))
+register_recipe(GptqPaletteRecipe("palette4-gptq-gc32-emb8x32", GptqKmeans(4), embedding=GptqKmeans(4, (8, 32))))
+# Per 8 output rows across all columns (coremltools' grouped-channel palette): a 16-entry fp16
+# LUT is 32 bits a row, 4 + 32/cols bits (4.05 on SmolLM2's 576- and 1536-wide inputs), which
+# leaves the tied embedding/head 6 bits per 16 rows (6 + 64/576) within 4.5 bits per weight.
+register_recipe(GptqPaletteRecipe("palette4-gptq-g8-head6", GptqKmeans(4, (8, None)),
+                                  embedding=GptqKmeans(6, (16, None))))
