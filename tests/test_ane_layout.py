@@ -250,7 +250,9 @@ def test_the_release_snippet_concatenates_the_parts_and_feeds_enumerated_lengths
     ids = [int(i) for i in prompt]
     for kind, manifest in packages["split"].items():
         interface = manifest["package"]
-        release = {"interface": interface, "model": "botchan-llama-1m", "recipe": "fp16", "survey": {"target": "ane"}}
+        release = {"interface": interface, "model": "botchan-llama-1m", "recipe": "fp16", "survey": {"target": "ane"},
+                   "packages": [{"role": "fp32", "path": f"packages/fp32-{kind}"},
+                                {"role": "deployed", "path": "packages/fp16"}]}
         text = "\n".join(usage_markdown(release))
         assert "logits_0" in text and "logits_2" in text and "computeUnits = .cpuAndNeuralEngine" in text
         # The Python lines run as written, on the executor standing in for Core ML.

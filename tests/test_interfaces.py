@@ -237,7 +237,9 @@ def test_a_conversion_refuses_an_interface_it_cannot_shape(fixture_bundle, tmp_p
                                          ("causal-lm", (CAUSAL_LM_TOKENS, CAUSAL_LM_MASK))])
 def test_the_release_snippets_feed_each_interfaces_inputs(packages, name, names):
     interface = json.loads((packages[name] / "manifest.json").read_text())["package"]
-    release = {"interface": interface, "model": "botchan-llama-1m", "recipe": "fp32", "survey": {"target": "gpu"}}
+    release = {"interface": interface, "model": "botchan-llama-1m", "recipe": "fp32", "survey": {"target": "gpu"},
+               "packages": [{"role": "fp32", "path": "packages/fp32-stateful"},
+                            {"role": "deployed", "path": "packages/fp32"}]}
     text = "\n".join(usage_markdown(release))
     assert f'inputs = {{"{names[0]}": np.array([ids], dtype=np.int32)}}' in text
     assert all(feature in text for feature in names)
