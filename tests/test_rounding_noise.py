@@ -3,22 +3,20 @@ float32 against float64 of the same decoder, and a converter fault of 0.1% in on
 the a-priori bound let through on real models, fails the gate by a wide margin."""
 
 import copy
-import os
-import shutil
 
 import numpy as np
 import pytest
 import torch
-from safetensors.numpy import load_file
 
 from _survey_models import cloze_slice
 from conftest import FIXTURE_CMF, FIXTURE_REFERENCE
-from manifests.identity import MANIFEST_NAME, inventory, read_json, write_json
+from manifests.identity import read_json
 from pipeline.cli import main
 from pipeline.ground.models.base import KVCache
 from pipeline.ground.models.noise import rounding_noise, widened
 from pipeline.ground.reference import load_reference
 from pipeline.stages.gates.exactness import NOISE_FACTOR
+from pipeline.stages.gates.faults import seeded_copy
 from pipeline.stages.gates.fixtures import ReferenceFixtures
 
 
@@ -81,29 +79,13 @@ def test_the_noise_is_float32_against_float64_and_far_below_the_a_priori_bound(m
     assert noise.largest_logit == pytest.approx(float(got.abs().max()), rel=1e-5)
 
 
-def _faulty_copy(package, bundle, out, weight: str, factor: float):
-    """The package with one weight scaled by `factor` and its manifest made consistent again, as a
-    converter that wrote wrong numbers would leave it: only the gate's numerics can tell."""
-    shutil.copytree(package, out)
-    relative = read_json(package / MANIFEST_NAME)["source"]["relative_path"]
-    shutil.copytree(bundle, os.path.normpath(out / relative))
-    right = load_file(bundle / "weights.safetensors")[weight].astype(np.float32)
-    blob = next(out.rglob("weight.bin"))
-    data = blob.read_bytes()
-    assert data.count(right.tobytes()) == 1
-    blob.write_bytes(data.replace(right.tobytes(), (right * np.float32(factor)).tobytes()))
-    manifest = read_json(out / MANIFEST_NAME)
-    manifest["files"] = inventory(out)
-    write_json(out / MANIFEST_NAME, manifest)
-    return out
-
-
 def test_one_matrix_off_by_a_thousandth_fails_exactness_by_a_wide_margin(fixture_packages, fixture_bundle, tmp_path,
                                                                          capsys):
-    """Layer 1's down_proj x (1 + 1e-3) in a chunk-KV package: the a-priori bound (2.7e-3) passed
-    it by a hair; the noise bound catches it by at least 3x on every comparison it fails."""
-    package = _faulty_copy(fixture_packages / "chunk_kv", fixture_bundle, tmp_path / "coreml" / "chunk_kv",
-                           "model.layers.1.mlp.down_proj.weight", 1 + 1e-3)
+    """The middle layer's down_proj x (1 + 1e-3) in a chunk-KV package (`faults.matrix_scale`): the
+    a-priori bound (2.7e-3) passed such a fault by a hair; the noise bound catches it by at least
+    3x on every comparison it fails."""
+    package, _ = seeded_copy(fixture_packages / "chunk_kv", fixture_bundle, tmp_path / "coreml" / "chunk_kv",
+                             "matrix_scale")
     items = cloze_slice(tmp_path / "items.jsonl")
     out = tmp_path / "gate"
     assert main(["align", str(package), "--fixtures", str(FIXTURE_REFERENCE), "-o", str(out),
