@@ -107,6 +107,9 @@ CONTEXT ?=
 CONTEXT_FLAG = $(if $(CONTEXT),--context $(CONTEXT))
 # The package kinds converted and gated (coreml.kinds registers them).
 KINDS ?= stateless chunk_kv stateful
+# The device's per-package limit in MiB, about an iPhone's: a stateful package larger than it is
+# cut into consecutive-layer pieces under it (docs/SPLIT.md); `none`: one package whatever its size.
+MAX_PACKAGE_MB ?= 1024
 
 # The conversion writes every kind at once; its first kind's manifest stands for the whole output.
 PACKAGES = $(PKG)/$(firstword $(KINDS))/manifest.json
@@ -220,7 +223,8 @@ $(OUT)/preflight/manifest.json: $(OUT)/bundle/manifest.json $(QUALITY_TEXT)
 
 $(PACKAGES): $(OUT)/bundle/manifest.json $(if $(FP16),$(OUT)/preflight/manifest.json)
 	$(CLI) coreml $(OUT)/bundle -o $(PKG) --kinds $(KINDS) $(CONTEXT_FLAG) --jobs $(COREML_JOBS) \
-	  --precision $(PRECISION) $(if $(FP16),--preflight $(OUT)/preflight) --interface $(INTERFACE) $(WORKER_FLAGS) --force
+	  --precision $(PRECISION) $(if $(FP16),--preflight $(OUT)/preflight) --interface $(INTERFACE) \
+	  --max-package-mb $(MAX_PACKAGE_MB) $(WORKER_FLAGS) --force
 
 $(OUT)/reference/index.json: $(OUT)/bundle/manifest.json
 	$(JOB_ENV) $(CLI) reference-fixtures $(CMF) -o $(OUT)/reference --text fixtures/botchan.txt $(CONTEXT_FLAG) --force

@@ -201,6 +201,19 @@ def ane_report(mlpackage: Path) -> dict:
     return {"functions": functions, "compute_units": units}
 
 
+def package_ane_report(package_dir: Path, block: dict) -> dict:
+    """`ane_report` of the package whose manifest block (`package`) is `block`; of a split
+    package (`coreml.split`), each piece's functions as `<piece>:<function>`, and the units
+    every piece can claim."""
+    if "pieces" not in block:
+        return ane_report(Path(package_dir) / block["name"])
+    reports = {piece["name"]: ane_report(Path(package_dir) / piece["name"]) for piece in block["pieces"]}
+    functions = {f"{name}:{function}": verdicts for name, report in reports.items()
+                 for function, verdicts in report["functions"].items()}
+    units = [u for u in ALL_UNITS if all(u in report["compute_units"] for report in reports.values())]
+    return {"functions": functions, "compute_units": units}
+
+
 def ane_markdown(report: dict) -> list[str]:
     """The report as markdown lines: one table row per function and check."""
     lines = ["| function | check | verdict | detail |", "|---|---|---|---|"]

@@ -11,6 +11,7 @@ import numpy as np
 
 from coreml.decoded import hot_rows_of, weight_vars
 from coreml.mil.loader import BlobStorage, blob_file, mil_dtype, program_spec
+from coreml.split import program_views
 from manifests.identity import load_manifest
 
 
@@ -69,18 +70,23 @@ def bits_per_weight(package_dir: str | Path) -> dict:
     rows (their residual, slot map and ids) included, and a split head's parts: stored beside
     a tied table, their bytes count and their rows are that table's parameters again.
     """
-    manifest = load_manifest(Path(package_dir))
-    walk = _StoredBytes(Path(package_dir) / manifest["package"]["name"])
     stored = parameters = 0
-    carried = {name for names in weight_vars(manifest).values() for name in names}
-    for var in weight_vars(manifest):
-        parameters += walk.elements(var)
-        stored += walk.stored(var)
-    split = manifest["package"].get("head_split")
-    for part in split["parts"] if split else ():
-        weight = walk.producers[walk.returned[part["output"]]].inputs["weight"].arguments[0].name
-        parameters += 0 if split["weight"] in carried else walk.elements(weight)
-        stored += walk.stored(weight)
-    for record in hot_rows_of(manifest).values():
-        stored += sum(walk.stored(record[part]) for part in ("residual", "slot", "hot_ids"))
+    counted: set[tuple[str, ...]] = set()  # the HF names whose parameters are counted already
+    views = program_views(load_manifest(Path(package_dir)))
+    carried = {name for _, view in views for names in weight_vars(view).values() for name in names}
+    # A split package's pieces store their own bytes, a tied table twice (the first's lookup, the
+    # last's head): both count as stored, its parameters once.
+    for name, manifest in views:
+        walk = _StoredBytes(Path(package_dir) / name)
+        for var, hf_names in weight_vars(manifest).items():
+            parameters += 0 if hf_names in counted else walk.elements(var)
+            counted.add(hf_names)
+            stored += walk.stored(var)
+        split = manifest["package"].get("head_split")
+        for part in split["parts"] if split else ():
+            weight = walk.producers[walk.returned[part["output"]]].inputs["weight"].arguments[0].name
+            parameters += 0 if split["weight"] in carried else walk.elements(weight)
+            stored += walk.stored(weight)
+        for record in hot_rows_of(manifest).values():
+            stored += sum(walk.stored(record[part]) for part in ("residual", "slot", "hot_ids"))
     return {"bits_per_weight": 8 * stored / parameters, "weight_bytes": stored, "parameters": parameters}

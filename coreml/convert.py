@@ -10,8 +10,10 @@ from coreml.interfaces import DEFAULT_INTERFACE, INTERFACES, Interface, shaping
 from coreml.kinds import KINDS, UnknownKind
 from coreml.kinds.export import Conversion, Reference, reference_for_export
 from coreml.precisions import precision
+from manifests.disk import DISK_NEEDS, require_disk
 from manifests.identity import Manifest, artifact_source, load_manifest
 from manifests.output import refuse_existing, staged_output
+from pipeline.ground.bundle_format import WEIGHTS_NAME
 from pipeline.ground.workers import LOCAL, WorkerEngine, bundle_job_memory, run_in_workers
 
 
@@ -58,6 +60,9 @@ def export_coreml(
     refuse_existing(out_dir, force)
     step("verify the bundle and build the reference model")
     ref = reference_for_export(Path(bundle_dir), context, conversion)
+    # Before coremltools writes a byte: out of room there it fails as 'A valid manifest does not exist'.
+    require_disk(out_dir, DISK_NEEDS["coreml"], (Path(bundle_dir) / WEIGHTS_NAME).stat().st_size,
+                 units=len(kinds), jobs=min(jobs, len(kinds)))
     with staged_output(out_dir, force) as staging:
         if in_workers(kinds, jobs, engine):
             del ref  # each worker builds its own; this one's weights need not sit here meanwhile

@@ -25,6 +25,7 @@ from coreml.interfaces import DEFAULT_INTERFACE, MASK_DTYPE, package_interface
 from coreml.mil.errors import MilError
 from coreml.layout import logit_outputs
 from coreml.precisions import POSITION_INPUT, package_precision, positional_values
+from coreml.split import HIDDEN_INPUT, HIDDEN_OUTPUT, Piece, program_views
 from coreml.mil.loader import (
     BlobStorage,
     FeatureSpec,
@@ -45,6 +46,10 @@ KIND_KEY = "cmfdeploy.kind"
 INTERFACE_KEY = "cmfdeploy.interface"
 # A converted program names the bundle it came from by the sha256 of the bundle's manifest.
 BUNDLE_SHA_KEY = "cmfdeploy.bundle_manifest_sha256"
+# A piece of a split package names its place in the chain (`piece_metadata`).
+PIECE_KEY = "cmfdeploy.piece"
+# The `package` fields of a split package's pieces alone: what each piece's program states.
+PIECE_FIELDS = ("name", "piece", "op_histogram", "package_bytes", "weights", "fp32_ops", "selection")
 
 
 @dataclass
@@ -219,7 +224,13 @@ def _loader_interface(claims: _Claims, block: dict) -> None:
     claims.same(f"package.interface ({unit.name!r}: functions, default function)",
                 (functions, functions[0]), (sorted(program.functions), program.default_function))
     logits = ["logits"] if unit.single_function else logit_outputs(block)
-    expected = ([unit.token_input, unit.mask_input or POSITION_INPUT], [unit.key_cache, unit.value_cache], logits)
+    # A piece of a split package (coreml.split) takes and gives the hidden state where it does not
+    # start or end the model, and holds no caches where it has no layers.
+    piece = Piece.from_record(block["piece"]) if "piece" in block else None
+    first = unit.token_input if piece is None or piece.embeds else HIDDEN_INPUT
+    caches = [unit.key_cache, unit.value_cache] if piece is None or piece.layer_count else []
+    expected = ([first, unit.mask_input or POSITION_INPUT], caches,
+                logits if piece is None or piece.head else [HIDDEN_OUTPUT])
     for name, function in program.functions.items():
         claims.same(f"package.interface ({unit.name!r}: inputs, states, outputs of function {name})", expected,
                     (list(function.inputs), list(function.states), list(function.outputs)))
@@ -256,8 +267,8 @@ def _context(claims: _Claims, block: dict, architecture: dict) -> None:
     if tops:
         claims.same("package.context", block["context"], max(tops),
                     "the largest flexible input range or enumerated size of the program")
-    expected = [architecture.get("num_layers"), 1, architecture.get("num_kv_heads"), block["context"],
-                architecture.get("head_dim")]
+    layers = Piece.from_record(block["piece"]).layer_count if "piece" in block else architecture.get("num_layers")
+    expected = [layers, 1, architecture.get("num_kv_heads"), block["context"], architecture.get("head_dim")]
     for function in program.functions.values():
         for name, spec in {**function.inputs, **function.states}.items():
             if name in (unit.key_cache, unit.value_cache):
@@ -413,13 +424,63 @@ def _metadata(claims: _Claims, manifest: dict, from_bundle: bool) -> None:
     if from_bundle:
         claims.same("source.manifest_sha256", manifest["source"].get("manifest_sha256"),
                     metadata.get(BUNDLE_SHA_KEY), f"the program's {BUNDLE_SHA_KEY}")
+    if "piece" in block:
+        claims.same("package.piece", piece_metadata(Piece.from_record(block["piece"])), metadata.get(PIECE_KEY),
+                    f"the program's {PIECE_KEY}")
+
+
+def piece_metadata(piece: Piece) -> str:
+    """What a piece's program says of its place in the chain (PIECE_KEY), for the app that loads it."""
+    start, stop = piece.layers
+    return f"{piece.index + 1} of {piece.count}; layers {start}..{stop - 1}" if piece.layer_count else \
+        f"{piece.index + 1} of {piece.count}; the head alone"
 
 
 def check_package(package_dir: Path, manifest: dict, from_bundle: bool) -> None:
     """Raise IdentityError at the first claim of `manifest` that the package's program contradicts.
     `from_bundle`: the package was converted from a bundle (not compressed from a package),
-    so its program names that bundle (BUNDLE_SHA_KEY) as its manifest's source does."""
+    so its program names that bundle (BUNDLE_SHA_KEY) as its manifest's source does. A split
+    package's pieces are each checked so, against their own blocks, and together as the model."""
     package_dir = Path(package_dir)
+    block = manifest["package"]
+    if "pieces" in block:
+        _check_chain(package_dir, manifest)
+    for _, view in program_views(manifest):
+        _check_program(package_dir, view, from_bundle)
+
+
+def _check_chain(package_dir: Path, manifest: dict) -> None:
+    """A split package's pieces are in chain order, their layers tile the model's, and the
+    package's op histogram and bytes are theirs together."""
+    where, block = package_dir / MANIFEST_NAME, manifest["package"]
+    # What a piece's program states is claimed by the piece; on the chain nothing would check it.
+    own = sorted(set(block) & set(PIECE_FIELDS))
+    if own:
+        raise IdentityError(f"{where}: fields {['package.' + name for name in own]} belong to package.pieces[], "
+                            "each checked against its piece's program, not to the split package")
+    pieces = [Piece.from_record(p["piece"]) for p in block["pieces"]]
+    layers = manifest["architecture"].get("num_layers")
+    bounds = [0] + [p.layers[1] for p in pieces]
+    expected = [Piece(i, len(pieces), (bounds[i], bounds[i + 1]), i == 0, i == len(pieces) - 1).record()
+                for i in range(len(pieces))]
+    if [p.record() for p in pieces] != expected or bounds[-1] != layers or \
+            [p["name"] for p in block["pieces"]] != [p.name for p in pieces]:
+        raise IdentityError(f"{where}: field 'package.pieces' {[p['piece'] for p in block['pieces']]} are not "
+                            f"pieces 1..{len(pieces)} in order whose layers tile 0..{layers}, named as their place")
+    summed: dict[str, Counter] = {}
+    for piece in block["pieces"]:
+        for function, counts in piece["op_histogram"].items():
+            summed.setdefault(function, Counter()).update(counts)
+    if {f: dict(c) for f, c in summed.items()} != manifest["op_histogram"]:
+        raise IdentityError(f"{where}: field 'op_histogram' is not the sum of package.pieces[].op_histogram")
+    # A compressed package's bytes are its `size_bytes` (its `package_bytes` are its source's).
+    field = "size_bytes" if "size_bytes" in manifest else "package_bytes"
+    total = sum(p["package_bytes"] for p in block["pieces"])
+    if manifest.get(field) != total:
+        raise IdentityError(f"{where}: field {field!r} is {manifest.get(field)}, but its pieces hold {total}")
+
+
+def _check_program(package_dir: Path, manifest: dict, from_bundle: bool) -> None:
     where = package_dir / MANIFEST_NAME
     block = manifest["package"]
     try:

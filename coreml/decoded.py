@@ -20,6 +20,7 @@ import numpy as np
 from coreml.codes import in_row_blocks, with_hot_rows
 from coreml.mil.errors import MilError
 from coreml.mil.loader import Operation, load_program
+from coreml.split import program_views
 from manifests.identity import load_manifest
 from pipeline.ground.scratch import ScratchFile
 from pipeline.ground.reference import UNTIED_HEAD
@@ -91,12 +92,13 @@ def _shift_scale_in_row_blocks(decompress, data: np.ndarray, scale: np.ndarray, 
 
 
 class StoredProgram:
-    """The default function's constants and constexpr ops of a saved package, by variable."""
+    """The default function's constants and constexpr ops of one saved program, by variable:
+    the package's, or a piece's of a split package (`name`, `manifest`: one of
+    `coreml.split.program_views`)."""
 
-    def __init__(self, package_dir: str | Path):
-        self.package_dir = Path(package_dir)
-        self.manifest = load_manifest(self.package_dir)
-        program = load_program(self.package_dir / self.manifest["package"]["name"])
+    def __init__(self, package_dir: str | Path, name: str, manifest: dict):
+        self.package_dir, self.manifest = Path(package_dir), manifest
+        program = load_program(self.package_dir / name)
         function = program.functions[program.default_function]
         self.where = f"{program.path}: function {function.name}"
         self.producers = {name: op for op in function.block.operations for name, _ in op.outputs}
@@ -132,16 +134,21 @@ def hot_rows_head_norm(package_dir: str | Path) -> float | None:
     """max_j |T_j|_2 + |R_j|_2 over a tied table's rows (T its code, R the hot row's residual,
     zero for a cold row), the scale of the absolute terms the package's head sums for logit j
     (`pipeline.ground.models.numerics.model_logits_bound`); None without hot rows on the head."""
-    program = StoredProgram(package_dir)
     norm = None
-    for var, record in hot_rows_of(program.manifest).items():
-        if not any(op.type == "linear" for op in program.readers(var)):  # a table only looked up
-            continue
-        residual, slot = program.hot_rows(record)
-        rows = np.linalg.norm(program.value(var).astype(np.float32), axis=1)
-        rows += np.linalg.norm(residual, axis=1)[slot]
-        norm = max(norm or 0.0, float(rows.max()))
+    for program in stored_programs(package_dir):
+        for var, record in hot_rows_of(program.manifest).items():
+            if not any(op.type == "linear" for op in program.readers(var)):  # a table only looked up
+                continue
+            residual, slot = program.hot_rows(record)
+            rows = np.linalg.norm(program.value(var).astype(np.float32), axis=1)
+            rows += np.linalg.norm(residual, axis=1)[slot]
+            norm = max(norm or 0.0, float(rows.max()))
     return norm
+
+
+def stored_programs(package_dir: str | Path) -> list[StoredProgram]:
+    """Each program of the package at `package_dir`: its one, or its pieces in chain order."""
+    return [StoredProgram(package_dir, name, view) for name, view in program_views(load_manifest(Path(package_dir)))]
 
 
 def decoded_weights(package_dir: str | Path, scratch: ScratchFile | None = None) -> dict[str, np.ndarray]:
@@ -151,28 +158,30 @@ def decoded_weights(package_dir: str | Path, scratch: ScratchFile | None = None)
     joined in row order as `lm_head.weight`: constants of their own, apart from a tied embedding
     a recipe may have compressed, so the reference built from them is untied as the package is
     (`pipeline.ground.reference.load_reference` takes that name on a tied bundle)."""
-    program = StoredProgram(package_dir)
     out: dict[str, np.ndarray] = {}
+    # A split package's pieces each hold their layers' weights; a tied table two of them hold
+    # (the first's lookup, the last's head) is one weight only where both hold it alike.
+    for program in stored_programs(package_dir):
 
-    def put(name: str, value: np.ndarray, var: str) -> None:
-        if name in out and not np.array_equal(out[name], value):
-            raise MilError(f"{program.where}: weight {name} is stored twice with different values "
-                           f"({var} and another constant); one PyTorch reference cannot hold both")
-        if name not in out:
-            out[name] = value if scratch is None else scratch.hold(value)
+        def put(name: str, value: np.ndarray, var: str) -> None:
+            if name in out and not np.array_equal(out[name], value):
+                raise MilError(f"{program.where}: weight {name} is stored twice with different values "
+                               f"({var} and another constant); one PyTorch reference cannot hold both")
+            if name not in out:
+                out[name] = value if scratch is None else scratch.hold(value)
 
-    hot = hot_rows_of(program.manifest)
-    for var, hf_names in weight_vars(program.manifest).items():
-        value = program.value(var).astype(np.float32, copy=False)
-        if var in hot:
-            value = with_hot_rows(value, *program.hot_rows(hot[var]))
-        for name in hf_names:
-            put(name, value, var)
-    split = program.manifest["package"].get("head_split")
-    if split is not None:
-        weights = [program.producers[program.returned[part["output"]]].inputs["weight"][0].name
-                   for part in split["parts"]]
-        put(UNTIED_HEAD, np.concatenate([program.value(w).astype(np.float32) for w in weights]),
-            f"the head's parts {', '.join(weights)}")
+        hot = hot_rows_of(program.manifest)
+        for var, hf_names in weight_vars(program.manifest).items():
+            value = program.value(var).astype(np.float32, copy=False)
+            if var in hot:
+                value = with_hot_rows(value, *program.hot_rows(hot[var]))
+            for name in hf_names:
+                put(name, value, var)
+        split = program.manifest["package"].get("head_split")
+        if split is not None:
+            weights = [program.producers[program.returned[part["output"]]].inputs["weight"][0].name
+                       for part in split["parts"]]
+            put(UNTIED_HEAD, np.concatenate([program.value(w).astype(np.float32) for w in weights]),
+                f"the head's parts {', '.join(weights)}")
     return out
 

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from coreml import crosscheck
+from coreml.split import program_views
 from manifests.chain import upstream_path
 from manifests.identity import (
     MANIFEST_NAME,
@@ -56,6 +57,24 @@ def op_histogram(mlpackage: Path) -> dict[str, dict[str, int]]:
 
 def package_bytes(mlpackage: Path) -> int:
     return sum(p.stat().st_size for p in Path(mlpackage).rglob("*") if p.is_file())
+
+
+def programs_bytes(package_dir: Path, manifest: dict) -> int:
+    """The bytes of a package folder's programs: its .mlpackage, or a split package's pieces."""
+    return sum(package_bytes(Path(package_dir) / name) for name, _ in program_views(manifest))
+
+
+def pieces_sha256(manifest: dict) -> list[str]:
+    """Each piece's sha256 of a split package, in chain order: over the names and sha256s of its
+    files (the package's inventory, names relative to the piece) as canonical JSON, so an app can
+    check the piece it loads without reading the others."""
+    digests = []
+    for name, _ in program_views(manifest):
+        prefix = f"{name}/"
+        files = {path[len(prefix):]: record["sha256"] for path, record in manifest["files"].items()
+                 if path.startswith(prefix)}
+        digests.append(sha256_bytes(canonical_json(dict(sorted(files.items())))))
+    return digests
 
 
 def fp32_weight_bytes(manifest: dict) -> int:
@@ -155,8 +174,9 @@ def check_preflight(path: Path, manifest: dict) -> None:
                             f"{report} has sha256 {sha256_file(report)}")
 
 
-def write_package_manifest(package_dir: Path, fields: dict) -> Manifest:
-    """Complete `fields` with what the saved program says about itself; status goes last.
+def write_package_manifest(package_dir: Path, fields: dict, histogram: dict | None = None) -> Manifest:
+    """Complete `fields` with what the saved program says about itself (the op `histogram` of a
+    split package's pieces together where given); status goes last.
 
     The manifest is first written as "incomplete" so a crash leaves an unfinished mark,
     then rewritten (atomically) as "complete" once every file is in place.
@@ -165,7 +185,7 @@ def write_package_manifest(package_dir: Path, fields: dict) -> Manifest:
     mlpackage = package_dir / MODEL_NAME
     manifest = {
         **fields,
-        "op_histogram": op_histogram(mlpackage),
+        "op_histogram": op_histogram(mlpackage) if histogram is None else histogram,
         "environment": environment(ENVIRONMENT_PACKAGES),
         "status": "incomplete",
     }

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from coreml.interfaces import package_interface
+from coreml.split import HIDDEN_INPUT, HIDDEN_OUTPUT, Piece
 from manifests.identity import MANIFEST_NAME, load_manifest
 from pipeline.ground.errors import CmfdeployError
 
@@ -88,8 +89,9 @@ class ExecutorPackage(_Package):
     def predict(self, inputs: Mapping[str, object], state=None, rows_later: bool = False) -> dict[str, np.ndarray]:
         """`rows_later`: the outputs among `row_outputs` are left as the rows they are made of,
         for `finish_rows` (`Executor.run`)."""
-        # One token (in the input its interface names) is a decode step.
-        return self.executor.run(inputs, state, single_token=np.size(inputs.get(self.token_input, ())) == 1,
+        # One token (in the input its interface names, or a split package's hidden state) is a decode step.
+        given = inputs.get(self.token_input, inputs.get(HIDDEN_INPUT))
+        return self.executor.run(inputs, state, single_token=given is not None and np.shape(given)[1:2] == (1,),
                                  rows_later=rows_later)
 
     @property
@@ -162,13 +164,97 @@ class MacPackage(_Package):
         return MacPackage(self.path, self.mlpackage, self.manifest, name)
 
 
-def open_package(path: str | Path, backend: str = "auto", function_name: str | None = None) -> _Package:
+def open_package(path: str | Path, backend: str = "auto", function_name: str | None = None):
     """Open the package at `path`. backend: "auto" (Core ML on macOS, else the executor),
     "executor"/"coreml-executor" or "macos"/"coreml-macos". `function_name` picks a function of
-    a multifunction package (default: the package's default function)."""
+    a multifunction package (default: the package's default function). A package split into
+    pieces (`coreml.split`) opens as the `ChainedPackage` of them."""
+    path = Path(path)
+    if _has(path, MANIFEST_NAME) and not _has(path, "Manifest.json"):
+        manifest = load_manifest(path)
+        if "pieces" in manifest.get("package", {}):
+            return ChainedPackage.open(path, manifest, backend, function_name)
     opened_by = package_class(path, backend)
     located = locate(path)
     return opened_by(*located, function_name)
+
+
+def is_package(path: str | Path) -> bool:
+    """Whether `path` is a package folder `open_package` opens: one holding model.mlpackage, or a
+    split package's (its manifest lists pieces)."""
+    path = Path(path)
+    if _has(path, MODEL_NAME):
+        return True
+    return _has(path, MANIFEST_NAME) and "pieces" in load_manifest(path).get("package", {})
+
+
+class ChainState:
+    """The states of a split package's pieces behind one state's interface: a cache reads as the
+    whole model's [layers, ...], each piece's own layers in order, and writes back the same way."""
+
+    def __init__(self, states: list, pieces: tuple[Piece, ...]):
+        self.states, self.pieces = states, pieces
+
+    def read_state(self, name: str) -> np.ndarray:
+        return np.concatenate([state.read_state(name) for state, piece in zip(self.states, self.pieces)
+                               if piece.layer_count], axis=0)
+
+    def write_state(self, name: str, value: np.ndarray) -> None:
+        for state, piece in zip(self.states, self.pieces):
+            if piece.layer_count:
+                start, stop = piece.layers
+                state.write_state(name, np.ascontiguousarray(value[start:stop]))
+
+
+class ChainedPackage:
+    """A package split into pieces (`coreml.split`), each opened on the same backend, run in turn
+    behind the interface of the unsplit package its manifest describes: token ids and position
+    in, the logits out, states of the whole model's caches (`ChainState`). The hidden state
+    passes from piece to piece as the piece before gave it (the package's float dtype)."""
+
+    def __init__(self, path: Path, manifest: dict, pieces: list[tuple[Piece, _Package]]):
+        self.path, self.mlpackage, self.manifest, self.pieces = path, path, manifest, pieces
+        last = pieces[-1][1]
+        self.backend, self.function_name, self.functions = last.backend, last.function_name, last.functions
+        self.token_input = package_interface(manifest["package"], path).token_input
+
+    @classmethod
+    def open(cls, path: Path, manifest: dict, backend: str, function_name: str | None) -> "ChainedPackage":
+        """The chain of the pieces `manifest` (its `package.pieces`) lists in the folder `path`."""
+        opened_by = package_class(path, backend)
+        pieces = [(Piece.from_record(block["piece"]), opened_by(path / block["name"], path / block["name"], None,
+                                                                 function_name))
+                  for block in manifest["package"]["pieces"]]
+        return cls(path, manifest, pieces)
+
+    def __repr__(self) -> str:
+        return f"<ChainedPackage {self.path} pieces={len(self.pieces)} function={self.function_name}>"
+
+    def predict(self, inputs: Mapping[str, object], state: ChainState | None = None, **options) -> dict[str, np.ndarray]:
+        """The last piece's outputs; `options` (the executor's `rows_later`) go to it alone, the
+        piece that makes the logits."""
+        states = state.states if state is not None else [None] * len(self.pieces)
+        beside = {name: value for name, value in inputs.items() if name != self.token_input}
+        out: dict[str, np.ndarray] = {}
+        for (piece, package), piece_state in zip(self.pieces, states):
+            feed = dict(inputs) if piece.embeds else {HIDDEN_INPUT: out[HIDDEN_OUTPUT], **beside}
+            out = package.predict(feed, state=piece_state, **(options if piece.head else {}))
+        return out
+
+    @property
+    def row_outputs(self) -> frozenset[str]:
+        return self.pieces[-1][1].row_outputs
+
+    def finish_rows(self, name: str, rows: np.ndarray) -> np.ndarray:
+        return self.pieces[-1][1].finish_rows(name, rows)
+
+    def make_state(self) -> ChainState:
+        return ChainState([package.make_state() if piece.layer_count else None for piece, package in self.pieces],
+                          tuple(piece for piece, _ in self.pieces))
+
+    def function(self, name: str) -> "ChainedPackage":
+        return ChainedPackage(self.path, self.manifest, [(piece, package.function(name))
+                                                         for piece, package in self.pieces])
 
 
 def package_class(path: str | Path, backend: str = "auto") -> type[_Package]:

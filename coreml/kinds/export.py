@@ -25,6 +25,7 @@ from coreml.interfaces import DEFAULT_INTERFACE, INTERFACES, Interface
 from coreml.layout import HEAD_SPLIT_REASON, head_rows
 from coreml.mil import blob_const_digests
 from coreml.precisions import FP32, POSITIONAL_REASON, Precision, precision
+from coreml.split import MB, Piece
 from manifests.identity import Manifest, artifact_source, load_manifest, relative_path, sha256_bytes, sha256_file
 from pipeline.ground.errors import CmfdeployError, UnsupportedModel
 from pipeline.ground.models import KVCache, ModelArgs, build_model
@@ -69,7 +70,8 @@ class Conversion:
     of the Neural Engine's layout, a head wider than this many rows is split into parts of at
     most this many (`HeadParts`; the default is the Neural Engine's H/W limit). `interface` names a
     unit of coreml.interfaces: the kinds it shapes take its names (`coreml.convert`), the others
-    cmfdeploy's.
+    cmfdeploy's. `max_package_mb`: the stateful package is cut into pieces of at most this many
+    MB of weights (`coreml.split`; None: one package whatever its size).
     """
 
     precision: str = "fp32"
@@ -78,6 +80,7 @@ class Conversion:
     preflight: str | None = None
     head_part_width: int = HW_LIMIT
     interface: str = DEFAULT_INTERFACE
+    max_package_mb: float | None = None
 
     def record(self, package_dir: Path) -> dict:
         """The manifest's `numerics` record for a package whose final folder is `package_dir`
@@ -109,6 +112,7 @@ class Reference:
     numerics: dict = field(default_factory=dict)  # the manifest's `numerics` record (Conversion.record)
     head_rows: tuple[tuple[int, int], ...] | None = None  # the head's parts (coreml.layout.head_rows)
     interface: Interface = INTERFACES[DEFAULT_INTERFACE]  # the loader interface of the kind being exported
+    max_package_bytes: int | None = None  # the per-package limit a stateful package is split under
 
     @property
     def check_schedules(self) -> tuple[tuple[int, ...], ...]:
@@ -158,11 +162,16 @@ def reference_for_export(bundle_dir: Path, context: int | None = None,
     if isinstance(width, bool) or not isinstance(width, int) or width < 1:
         raise BadConversion(f"{bundle_dir}: conversion field 'head_part_width' (--head-part-width) is {width!r}, "
                             "not a positive number of rows")
+    limit = conversion.max_package_mb
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0):
+        raise BadConversion(f"{bundle_dir}: conversion field 'max_package_mb' (--max-package-mb) is {limit!r}, "
+                            "not a positive number of MB")
     if conversion.transform is not None:
         module, _, name = conversion.transform.partition(":")
         model = getattr(importlib.import_module(module), name)(model, args, conversion.mitigations)
     return Reference(bundle_dir, args, model.eval(), context, load_manifest(bundle_dir), artifact_source(bundle_dir),
-                     unit, head_rows=head_rows(args.vocab_size, width) if unit.neural_engine_layout else None)
+                     unit, head_rows=head_rows(args.vocab_size, width) if unit.neural_engine_layout else None,
+                     max_package_bytes=None if limit is None else int(limit * MB))
 
 
 # --- the head in parts -----------------------------------------------------------------
@@ -429,7 +438,9 @@ def describe_model(mlmodel, block: dict, ref: Reference, description: str, featu
         license_=ref.bundle_manifest.get("license") or "unspecified; see the source CMF's provenance",
         version=f"{package_manifest.COREML_FORMAT} {block['kind']}",
         user={crosscheck.BUNDLE_SHA_KEY: ref.source["manifest_sha256"], crosscheck.KIND_KEY: block["kind"],
-              crosscheck.INTERFACE_KEY: block["interface"], **names},
+              crosscheck.INTERFACE_KEY: block["interface"], **names,
+              **({crosscheck.PIECE_KEY: crosscheck.piece_metadata(Piece.from_record(block["piece"]))}
+                 if "piece" in block else {})},
     )
     if features:
         for f in block["inputs"]:
@@ -472,10 +483,14 @@ def sliding_window_record(args: ModelArgs) -> dict:
             "cache": "full-length", "why": SLIDING_CACHE_DESIGN}
 
 
-def finish_package(package_dir: Path, ref: Reference, block: dict, checks: dict, seconds: float) -> Manifest:
-    mlpackage = package_dir / package_manifest.MODEL_NAME
-    block = {**block, "weights": weight_names(mlpackage, ref.model, ref.precision.numpy_dtype),
-             "fp32_ops": kept_fp32_record(mlpackage)}
+def finish_package(package_dir: Path, ref: Reference, block: dict, checks: dict, seconds: float,
+                   histogram: dict | None = None, size: int | None = None) -> Manifest:
+    """Write the package's manifest. A split package (`coreml.kinds.stateful_split`) gives the op
+    `histogram` and `size` of its pieces together, its block the weights of each."""
+    mlpackage, block = package_dir / package_manifest.MODEL_NAME, dict(block)
+    if histogram is None:
+        block = {**block, "weights": weight_names(mlpackage, ref.model, ref.precision.numpy_dtype),
+                 "fp32_ops": kept_fp32_record(mlpackage)}
     if ref.head_rows is not None:
         block["head_split"] = head_split_record(ref)
     if "SlidingAttention" in ref.args.layer_types:
@@ -492,9 +507,10 @@ def finish_package(package_dir: Path, ref: Reference, block: dict, checks: dict,
             "tokenizer": package_manifest.carry_tokenizer(ref.bundle_dir, package_dir),
             "package": block,
             "checks": checks,
-            "package_bytes": package_manifest.package_bytes(mlpackage),
+            "package_bytes": package_manifest.package_bytes(mlpackage) if size is None else size,
             "conversion": {"seconds": round(seconds, 2), "code": package_manifest.source_digest(_source_files())},
         },
+        histogram,
     )
 
 

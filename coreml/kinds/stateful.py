@@ -23,6 +23,7 @@ from coreml.interfaces import MASK_DTYPE, Interface, causal_mask, package_interf
 from coreml.kinds.base import (CACHE_MEANING, PackageKind, chunked_prompt_lines, feature, position_feature,
                                register_kind)
 from coreml.layout import enumerated_lengths
+from coreml.split import MB
 from coreml.kinds.cache_runner import KVSnapshot, CacheRunner, package_features, input_ids_array
 from coreml.package import open_package
 
@@ -179,8 +180,17 @@ class Stateful(PackageKind):
         from coreml.manifest import MODEL_NAME, save_model, working_files_in
         from coreml.multifunction import merge_functions
 
-        from coreml.kinds.export import traced_check_record
+        from coreml.kinds.export import BadConversion, traced_check_record
+        from coreml.kinds.stateful_split import export_split, split_plan
 
+        plan = split_plan(ref)
+        if plan is not None:
+            if ref.interface.single_function:
+                raise BadConversion(
+                    f"{ref.bundle_dir}: the stateful package would be cut into {len(plan)} pieces (conversion field "
+                    f"'max_package_mb' is {ref.max_package_bytes / MB:g}), but the {ref.interface.name} interface's "
+                    "loader runs one package; convert it in the cmfdeploy interface, or with a larger limit")
+            return export_split(self, ref, plan, package_dir, step)
         start = time.perf_counter()
         block = self.interface(ref)
         package_dir.mkdir(parents=True)
@@ -198,7 +208,10 @@ class Stateful(PackageKind):
                     save_model(mlmodel, package_dir / MODEL_NAME)
         if ref.precision.compute_precision == "float32":
             step("stateful: measure the fp16-cache error")
-            checks = self.measure(package_dir / MODEL_NAME, ref, block)
+            # One loaded program for both functions: a second load would map the weights again.
+            prefill = open_package(package_dir / MODEL_NAME, backend="executor",
+                                   function_name=role_functions(block)["prefill"])
+            checks = self.measure(prefill, ref, block)
         else:
             step("stateful: record the checks of the traced functions")
             checks = {"traced_vs_fp16_cache_graph_max_abs": traced_errors, "tolerance": ref.tolerance,
@@ -285,9 +298,11 @@ class Stateful(PackageKind):
                     f"(tolerances {ref.tolerance:.3g}, {ref.cache_tolerance:.3g}); refusing to export")
         return errors
 
-    def measure(self, mlpackage: Path, ref: Reference, block: dict) -> dict:
+    def measure(self, prefill, ref: Reference, block: dict) -> dict:
         """Run the saved package through the MIL executor on the check schedules, each chunk with
-        the inputs of its interface (`step_inputs`; `block` is its manifest's `package`).
+        the inputs of its interface (`step_inputs`; `block` is its manifest's `package`; `prefill`
+        the package's function that runs a chunk, opened on the executor: the package's own, or
+        the pieces of a split one, `coreml.package.ChainedPackage`).
 
         The conversion check runs each chunk through the package and through the same graph
         eagerly in torch with fp16 buffers, both starting from the package's cache: the logits
@@ -306,8 +321,7 @@ class Stateful(PackageKind):
         unit = ref.interface
         buffers = (unit.key_cache, unit.value_cache)
         roles = role_functions(block)
-        # One loaded program for both functions: a second load would map the weights again.
-        prefill = open_package(mlpackage, backend="executor", function_name=roles["prefill"])
+        mlpackage = prefill.path
         functions = {role: prefill if name == roles["prefill"] else prefill.function(name)
                      for role, name in roles.items()}
         conversion, cache, fp16_cache = {}, {}, {}

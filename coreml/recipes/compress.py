@@ -15,6 +15,7 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import coremltools as ct
@@ -31,8 +32,12 @@ from coreml import manifest as package_manifest
 from coreml.recipes.base import RECIPES, WEIGHT_THRESHOLD, Context, Encoder, Recipe, RecipePrecondition, Selected, Weight
 from coreml.mil.loader import BlobStorage, blob_file, mil_dtype, program_spec, tensor_spec
 from coreml.multifunction import PackageFunctions, merge_functions, package_functions
+from coreml.split import chained_histogram, program_views
 from coreml.recipes.emit import WriteCodes
 from coreml.recipes.mixed import MIXED_BPW
+from pipeline.ground.bundle_format import WEIGHTS_NAME
+from manifests.chain import upstream_path
+from manifests.disk import DISK_NEEDS, require_disk
 from manifests.identity import Manifest, artifact_source
 from manifests.output import refuse_existing, staged_output
 
@@ -291,35 +296,19 @@ def compress_package(
     unit = RECIPES.lookup(recipe, out_dir)
     refuse_existing(out_dir, force)
     source = package_manifest.verify_package(package_dir)
-    mlpackage = package_dir / source["package"]["name"]
+    # W is the bundle's FP32 bytes, not the package's own (an fp16 package is half of it).
+    require_disk(out_dir, DISK_NEEDS["compress"],
+                 (upstream_path(package_dir, source["source"]) / WEIGHTS_NAME).stat().st_size)
     if unit.calibration and (calibration_ids is None or len(calibration_ids) < 2):
         raise RecipePrecondition(f"{package_dir}: recipe {recipe} measures on calibration text and got no "
                                  f"calibration_ids (pipeline.ground.text_roles: text_roles(lines)['calibration'])")
     start = time.perf_counter()
-    # coremltools 9.0's post-training compression refuses a multifunction model, so a stateful
-    # package's functions are compressed one by one, with the same codes, and merged again.
-    functions = package_functions(mlpackage) if len(source["op_histogram"]) > 1 else None
-    mlmodel = (functions.model(functions.default_function) if functions
-               else ct.models.MLModel(str(mlpackage), skip_model_load=True))
-    program = load_program(mlmodel)
-    weights = program_weights(program, source["package"].get("weights", {}), head_parts(program, source["package"]))
-    cache = None if shared_cache is None else Path(shared_cache)
-    prepared = unit.prepare(weights, Context(package_dir, source, calibration_ids, bpw, cache))
-    plan = plan_selection(weights, prepared.select)
+    context = Context(package_dir, source.data, calibration_ids, bpw, None if shared_cache is None else Path(shared_cache))
     with staged_output(out_dir, force) as staging:
-        with package_manifest.working_files_in(staging):
-            if functions is None:
-                compressed, hot_rows = apply_recipe(mlmodel, program, unit, plan["steps"], prepared.encoders)
-            else:
-                del mlmodel
-                compressed, hot_rows = _apply_per_function(functions, program, unit, plan["steps"],
-                                                           prepared.encoders, staging)
-            package_manifest.save_model(compressed, staging / package_manifest.MODEL_NAME)
-        for name, record in hot_rows.items():
-            plan["record"]["weights"][name]["hot_rows"] = record
-        _bind_compressed(staging / package_manifest.MODEL_NAME, weights, plan["record"], recipe)
-        size = package_manifest.package_bytes(staging / package_manifest.MODEL_NAME)
-        manifest = package_manifest.write_package_manifest(staging, {
+        # A split package's pieces are compressed one by one, each as the package it is.
+        compressed = [_compress_program(package_dir / name, view, unit, context, staging / name)
+                      for name, view in program_views(source.data)]
+        fields = {
             "format": package_manifest.COMPRESSED_FORMAT,
             "source": artifact_source(package_dir, relative_to=out_dir),
             "architecture": source["architecture"],
@@ -327,8 +316,7 @@ def compress_package(
             "tokenizer": package_manifest.carry_tokenizer(package_dir, staging),
             "recipe": {"name": recipe, "params": unit.params_record()},
             "package": source["package"],
-            "selection": {**plan["record"], **prepared.record},
-            "size_bytes": size,
+            "size_bytes": sum(program.size for program in compressed),
             "base_size_bytes": source["package_bytes"],
             "compression": {
                 "seconds": round(time.perf_counter() - start, 2),
@@ -336,8 +324,68 @@ def compress_package(
                                                         Path(package_manifest.__file__), Path(codes.__file__),
                                                         Path(calibration.__file__), Path(cache_module.__file__)]),
             },
-        })
+        }
+        histogram = None
+        if "pieces" in source["package"]:
+            pieces = [{**piece, "selection": program.selection, "op_histogram": program.histogram,
+                       "package_bytes": program.size} for piece, program in zip(source["package"]["pieces"], compressed)]
+            fields["package"] = {**source["package"], "pieces": pieces}
+            fields["selection"] = {"weights": _merged_selections([program.selection for program in compressed],
+                                                                 out_dir)}
+            histogram = chained_histogram(pieces)
+        else:
+            fields["selection"] = compressed[0].selection
+        manifest = package_manifest.write_package_manifest(staging, fields, histogram)
     return Manifest(out_dir, manifest.data)
+
+
+@dataclass(frozen=True)
+class _CompressedProgram:
+    selection: dict  # the manifest's `selection` of this program (the package's, or one piece's)
+    size: int
+    histogram: dict
+
+
+def _compress_program(mlpackage: Path, view: dict, unit: Recipe, context: Context, out: Path) -> _CompressedProgram:
+    """One program of the package (`view`: the manifest as that program's own, `program_views`)
+    compressed by `unit` and saved at `out` (in the stage's staging folder)."""
+    # coremltools 9.0's post-training compression refuses a multifunction model, so a stateful
+    # package's functions are compressed one by one, with the same codes, and merged again.
+    functions = package_functions(mlpackage) if len(view["op_histogram"]) > 1 else None
+    mlmodel = (functions.model(functions.default_function) if functions
+               else ct.models.MLModel(str(mlpackage), skip_model_load=True))
+    program = load_program(mlmodel)
+    weights = program_weights(program, view["package"].get("weights", {}), head_parts(program, view["package"]))
+    prepared = unit.prepare(weights, replace(context, manifest=view))
+    plan = plan_selection(weights, prepared.select)
+    with package_manifest.working_files_in(out.parent):
+        if functions is None:
+            compressed, hot_rows = apply_recipe(mlmodel, program, unit, plan["steps"], prepared.encoders)
+        else:
+            del mlmodel
+            compressed, hot_rows = _apply_per_function(functions, program, unit, plan["steps"],
+                                                       prepared.encoders, out.parent)
+        package_manifest.save_model(compressed, out)
+    for name, record in hot_rows.items():
+        plan["record"]["weights"][name]["hot_rows"] = record
+    _bind_compressed(out, weights, plan["record"], unit.name)
+    return _CompressedProgram({**plan["record"], **prepared.record}, package_manifest.package_bytes(out),
+                              package_manifest.op_histogram(out))
+
+
+def _merged_selections(selections: list[dict], where: Path) -> dict:
+    """The weights of the pieces' selections as one record: a weight two pieces hold (a tied
+    embedding, the first's lookup and the last's head) must be coded alike in both; its
+    consumers are both pieces' ops."""
+    merged: dict[str, dict] = {}
+    for selection in selections:
+        for name, entry in selection["weights"].items():
+            held = merged.setdefault(name, entry)
+            if {k: v for k, v in held.items() if k != "consumers"} != {k: v for k, v in entry.items() if k != "consumers"}:
+                raise RecipePrecondition(f"{where}: weight {name} is coded differently in two pieces of the package")
+            if "consumers" in entry:
+                merged[name] = {**held, "consumers": sorted(set(held["consumers"]) | set(entry["consumers"]))}
+    return dict(sorted(merged.items()))
 
 
 def code_digests(package_dir: str | Path) -> dict[str, str]:
@@ -347,7 +395,19 @@ def code_digests(package_dir: str | Path) -> dict[str, str]:
     whatever their kind or their constants' names (`pipeline.stages.deploy`)."""
     package_dir = Path(package_dir)
     manifest = package_manifest.verify_package(package_dir, hashes=False)
-    path, spec = program_spec(package_dir / manifest["package"]["name"])
+    digests: dict[str, str] = {}
+    # A split package's pieces each code their own weights; a tied table two hold is one weight,
+    # coded alike in both or refused (`_merged_selections` at compression).
+    for name, view in program_views(manifest.data):
+        for key, digest in _program_code_digests(package_dir / name, view).items():
+            if digests.setdefault(key, digest) != digest:
+                raise RecipePrecondition(f"{package_dir / name}: weight {key} is coded otherwise than in another "
+                                         "piece of the package")
+    return digests
+
+
+def _program_code_digests(mlpackage: Path, manifest: dict) -> dict[str, str]:
+    path, spec = program_spec(mlpackage)
     function = spec.mlProgram.functions[spec.description.defaultFunctionName or "main"]
     producers = {output.name: op for block in function.block_specializations.values()
                  for op in block.operations for output in op.outputs}

@@ -7,6 +7,7 @@ from tqdm import tqdm
 from coreml.interfaces import DEFAULT_INTERFACE, INTERFACES, loader_interface
 from coreml.kinds import KINDS
 from coreml.precisions import PRECISIONS, precision
+from coreml.split import DEFAULT_MAX_PACKAGE_MB
 from pipeline.cli.worker_arguments import add_worker_engine_arguments, worker_engine_of
 
 # Kinds and recipes are checked by export_coreml and compress_package (typed errors naming the
@@ -36,6 +37,10 @@ def register(subparsers) -> None:
                          help="the names the stateful package takes, for the Swift loader that loads it (docs/INTERFACES.md): "
                               + "; ".join(f"{i.name}: {i.description}" for i in INTERFACES.values())
                               + f" (default: {DEFAULT_INTERFACE}; the other kinds keep it)")
+    convert.add_argument("--max-package-mb", type=_package_limit, default=DEFAULT_MAX_PACKAGE_MB, metavar="MB",
+                         help="cut the stateful package into consecutive-layer pieces of at most this many MiB each, "
+                              f"the device's per-package limit (docs/SPLIT.md; default {DEFAULT_MAX_PACKAGE_MB:g}, about "
+                              "an iPhone's); 'none': one package whatever its size")
     add_worker_engine_arguments(convert)
     convert.add_argument("--force", action="store_true", help="replace an existing output")
     convert.set_defaults(func=_coreml)
@@ -46,6 +51,16 @@ def register(subparsers) -> None:
     compress.add_argument("-o", "--out", required=True, help="output package directory")
     compress.add_argument("--force", action="store_true", help="replace an existing output")
     compress.set_defaults(func=_compress)
+
+
+def _package_limit(text: str) -> float | None:
+    """--max-package-mb: a size in MiB (its sign is the conversion's to refuse, by name), or 'none'."""
+    if text.lower() == "none":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a size in MiB nor 'none'") from None
 
 
 def _coreml(args: argparse.Namespace) -> int:
@@ -60,7 +75,7 @@ def _coreml(args: argparse.Namespace) -> int:
     conversion = _fp16_conversion(args) if fp16 else Conversion(args.precision)
     if args.head_part_width is not None:
         conversion = replace(conversion, head_part_width=args.head_part_width)
-    conversion = replace(conversion, interface=args.interface)
+    conversion = replace(conversion, interface=args.interface, max_package_mb=args.max_package_mb)
     # disable=False explicitly: the quiet CLI disables tqdm's default to silence coremltools' bars.
     with tqdm(total=export_steps(kinds, args.jobs, engine), unit="stage", disable=False) as bar:
 

@@ -35,3 +35,7 @@ class OutputBusy(CmfdeployError):
 
 class OutputWriteFailed(CmfdeployError):
     """The output could not be written (disk full, quota, I/O error); nothing was replaced."""
+
+
+class NotEnoughDisk(CmfdeployError):
+    """A stage's filesystem lacks the disk its peak needs (`manifests.disk`); refused before it writes."""

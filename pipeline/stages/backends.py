@@ -24,7 +24,9 @@ def release_package(path: Path) -> Path | None:
     deployment's, else the survey's compressed one); None when `path` is not a release."""
     from manifests.identity import MANIFEST_NAME, load_manifest
 
-    if not (path.is_dir() and (path / MANIFEST_NAME).is_file()) or (path / PACKAGE_MARKER).exists():
+    from coreml.package import is_package
+
+    if not (path.is_dir() and (path / MANIFEST_NAME).is_file()) or is_package(path):
         return None
     manifest = load_manifest(path)
     if manifest["format"] != RELEASE_FORMAT:
@@ -51,15 +53,17 @@ def open_backend(artifact: str | Path, backend: str = "auto", **options) -> Back
     if not path.exists():
         raise BackendError(f"{path}: no such file or folder")
     path = release_package(path) or path
-    is_package = path.is_dir() and (path / PACKAGE_MARKER).exists()
-    if is_package:
+    from coreml.package import is_package
+
+    if path.is_dir() and is_package(path):
         if backend not in ("auto", "coreml", "coreml-executor", "coreml-macos"):
             raise BackendError(f"{path}: a Core ML package folder runs on coreml, not {backend!r}")
         from coreml.runner import open_package_backend
 
         return open_package_backend(path, backend="auto" if backend in ("auto", "coreml") else backend, **options)
     if backend.startswith("coreml"):
-        raise BackendError(f"{path}: backend {backend!r} needs a folder holding {PACKAGE_MARKER}")
+        raise BackendError(f"{path}: backend {backend!r} needs a Core ML package folder ({PACKAGE_MARKER}, or a "
+                           "split package's pieces)")
     if backend == "mlx":
         if path.is_dir():
             raise BackendError(f"{path}: the MLX runtime reads CMF files, not folders")

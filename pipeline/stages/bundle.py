@@ -35,6 +35,7 @@ from manifests.output import refuse_existing, staged_output
 from pipeline.ground.bundle_format import CONFIG_KEYS, FORMAT, WEIGHTS_NAME, BundlePlan, bundle_plan
 from pipeline.ground.cmf import CmfFile, open_cmf, verify_cmf
 from pipeline.ground.errors import CmfdeployError, IdentityError, UnsupportedModel
+from pipeline.stages.disk import check_disk
 
 POLICY = {
     "weights_dtype": "F32",
@@ -65,6 +66,7 @@ def export_bundle(
     """
     cmf_path, out_dir = Path(cmf_path), Path(out_dir)
     refuse_existing(out_dir, force)
+    check_disk("bundle", out_dir, cmf_path)
     with open_cmf(cmf_path) as cmf:
         if cmf.is_skill_file:
             raise UnsupportedModel(f"{cmf_path}: is a standalone skill file (feature bit 6); it never runs on its own")

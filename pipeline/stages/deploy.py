@@ -34,6 +34,7 @@ from manifests.schema import validate
 from pipeline.ground.errors import CmfdeployError, IdentityError
 from pipeline.ground.tokenizer import tokenizer_from_artifact
 from pipeline.stages import gates
+from pipeline.stages.disk import check_disk
 from pipeline.stages.survey import REPORT_NAME as SURVEY_NAME
 from pipeline.stages.survey import bind_fp32_gate, calibration_ids, fp32_gate, load_survey
 
@@ -99,6 +100,7 @@ def deploy_package(survey_dir, package_dir, gate_dir, out_dir, *, fixtures_dir, 
                           f"{package['package'].get('precision')!r}; the survey's is "
                           f"{surveyed_fp32['package'].get('precision')!r}")
     gate = fp32_gate(package_dir, gate_dir, out_dir / PACKAGE_DIR)
+    check_disk("deploy", out_dir, package_dir, quality_text=quality_text)
     extra = {}
     if RECIPES[recipe].calibration:
         bundle = gates.upstream_of(package_dir, package.data)[2]

@@ -40,6 +40,7 @@ from manifests.identity import (
 )
 from manifests.output import refuse_existing, staged_output
 from pipeline.ground.errors import CmfdeployError, IdentityError
+from pipeline.stages.disk import check_disk
 
 FORMAT = "cmfdeploy.preflight/1"
 REPORT_NAME = "preflight.json"
@@ -96,6 +97,7 @@ def run_preflight(bundle_dir: str | Path, out_dir: str | Path, *, text: str | Pa
     bundle_dir, out_dir, text = Path(bundle_dir), Path(out_dir), Path(text)
     refuse_existing(out_dir, force)
     model, args, _ = load_reference(bundle_dir)
+    check_disk("preflight", out_dir, bundle_dir)
     context = args.deployed_context if context is None else context
     if not 2 <= context <= args.max_position_embeddings:
         raise PreflightError(f"{bundle_dir}: context {context} is outside 2..arch.max_position_embeddings "

@@ -52,6 +52,7 @@ from pipeline.stages.signing import sign_manifest
 from pipeline.stages import gates
 from pipeline.ground.errors import CmfdeployError, IdentityError
 from pipeline.stages.backends import shipped_entry
+from pipeline.stages.disk import check_disk
 from pipeline.stages.release_copies import check_release_copies
 
 FORMAT = "cmfdeploy.release/1"
@@ -79,7 +80,8 @@ def _entry(role: str, name: str, package: Manifest, gate: Manifest) -> dict:
         "kind": package["package"]["kind"],
         "manifest_sha256": sha256_file(package.path / MANIFEST_NAME),
         "source_manifest_sha256": package["source"]["manifest_sha256"],
-        "size_bytes": package_manifest.package_bytes(package.path / package["package"]["name"]),
+        "size_bytes": package_manifest.programs_bytes(package.path, package.data),
+        **({"pieces_sha256": package_manifest.pieces_sha256(package.data)} if "pieces" in package["package"] else {}),
         "gate": {
             "path": f"gates/{name}",
             "manifest_sha256": sha256_file(gate.path / MANIFEST_NAME),
@@ -162,6 +164,7 @@ def make_release(
     name = name or model_name(fp32_package)
     out_dir = Path(out_root) / f"{name}-{recipe}"
     entries = [_entry(role, label, package, gate) for role, label, package, gate in checked]
+    check_disk("release", out_dir, survey_dir / fp32["package"]["path"], units=len(checked))
     with staged_output(out_dir, force) as staging:
         for (_, label, package, gate), entry in zip(checked, entries):
             shutil.copytree(package.path, staging / entry["path"])
@@ -384,17 +387,27 @@ def release_metadata(manifest: dict, record: dict) -> dict:
         "context_length": interface["context"],
         "minimum_deployment_target": interface["minimum_deployment_target"],
         "assets": {
-            "model": f"{deployed['path']}/{interface['name']}",
+            "model": _model_asset(deployed, interface),
             "model_kind": interface["kind"],
             "tokenizer": f"{TOKENIZER_DIR}/{package_manifest.TOKENIZER_JSON}",
             "tokenizer_config": (f"{TOKENIZER_DIR}/{package_manifest.TOKENIZER_CONFIG}"
                                  if (manifest.get("tokenizer") or {}).get("has_config") else None),
-            "packages": {e["name"]: {"path": f"{e['path']}/{interface['name']}", "kind": e["kind"], "role": e["role"]}
+            "packages": {e["name"]: {"path": _model_asset(e, interface), "kind": e["kind"], "role": e["role"]}
                          for e in manifest["packages"]},
+            **({"pieces": [{"path": f"{deployed['path']}/{piece['name']}", "layers": piece["piece"]["layers"],
+                            "takes": piece["piece"]["takes"], "gives": piece["piece"]["gives"], "sha256": digest}
+                           for piece, digest in zip(interface["pieces"], deployed["pieces_sha256"])]}
+               if "pieces" in interface else {}),
         },
         "compression": {"recipe": manifest["recipe"], "params": record["params"], **_shipped_size(manifest, record)},
         "special_tokens": manifest["special_tokens"],
     }
+
+
+def _model_asset(entry: dict, interface: dict) -> str:
+    """Where a package's program is in the release: its .mlpackage, or the folder of a split
+    package's pieces (`pieces` lists them in order)."""
+    return entry["path"] if "pieces" in interface else f"{entry['path']}/{interface['name']}"
 
 
 def _shipped_size(manifest: dict, record: dict) -> dict:
@@ -421,9 +434,11 @@ def _python_snippet(manifest: dict) -> str:
         f'release = "dist/{manifest["model"]}-{recipe}"  # this folder',
         'tokenizer = Tokenizer.from_file(f"{release}/tokenizer/tokenizer.json")',
         'config = json.load(open(f"{release}/tokenizer/tokenizer_config.json"))',
-        f'model = ct.models.MLModel(f"{{release}}/{shipped_entry(manifest)["path"]}/model.mlpackage"'
-        f'{kind.snippet_model_arguments(interface)},',
-        f'                          compute_units=ct.ComputeUnit.{aim.compute_units})  # target {aim.name}: {aim.description}',
+        *(_chain_lines(manifest, kind, aim) if "pieces" in interface else [
+            f'model = ct.models.MLModel(f"{{release}}/{shipped_entry(manifest)["path"]}/model.mlpackage"'
+            f'{kind.snippet_model_arguments(interface)},',
+            f'                          compute_units=ct.ComputeUnit.{aim.compute_units})  # target {aim.name}: '
+            f'{aim.description}']),
         'ids = tokenizer.encode("I was sent to", add_special_tokens=False).ids',
         'if config.get("bos_token_id") is not None:',
         '    ids = [config["bos_token_id"]] + ids',
@@ -432,6 +447,35 @@ def _python_snippet(manifest: dict) -> str:
     lines += prediction_lines(interface)
     lines += ["print(tokenizer.decode(ids + [next_id]))"]
     return "\n".join(lines)
+
+
+def _chain_lines(manifest: dict, kind, aim) -> list[str]:
+    """A split package's pieces loaded and run in turn as one model (`Chain`), for the kind's lines."""
+    interface = manifest["interface"]
+    names = [piece["name"] for piece in interface["pieces"]]
+    return [
+        "",
+        "class Chain:  # the pieces run in turn as one model: each takes the hidden state the one before gave",
+        "    def __init__(self, pieces):",
+        "        self.pieces = pieces",
+        "",
+        "    def make_state(self):  # each piece's own layers' caches",
+        "        return [piece.make_state() for piece in self.pieces]",
+        "",
+        "    def predict(self, inputs, state):",
+        "        for piece, piece_state in zip(self.pieces, state):",
+        "            out = piece.predict(inputs, state=piece_state)",
+        '            if "hidden_out" in out:',
+        '                inputs = {"hidden_in": out["hidden_out"], **{k: v for k, v in inputs.items() '
+        'if k not in ("input_ids", "hidden_in")}}',
+        "        return out",
+        "",
+        "",
+        f'model = Chain([ct.models.MLModel(f"{{release}}/{shipped_entry(manifest)["path"]}/{{name}}"'
+        f'{kind.snippet_model_arguments(interface)},',
+        f'                                compute_units=ct.ComputeUnit.{aim.compute_units})  # target {aim.name}',
+        f"               for name in {names}])",
+    ]
 
 
 def prediction_lines(interface: dict) -> list[str]:
@@ -457,6 +501,8 @@ def _swift_sketch(manifest: dict) -> str:
     unit = package_interface(interface, "the release")
     if unit.swift_usage:
         return _swift_loader_sketch(manifest, unit)
+    if "pieces" in interface:
+        return _swift_chain_sketch(manifest)
     lengths, names = enumerated_lengths(interface, "prefill"), logit_outputs(interface)
     head = (['let logits = out.featureValue(for: "logits")!.multiArrayValue!  // [1, T, vocab]: argmax of the last row']
             if names == ["logits"] else
@@ -483,6 +529,42 @@ def _swift_sketch(manifest: dict) -> str:
         f'let out = try await model.prediction(from: MLDictionaryFeatureProvider(dictionary: ["{unit.token_input}": '
         "inputIds]))",
         *head,
+    ])
+
+
+def _swift_chain_sketch(manifest: dict) -> str:
+    """A split package's pieces run in turn, each with a state of its own layers' caches."""
+    release, interface = f"dist/{manifest['model']}-{manifest['recipe']}", manifest["interface"]
+    names = json.dumps([piece["name"] for piece in interface["pieces"]])
+    return "\n".join([
+        "import CoreML",
+        "import Tokenizers  // swift-transformers",
+        "",
+        f'let release = URL(fileURLWithPath: "{release}")',
+        'let tokenizer = try await AutoTokenizer.from(modelFolder: release.appendingPathComponent("tokenizer"))',
+        "let config = MLModelConfiguration()",
+        f"config.computeUnits = {release_target(manifest).swift_compute_units}",
+        'config.functionName = "prefill"  // "decode" for one token at a time',
+        f"// The package in {len(interface['pieces'])} pieces (metadata.json: assets.pieces, with their sha256), each "
+        "under the device's per-package limit",
+        "var pieces: [MLModel] = []",
+        f"for name in {names} {{",
+        f'    let url = release.appendingPathComponent("{shipped_entry(manifest)["path"]}/\\(name)")',
+        "    pieces.append(try MLModel(contentsOf: try await MLModel.compileModel(at: url), configuration: config))",
+        "}",
+        "let states = pieces.map { $0.makeState() }  // each piece's own layers' K/V caches",
+        'let ids = tokenizer.encode(text: "I was sent to")',
+        "let inputIds = try MLMultiArray(shape: [1, NSNumber(value: ids.count)], dataType: .int32)",
+        "for (i, id) in ids.enumerated() { inputIds[i] = NSNumber(value: id) }",
+        "let position = try MLMultiArray(shape: [1], dataType: .int32)  // 0: the first call",
+        'var features: MLFeatureProvider = try MLDictionaryFeatureProvider(dictionary: ["input_ids": inputIds, '
+        '"position": position])',
+        "for (piece, state) in zip(pieces, states) {",
+        "    let out = try await piece.prediction(from: features, using: state)",
+        '    guard let hidden = out.featureValue(for: "hidden_out") else { features = out; break }  // the last: logits',
+        '    features = try MLDictionaryFeatureProvider(dictionary: ["hidden_in": hidden, "position": position])',
+        "}",
+        "// features holds the logits (the Interface table below names them)",
     ])
 
 
@@ -559,7 +641,9 @@ def release_markdown(manifest: dict, survey: dict) -> str:
     lines = [
         f"# {manifest['model']} — {manifest['recipe']}",
         "",
-        f"Core ML package `{shipped_entry(manifest)['path']}/model.mlpackage` ({interface['kind']}, "
+        f"Core ML package `{_model_asset(shipped_entry(manifest), interface)}` ({interface['kind']}, "
+        + (f"in {len(interface['pieces'])} pieces under {interface['split']['max_package_bytes']} bytes each, run in "
+           "turn: metadata.json's `assets.pieces`; " if "pieces" in interface else "") +
         f"context {interface['context']}, minimum deployment target {interface['minimum_deployment_target']}, "
         f"compute precision {interface['compute_precision']}), compressed with recipe `{manifest['recipe']}` "
         f"({chosen}).",

@@ -20,8 +20,9 @@ def check_release_copies(path: Path, manifest: dict, survey: dict, record: dict)
         package, report = read_json(package_dir / MANIFEST_NAME), read_json(gate_dir / gates.REPORT_NAME)
         check_copied(where, f"packages/{index}", entry, {
             "format": package["format"], "kind": package["package"]["kind"],
-            "size_bytes": package_manifest.package_bytes(package_dir / package["package"]["name"])},
-            package_dir, keys=("format", "kind", "size_bytes"))
+            "size_bytes": package_manifest.programs_bytes(package_dir, package),
+            **({"pieces_sha256": package_manifest.pieces_sha256(package)} if "pieces" in package["package"] else {})},
+            package_dir, keys=("format", "kind", "size_bytes", "pieces_sha256"))
         check_copied(where, f"packages/{index}/gate", entry["gate"], {
             "recipe": report["recipe"], "backend": report["candidate_backend"], "passed": report["passed"],
             "tolerance": report["tolerance"], "summary": report["summary"]}, gate_dir / gates.REPORT_NAME,

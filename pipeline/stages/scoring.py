@@ -296,10 +296,11 @@ def _worker_memory(artifact: Path) -> int | None:
     expand to them. None for anything else (the backend refuses it by name)."""
     from coreml.manifest import fp32_weight_bytes
     from pipeline.ground.workers import bundle_job_memory, job_memory
-    from pipeline.stages.backends import PACKAGE_MARKER, release_package
+    from coreml.package import is_package
+    from pipeline.stages.backends import release_package
 
     path = release_package(artifact) or artifact
-    if (path / PACKAGE_MARKER).exists():
+    if path.is_dir() and is_package(path):
         return job_memory(fp32_weight_bytes(json.loads((path / MANIFEST_NAME).read_text())))
     if path.is_file():
         with open_cmf(path) as cmf:

@@ -51,6 +51,7 @@ from manifests.output import refuse_existing, staged_output
 from manifests.schema import validate
 from pipeline.stages import gates, scoring
 from pipeline.ground.errors import CmfdeployError
+from pipeline.stages.disk import check_disk
 from pipeline.stages.report import md_table, scatter_plot
 from pipeline.ground.text_roles import text_roles
 from pipeline.ground.workers import LOCAL, WorkerEngine, bundle_job_memory, return_freed_memory, run_in_workers
@@ -417,6 +418,8 @@ def run_survey(
                           f"{aim.precision} package")
     budget = budget or gates.default_budget(source.data, compressed=True)
     gate = fp32_gate(package_dir, Path(fp32_alignment_dir), out_dir)
+    check_disk("survey", out_dir, package_dir, units=len(recipes), jobs=min(jobs, len(recipes)),
+               quality_text=quality_text)
     settings = {"package_dir": str(package_dir), "fixtures_dir": str(fixtures_dir), "budget": budget,
                 "backend": backend, "quality_text": str(quality_text), "items": str(items_path),
                 "mixed_bpw": mixed_bpw, "all_figures": all_figures, "fp32_gate": gate,

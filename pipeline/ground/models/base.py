@@ -381,11 +381,24 @@ class Decoder(nn.Module):
         """`forward_with_cache_tensors` short of the head: the final-normed hidden states, and
         each layer's written caches as lists (stacked after the head, the converted program's
         op order stays what it was). `rows_apart`: each token a chunk of its own (`CacheStep`)."""
-        step = CacheStep(ids, position, key_cache[0, 0, 0, :, 0], self.sliding_window, rows_apart, attention_bias)
+        hidden, keys, values = self.layers_with_cache_tensors(ids, position, key_cache, value_cache,
+                                                              (0, self.args.num_layers), rows_apart, attention_bias)
+        return self.model.norm(hidden), keys, values
+
+    def layers_with_cache_tensors(self, x, position, key_cache, value_cache, layers: tuple[int, int],
+                                  rows_apart: bool = False, attention_bias=None):
+        """Layers start..stop-1 of `hidden_with_cache_tensors`, before the final norm: what one piece
+        of a model cut at layer boundaries computes (`coreml.split`). `x` is the token ids [1, T]
+        where start is 0 (embedded here), else the hidden states [1, T, hidden] layer start - 1
+        gave; the caches hold these layers' alone [stop - start, 1, kv_heads, context, head_dim].
+        Pieces run in turn compute what the whole does, op for op."""
+        start, stop = layers
+        tokens = x if start == 0 else x[:, :, 0]  # [1, T]: the step counts the chunk's positions from it
+        step = CacheStep(tokens, position, key_cache[0, 0, 0, :, 0], self.sliding_window, rows_apart, attention_bias)
         full = _cos_sin(step, self.inv_freq)
         rope = {"FullAttention": full,
                 "SlidingAttention": full if self.sliding_inv_freq is None else _cos_sin(step, self.sliding_inv_freq)}
-        h = F.embedding(ids, self.model.embed_tokens.weight)
+        h = F.embedding(x, self.model.embed_tokens.weight) if start == 0 else x
         if key_cache.dtype == torch.float64:
             h = h.double()  # the float64 side of `noise.rounding_noise`: its layers are widened as they run
         elif h.dtype != torch.float32:
@@ -393,15 +406,16 @@ class Decoder(nn.Module):
             # as integers past 2048 and angles of hundreds of radians are not exact in fp16;
             # cos and sin enter the fp16 path rounded once.
             rope = {kind: (cos.to(h.dtype), sin.to(h.dtype)) for kind, (cos, sin) in rope.items()}
-        scale = self.embed_scale()
+        scale = self.embed_scale() if start == 0 else None
         if scale is not None:
             h = h * scale
         new_keys, new_values = [], []
-        for i, layer in enumerate(self.model.layers):
-            h, keys, values = layer(h, *rope[self.args.layer_types[i]], step, key_cache[i], value_cache[i])
+        for i in range(start, stop):
+            h, keys, values = self.model.layers[i](h, *rope[self.args.layer_types[i]], step, key_cache[i - start],
+                                                   value_cache[i - start])
             new_keys.append(keys)
             new_values.append(values)
-        return self.model.norm(h), new_keys, new_values
+        return h, new_keys, new_values
 
     @property
     def head(self) -> Linear:

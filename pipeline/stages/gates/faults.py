@@ -63,7 +63,11 @@ def seeded_copy(package_dir: Path, bundle_dir: Path, out_dir: Path, fault: str) 
     if not (linked.exists() and linked.samefile(bundle_dir)):
         shutil.copytree(bundle_dir, linked, dirs_exist_ok=True)
     arch = read_json(Path(bundle_dir) / "config.json")["arch"]
-    where = FAULTS[fault].seed(out_dir / "model.mlpackage", Path(bundle_dir), arch)
+    # A split package's fault goes into the piece that holds the middle layer, the one each fault edits.
+    middle, pieces = _middle_layer(arch), manifest["package"].get("pieces")
+    name = "model.mlpackage" if pieces is None else next(
+        p["name"] for p in pieces if p["piece"]["layers"][0] <= middle < p["piece"]["layers"][1])
+    where = FAULTS[fault].seed(out_dir / name, Path(bundle_dir), arch)
     manifest["files"] = inventory(out_dir)
     write_json(out_dir / MANIFEST_NAME, manifest)
     return out_dir, where

@@ -154,6 +154,7 @@ def make_reference_fixtures(artifact: str | Path, out_dir: str | Path, lines: li
     from pipeline.ground.cmf import open_cmf
     from pipeline.ground.models.args import ModelArgs
     from pipeline.ground.tokenizer import tokenizer_from_artifact
+    from pipeline.stages.disk import check_disk
 
     artifact, out_dir = Path(artifact), Path(out_dir)
     refuse_existing(out_dir, force)
@@ -164,6 +165,9 @@ def make_reference_fixtures(artifact: str | Path, out_dir: str | Path, lines: li
         with open_cmf(artifact) as cmf:
             context = ModelArgs.from_header(cmf.header, source=cmf.path.name).deployed_context
     cases = build_cases(tokenizer, lines, context)
+    with open_cmf(artifact) as cmf:
+        rows = sum(len(case["input_ids"]) for case in cases.values()) + (context if step_logits else 0)
+        check_disk("reference-fixtures", out_dir, artifact, logits_bytes=4 * rows * cmf.arch["vocab_size"])
     arrays = reference_arrays(artifact, cases, context, step_logits)
     index = {
         "format": FORMAT,

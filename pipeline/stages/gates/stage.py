@@ -190,12 +190,13 @@ def align_package(package_dir, fixtures_dir, out_dir, *, budget: Budget | str | 
     from that gate's report where it is of the same identity (`quality_identity`), and refuses
     it by field where not.
     """
-    from coreml.ane import ane_report
+    from coreml.ane import package_ane_report
     from coreml.kinds import KINDS
     from coreml.package import package_class
     from coreml.runner import open_package_backend
     from manifests.identity import MANIFEST_NAME, artifact_source, environment, inventory, write_json
     from manifests.output import refuse_existing, staged_output
+    from pipeline.stages.disk import check_disk
     from pipeline.stages.scoring import write_run
 
     package_dir, out_dir = Path(package_dir), Path(out_dir)
@@ -216,6 +217,7 @@ def align_package(package_dir, fixtures_dir, out_dir, *, budget: Budget | str | 
     if lineage.source_cmf_sha256 != fixtures.checkpoint_sha256:
         raise GateFailed(f"{fixtures.directory / 'index.json'}: fixtures were made from CMF sha256 "
                          f"{fixtures.checkpoint_sha256}, but {package_dir} comes from {lineage.source_cmf_sha256}")
+    check_disk("align", out_dir, package_dir, quality_text=quality.text_path if quality else quality_text)
     clock.lap("lineage")
     candidate = Unopened(package_class(package_dir, backend).backend,
                          lambda: open_package_backend(package_dir, backend=backend))
@@ -242,7 +244,7 @@ def align_package(package_dir, fixtures_dir, out_dir, *, budget: Budget | str | 
         scores = quality.fp32_scores
         scoring.lap("fp32_scores")
         body["seconds"].update(scoring.laps)
-    ane = ane_report(package_dir / lineage.manifest["package"]["name"])
+    ane = package_ane_report(package_dir, lineage.manifest["package"])
     body["seconds"] = {**clock.laps, **body["seconds"]}
     # Every path the gate records is relative to its own folder: gates ship in releases.
     fixtures_identity = fixtures.identity(relative_to=out_dir)

@@ -8,6 +8,7 @@ which `write_cmf` fixes before it sees a payload), then loads, checks and encode
 at a time.
 """
 
+import math
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from manifests.disk import DISK_NEEDS, require_disk
 from pipeline.ground.cmf import write_cmf
 from pipeline.ground.errors import UnsupportedModel
 from pipeline.stages.importers.quant_policy import QuantPolicy
@@ -86,6 +88,7 @@ def write_import(
             f"{source}: tie_word_embeddings is {arch['tie_word_embeddings']} but the checkpoint {state} 'lm_head.weight'"
         )
     plan = {name: policy.choose(name, tensors[name][0]) for name in names}
+    require_disk(out, DISK_NEEDS["import"], 4 * sum(math.prod(shape) for shape, _ in tensors.values()))
 
     def encoded():
         for name in names:
