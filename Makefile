@@ -32,7 +32,10 @@ CMF := $(if $(filter cmf,$(MODEL_SOURCE)),$(MODEL_PATH),$(OUT)/import/$(NAME).cm
 # Engine, and its gate reports every unit it can claim), so gpu and ane share coreml-fp16/ and
 # align-fp16/; each target has its own survey, whose recipes and deployable claim are the
 # target's. The registry answers in plain python3: make needs the names before the venv exists.
-TARGET ?= cpu
+# The default is what apps ship: fp16 for the Neural Engine, deployed for the GPU instead (the
+# survey says why) where no passing package can claim the Neural Engine. TARGET=cpu builds the
+# FP32 packages and gates, the reference numerics.
+TARGET ?= ane
 PRECISION := $(shell $(PYTHON) -m coreml.targets $(TARGET))
 $(if $(PRECISION),,$(error TARGET=$(TARGET) names no target of coreml.targets))
 FP16 := $(filter fp16,$(PRECISION))

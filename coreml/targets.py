@@ -4,6 +4,7 @@ compress for, and what a release tells Core ML to run on.
     TARGETS["ane"].precision       # "fp16": the package precision the target's survey starts from
     TARGETS["ane"].claim           # "ane": the unit coreml.ane's static check must let a package claim
     TARGETS["ane"].compute_units   # "CPU_AND_NE": MLComputeUnits the release's snippet sets
+    TARGETS["ane"].fallback        # "gpu": deployed for instead where no passing package claims "ane"
 
 A target's survey compresses the package of its precision with the recipes asked, gates each,
 and deploys only a package whose saved program can claim the target's unit (`coreml.ane`):
@@ -31,6 +32,10 @@ class Target:
     claim: str  # "cpu" | "gpu" | "ane": what coreml.ane must let a deployed package claim
     compute_units: str  # MLComputeUnits name (coremltools' ct.ComputeUnit member)
     swift_compute_units: str  # MLModelConfiguration.computeUnits
+    # The target a survey deploys for instead, saying why, where no passing package can claim this
+    # one's unit: an fp16 package the Neural Engine refuses (a shape past its limits, a per-block
+    # scale) still runs on the GPU.
+    fallback: str | None = None
 
 
 TARGETS: Registry[Target] = Registry("target", UnknownTarget)
@@ -40,11 +45,12 @@ def register_target(target: Target) -> Target:
     return TARGETS.add(target.name, target)
 
 
-register_target(Target("cpu", "FP32 on the CPU (the default; no Neural Engine)", "fp32", "cpu", "CPU_ONLY", ".cpuOnly"))
+register_target(Target("cpu", "FP32 on the CPU (the reference numerics; no Neural Engine)", "fp32", "cpu", "CPU_ONLY",
+                       ".cpuOnly"))
 register_target(Target("gpu", "fp16 on the GPU (per-block int4 and palettes both run there)", "fp16", "gpu",
                        "CPU_AND_GPU", ".cpuAndGPU"))
-register_target(Target("ane", "fp16 on the Neural Engine (palettes and per-channel scales; fixed or enumerated shapes)",
-                       "fp16", "ane", "CPU_AND_NE", ".cpuAndNeuralEngine"))
+register_target(Target("ane", "fp16 on the Neural Engine (palettes and per-channel scales; fixed or enumerated shapes; "
+                       "the default, as apps ship)", "fp16", "ane", "CPU_AND_NE", ".cpuAndNeuralEngine", fallback="gpu"))
 
 
 def target(name: str, where: object = "--target") -> Target:

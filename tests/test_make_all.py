@@ -31,17 +31,18 @@ def test_every_folder_make_all_release_writes_verifies(tmp_path, capsys):
     shutil.copyfile(FIXTURE_CMF, model)
     out, dist = ROOT / "build" / name, ROOT / "dist"
     try:
-        # Two recipes keep the survey short; every stage and stamp is the default run's.
+        # Two recipes keep the survey short; every stage and stamp is the default run's (TARGET=ane).
         made = subprocess.run(["make", "-C", str(ROOT), "--no-print-directory", "all", "release", f"MODEL={model}",
-                               "RECIPES=int8-b32 palette6-gc32", f"PYTHON={sys.executable}"],
+                               "RECIPES=int8-pc palette6-gc32", f"PYTHON={sys.executable}"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1800)
         assert made.returncode == 0, made.stdout[-4000:]
         released = sorted(dist.glob(f"{name}-*"))
         assert len(released) == 1, released
         folders = _verified_folders(out, released[0])
         kinds = {path.relative_to(out).as_posix() for path in folders if out in path.parents}
-        assert {"bundle", "coreml/stateless", "coreml/chunk_kv", "coreml/stateful", "align/stateless",
-                "align/chunk_kv", "align/stateful", "survey", "scores/fp32-reference"} <= kinds
+        assert {"bundle", "preflight", "coreml-fp16/stateless", "coreml-fp16/chunk_kv", "coreml-fp16/stateful",
+                "align-fp16/stateless", "align-fp16/chunk_kv", "align-fp16/stateful", "survey-ane",
+                "survey-ane-deployed", "scores/fp32-reference"} <= kinds
         for folder in folders:
             assert main(["verify-artifact", str(folder)]) == 0, (folder, capsys.readouterr().err)
         stamps = [path for path in out.rglob("*") if path.suffix in (".passed", ".released", ".done")]

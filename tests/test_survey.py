@@ -112,6 +112,34 @@ def test_deployed_recipe_is_the_smallest_that_passed_all_three_parts(survey):
     assert f"| {deployed} |" in (survey.path / "survey.md").read_text()
 
 
+def _record(name: str, size: int, passed: bool, units: list[str]) -> dict:
+    return {"name": name, "status": "measured", "package": {"size_bytes": size},
+            "gate": {"passed": passed, "compute_units": units}}
+
+
+def test_the_neural_engine_target_falls_back_to_the_gpu_saying_why():
+    from coreml.targets import target
+    from pipeline.stages.survey import deployment_choice
+
+    gpu_only, cpu_gpu = ["cpu", "gpu"], ["cpu", "gpu", "ane"]
+    # One passing package claims the Neural Engine: it deploys there, the smaller GPU-only one not.
+    records = [_record("int4-b32", 10, True, gpu_only), _record("palette6-gc32", 20, True, cpu_gpu),
+               _record("palette4-gc32", 5, False, cpu_gpu)]
+    assert deployment_choice(records, target("ane")) == {
+        "recipe": "palette6-gc32", "rule": deployment_choice(records, target("ane"))["rule"], "deployed_for": "ane"}
+    # None does: the smallest passing one deploys for the GPU, and the record says why.
+    records[1]["gate"]["compute_units"] = gpu_only
+    chosen = deployment_choice(records, target("ane"))
+    assert chosen["recipe"] == "int4-b32" and chosen["deployed_for"] == "gpu"
+    assert "can claim ane" in chosen["fallback"] and "int4-b32 (cpu, gpu)" in chosen["fallback"]
+    # A target without a fallback, or nothing passing at all, deploys nothing.
+    assert deployment_choice(records, target("cpu"))["recipe"] == "int4-b32"
+    nothing = [_record("palette4-gc32", 5, False, gpu_only)]
+    assert deployment_choice(nothing, target("ane")) == {**deployment_choice(nothing, target("ane")), "recipe": None,
+                                                          "deployed_for": "ane"}
+    assert "fallback" not in deployment_choice(nothing, target("ane"))
+
+
 def test_every_recipe_is_exact_on_this_machine(survey, tmp_path):
     """Not exact would be a conversion or runtime bug, whatever the recipe's bit width. The
     survey measures exactness only within budget; a package it did not is gated here with

@@ -186,7 +186,9 @@ def make_release(
             "architecture": shipped["architecture"],
             "packages": entries,
             "survey": {"path": f"survey/{SURVEY_NAME}", "sha256": sha256_file(survey_dir / SURVEY_NAME),
-                       "deployed_rule": survey["deployed"]["rule"], "target": survey.get("target", "cpu")},
+                       "deployed_rule": survey["deployed"]["rule"], "target": _release_target_name(survey, recipe),
+                       **({"fallback": survey["deployed"]["fallback"]}
+                          if recipe == survey["deployed"]["recipe"] and "fallback" in survey["deployed"] else {})},
             "chain": identity_chain(survey, entries),
             "tokenizer": tokenizer,
         }
@@ -488,6 +490,15 @@ def prediction_lines(interface: dict) -> list[str]:
             "next_id = int(logits[0, -1].argmax())"]
 
 
+def _release_target_name(survey: dict, recipe: str) -> str:
+    """The target the release's snippets run on: the one its survey's deployed recipe was deployed
+    for (the survey's, or its fallback), the survey's for a recipe picked by hand."""
+    deployed = survey["deployed"]
+    if recipe == deployed["recipe"] and "deployed_for" in deployed:
+        return deployed["deployed_for"]
+    return survey.get("target", "cpu")
+
+
 def release_target(manifest: dict):
     """The deployment target (`coreml.targets`) the release's survey deployed for."""
     from coreml.targets import target
@@ -638,6 +649,8 @@ def release_markdown(manifest: dict, survey: dict) -> str:
     record = next(r for r in survey["recipes"] if r["name"] == manifest["recipe"])
     chosen = (f"the survey's deployed recipe: {manifest['survey']['deployed_rule']}" if manifest["deployed"]
               else "chosen by hand, not the survey's deployed recipe")
+    if "fallback" in manifest["survey"]:
+        chosen += f"; the survey's target fell back: {manifest['survey']['fallback']}"
     lines = [
         f"# {manifest['model']} — {manifest['recipe']}",
         "",

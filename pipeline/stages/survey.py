@@ -32,7 +32,7 @@ from coreml import manifest as package_manifest
 from coreml.bits import bits_per_weight
 from coreml.precisions import package_precision
 from coreml.recipes import RECIPES, RecipePrecondition, compress_package
-from coreml.targets import target as target_unit
+from coreml.targets import Target, target as target_unit
 from manifests.identity import (
     MANIFEST_NAME,
     Manifest,
@@ -198,6 +198,25 @@ def survey_recipe(name: str, package_dir: Path, staging: Path, context: dict) ->
     }
 
 
+def deployment_choice(records: list[dict], aim: Target) -> dict:
+    """The survey's `deployed` record for target `aim`: the recipe `deployed_recipe` picks, the
+    target it is deployed for (`deployed_for`), and where it fell back to the target's fallback
+    because no passing package can claim the target's unit, why."""
+    recipe = deployed_recipe(records, aim.claim)
+    if recipe is not None or aim.fallback is None:
+        return {"recipe": recipe, "rule": DEPLOY_RULE, "deployed_for": aim.name}
+    fallback = target_unit(aim.fallback)
+    recipe = deployed_recipe(records, fallback.claim)
+    if recipe is None:
+        return {"recipe": None, "rule": DEPLOY_RULE, "deployed_for": aim.name}
+    passing = [f"{r['name']} ({', '.join(r['gate'].get('compute_units', []))})" for r in records
+               if r["status"] == "measured" and r["gate"]["passed"]]
+    return {"recipe": recipe, "rule": DEPLOY_RULE, "deployed_for": fallback.name,
+            "fallback": (f"no package that passed all three parts can claim {aim.claim} by the static check "
+                         f"(coreml.ane; each gate's compute_units.ane says which check failed): "
+                         f"{'; '.join(passing)}; deployed for {fallback.name} instead ({fallback.description})")}
+
+
 def deployed_recipe(records: Iterable[dict], claim: str = "cpu") -> str | None:
     """The smallest measured package that passed all three parts and can claim the target's
     unit `claim` (`coreml.targets`; ties: the first by name)."""
@@ -261,7 +280,8 @@ def survey_markdown(survey: dict) -> str:
         f"`{survey['scoring_set']['name']}` ({survey['scoring_set']['n_items']} items)",
         f"- target: **{survey.get('target', 'cpu')}** (coreml.targets); budget: **{budget}** (perplexity change at "
         "most, pooled top-1 agreement with FP32 at least)",
-        f"- deployed: **{deployed or 'none (no recipe passed all three parts)'}** ({survey['deployed']['rule']})",
+        f"- deployed: **{deployed or 'none (no recipe passed all three parts)'}** ({survey['deployed']['rule']})"
+        + (f"; **fell back**: {survey['deployed']['fallback']}" if "fallback" in survey["deployed"] else ""),
         "",
         "Exact but over budget is a result of the recipe on this model; not exact is a conversion or runtime bug.",
         "",
@@ -471,7 +491,7 @@ def run_survey(
             **identities,
             "scoring_set": baseline_run["scoring_set"],
             "recipes": records,
-            "deployed": {"recipe": deployed_recipe(records, aim.claim), "rule": DEPLOY_RULE},
+            "deployed": deployment_choice(records, aim),
         }
         (staging / "survey.md").write_text(survey_markdown(survey))
         size_vs_error_plot(staging / "size_vs_error.png", survey)
