@@ -255,3 +255,39 @@ def test_the_release_snippets_feed_each_interfaces_inputs(packages, name, names)
     exec("\n".join(prediction_lines(interface)), scope)
     expected = open_package_backend(packages[name], backend="executor").logits(np.array(ids))[-1]
     assert np.array_equal(scope["logits"][0, -1].astype(np.float32), expected)
+
+
+def test_a_release_in_the_swift_transformers_interface_ships_what_language_model_reads(packages, fixture_packages,
+                                                                                        tmp_path_factory):
+    """End to end: the survey's deployed recipe on the swift-transformers stateful package, gated,
+    released; the shipped program still has what LanguageModel reads, and `generate` on the
+    release continues a prompt as the surveyed package does."""
+    from _survey_models import built_survey
+    from pipeline.ground.generation import generate
+    from pipeline.stages.backends import open_backend
+    from pipeline.stages.deploy import deploy_package
+    from pipeline.stages.release import make_release, verify_release
+
+    root = tmp_path_factory.mktemp("interface-release")
+    survey = built_survey(fixture_packages, root)
+    gate = root / "gate-swift-transformers"
+    assert align_package(packages["swift-transformers"], FIXTURE_REFERENCE, gate, items=survey.items).passed
+    deployment = deploy_package(survey.path, packages["swift-transformers"], gate, root / "deployed",
+                                fixtures_dir=FIXTURE_REFERENCE, items=survey.items)
+    assert deployment.passed
+    release = make_release(survey.path, root / "dist", packages=[(packages["swift-transformers"], gate)],
+                           deployment=deployment.manifest.path)
+    verify_release(release.path)
+    shipped = release.path / next(e for e in release["packages"] if e["role"] == "shipped")["path"]
+    description = _spec(shipped).description
+    assert [f.name for f in description.input] == [ST_TOKENS, ST_MASK]
+    assert [s.name for s in description.state] == list(ST_STATES)
+    assert [o.name for o in description.output] == [ST_LOGITS]
+    assert dict(description.metadata.userDefined)[ST_NAME_KEY] == "botchan-llama-1m"
+    assert "LanguageModelWithStatefulKVCache(model: model, tokenizer: tokenizer)" in (
+        release.path / "RELEASE.md").read_text()
+    prompt = np.array([1, 45, 120, 7, 300], dtype=np.int64)
+    recipe = release["recipe"]
+    greedy = {name: list(generate(open_backend(artifact), prompt, max_tokens=8))
+              for name, artifact in (("release", release.path), ("surveyed", survey.path / "packages" / recipe))}
+    assert greedy["release"] == greedy["surveyed"]
