@@ -81,8 +81,9 @@ DISK_NEEDS = {need.stage: need for need in (
     # behind the header: two copies of the CMF at once, an f32 CMF being 1 W (a narrower quant
     # policy takes less). Measured 2.00 W on SmolLM2.
     DiskNeed("import", 2.0, 16 * MiB, "the staged payloads and the CMF they are copied into"),
-    # One FP32 safetensors file (1 W) beside the tokenizer and config files, written once.
-    DiskNeed("bundle", 1.0, 16 * MiB, "weights.safetensors and the tokenizer files"),
+    # One FP32 safetensors file and the tokenizer files (W counts both), written once; beside them
+    # only the config and the manifest, kilobytes.
+    DiskNeed("bundle", 1.0, MiB, "weights.safetensors and the tokenizer files"),
     # Each kind's package is at most 1 W (FP32; fp16 is half). A job converting a kind holds
     # coremltools' working copies in the staging folder besides (`working_files_in`): the
     # converted program's weights and its temporary package, and for a stateful kind each

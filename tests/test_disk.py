@@ -59,7 +59,7 @@ def _refused(stage: str, out: Path, run) -> NotEnoughDisk:
 def test_bundle_is_refused_before_writing(little_disk, tmp_path):
     out = tmp_path / "bundle"
     error = _refused("bundle", out, lambda: export_bundle(FIXTURE_CMF, out))
-    assert f"1 x W + 16777216 B fixed (W = {weight_bytes(FIXTURE_CMF)} B, the model's FP32 weight bytes" in str(error)
+    assert f"1 x W + 1048576 B fixed (W = {weight_bytes(FIXTURE_CMF)} B, the model's FP32 weight bytes" in str(error)
 
 
 def test_import_is_refused_before_writing(little_disk, smollm2_gguf, tmp_path):

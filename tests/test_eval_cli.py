@@ -153,7 +153,7 @@ def test_dispatch_refuses_mismatched_backends(artifact, tmp_path):
     (package / "model.mlpackage").mkdir(parents=True)
     with pytest.raises(BackendError, match="runs on coreml, not 'torch'"):
         open_backend(package, "torch")
-    with pytest.raises(BackendError, match="needs a folder holding model.mlpackage"):
+    with pytest.raises(BackendError, match="needs a Core ML package folder"):
         open_backend(path, "coreml")
     with pytest.raises(BackendError, match="not one of"):
         open_backend(path, "tpu")

@@ -14,6 +14,7 @@ saying why, and the output is one run's, never a mix.
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -25,7 +26,7 @@ from conftest import FIXTURE_CMF, FIXTURE_REFERENCE, ROOT
 
 from manifests.output import unfinished_output
 from pipeline.stages.artifacts import verify_artifact, verify_chain
-from pipeline.ground.errors import CmfdeployError
+from pipeline.ground.errors import CmfdeployError, OutputWriteFailed
 
 ITEMS = 4
 # The killed run dies before this many steps on paths in its staging folder (mkdir, the first
@@ -227,16 +228,25 @@ def small_disk(tmp_path):
         subprocess.run(["umount", str(mount)], check=True)
 
 
-def test_a_full_disk_fails_clearly_and_keeps_the_old_output(small_disk):
+def test_a_full_disk_fails_clearly_and_keeps_the_old_output(small_disk, monkeypatch):
+    import pipeline.stages.bundle as bundle_stage
+
     out = small_disk / "bundle"
     first = subprocess.run(_cli("bundle", FIXTURE_CMF, "-o", out), cwd=ROOT, env=ENV, capture_output=True, text=True)
     assert first.returncode == 0, first.stderr
     before = {p.name: p.read_bytes() for p in out.iterdir()}
+    # The stage's disk check refuses a second bundle before it writes a byte (manifests.disk)...
     again = subprocess.run(_cli("bundle", FIXTURE_CMF, "-o", out, "--force"), cwd=ROOT, env=ENV,
                            capture_output=True, text=True)
     assert again.returncode == 1
-    assert again.stderr.startswith(f"OutputWriteFailed: {out}: writing the output failed (No space left on device"), \
-        again.stderr
+    assert again.stderr.startswith(f"NotEnoughDisk: {out}: stage 'bundle' needs "), again.stderr
+    assert sorted(os.listdir(small_disk)) == ["bundle"]
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    # ...and a disk that fills anyway (another writer took the room the check saw; here, the
+    # check skipped) fails as OutputWriteFailed, the old output kept.
+    monkeypatch.setattr(bundle_stage, "check_disk", lambda *args, **kwargs: None)
+    with pytest.raises(OutputWriteFailed, match=re.escape(f"{out}: writing the output failed (No space left on device")):
+        bundle_stage.export_bundle(FIXTURE_CMF, out, force=True)
     assert sorted(os.listdir(small_disk)) == ["bundle"]  # no staging folder, no lock, no temp file
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     verify_chain(out)
