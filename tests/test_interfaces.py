@@ -291,3 +291,46 @@ def test_a_release_in_the_swift_transformers_interface_ships_what_language_model
     greedy = {name: list(generate(open_backend(artifact), prompt, max_tokens=8))
               for name, artifact in (("release", release.path), ("surveyed", survey.path / "packages" / recipe))}
     assert greedy["release"] == greedy["surveyed"]
+
+
+def test_a_release_in_the_causal_lm_interface_ships_what_the_causal_lm_model_sample_asserts(packages, fixture_bundle,
+                                                                                            tmp_path_factory):
+    """End to end at fp16 (the causal-lm loader reads fp16 logits): a Neural Engine survey of the fp16
+    chunk-KV package of the same conversion, its deployed recipe on the causal-lm stateful package,
+    gated, released; the shipped program still has what CausalLMModel asserts, RELEASE.md hands it
+    to that sample, and `generate` on the release continues a prompt as the surveyed package does."""
+    from pipeline.ground.generation import generate
+    from pipeline.stages.backends import open_backend
+    from pipeline.stages.deploy import deploy_package
+    from pipeline.stages.release import make_release, verify_release
+    from pipeline.stages.survey import run_survey
+
+    root = tmp_path_factory.mktemp("causal-lm-release")
+    items = cloze_slice(root / "items.jsonl")
+    report = packages["causal-lm"].parent.parent / "preflight.json"  # the conversion the packages share
+    chunk_kv = export_coreml(fixture_bundle, root / "coreml-fp16", kinds=("chunk_kv",),
+                             conversion=Conversion("fp16", preflight=str(report)))["chunk_kv"].path
+    assert align_package(chunk_kv, FIXTURE_REFERENCE, root / "gate-chunk_kv", items=items).passed
+    survey = root / "survey-ane"
+    record = run_survey(chunk_kv, root / "gate-chunk_kv", FIXTURE_REFERENCE, items, survey, recipes=("int8-pc",),
+                        progress=False, target="ane")
+    assert record["deployed"] == {**record["deployed"], "recipe": "int8-pc", "deployed_for": "ane"}
+    gate = root / "gate-causal-lm"
+    assert align_package(packages["causal-lm"], FIXTURE_REFERENCE, gate, items=items).passed
+    deployment = deploy_package(survey, packages["causal-lm"], gate, root / "deployed", fixtures_dir=FIXTURE_REFERENCE,
+                                items=items)
+    assert deployment.passed
+    release = make_release(survey, root / "dist", packages=[(packages["causal-lm"], gate)],
+                           deployment=deployment.manifest.path)
+    verify_release(release.path)
+    shipped = release.path / next(e for e in release["packages"] if e["role"] == "shipped")["path"]
+    description = _spec(shipped).description
+    assert [f.name for f in description.input] == [CAUSAL_LM_TOKENS, CAUSAL_LM_MASK]
+    assert [s.name for s in description.state] == list(CAUSAL_LM_STATES)
+    assert [(o.name, o.type.multiArrayType.dataType) for o in description.output] == [(CAUSAL_LM_LOGITS, FLOAT16)]
+    page = (release.path / "RELEASE.md").read_text()
+    assert "CausalLMModel(model: model)" in page and "computeUnits = .cpuAndNeuralEngine" in page
+    prompt = np.array([1, 45, 120, 7, 300], dtype=np.int64)
+    greedy = {name: list(generate(open_backend(artifact), prompt, max_tokens=8))
+              for name, artifact in (("release", release.path), ("surveyed", survey / "packages" / "int8-pc"))}
+    assert greedy["release"] == greedy["surveyed"]
