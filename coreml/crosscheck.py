@@ -25,7 +25,7 @@ from coreml.interfaces import DEFAULT_INTERFACE, MASK_DTYPE, package_interface
 from coreml.mil.errors import MilError
 from coreml.layout import logit_outputs
 from coreml.precisions import POSITION_INPUT, package_precision, positional_values
-from coreml.split import HIDDEN_INPUT, HIDDEN_OUTPUT, Piece, program_views
+from coreml.split import HIDDEN_INPUT, HIDDEN_OUTPUT, Piece, chained_histogram, program_views
 from coreml.mil.loader import (
     BlobStorage,
     FeatureSpec,
@@ -467,11 +467,7 @@ def _check_chain(package_dir: Path, manifest: dict) -> None:
             [p["name"] for p in block["pieces"]] != [p.name for p in pieces]:
         raise IdentityError(f"{where}: field 'package.pieces' {[p['piece'] for p in block['pieces']]} are not "
                             f"pieces 1..{len(pieces)} in order whose layers tile 0..{layers}, named as their place")
-    summed: dict[str, Counter] = {}
-    for piece in block["pieces"]:
-        for function, counts in piece["op_histogram"].items():
-            summed.setdefault(function, Counter()).update(counts)
-    if {f: dict(c) for f, c in summed.items()} != manifest["op_histogram"]:
+    if chained_histogram(block["pieces"]) != manifest["op_histogram"]:
         raise IdentityError(f"{where}: field 'op_histogram' is not the sum of package.pieces[].op_histogram")
     # A compressed package's bytes are its `size_bytes` (its `package_bytes` are its source's).
     field = "size_bytes" if "size_bytes" in manifest else "package_bytes"

@@ -39,8 +39,9 @@ def _has(folder: Path, name: str) -> bool:
     return folder.is_dir() and name in os.listdir(folder)
 
 
-def locate(path: str | Path) -> tuple[Path, Path, dict | None]:
-    """(package dir, .mlpackage, manifest or None) for a package dir or a bare .mlpackage."""
+def locate(path: str | Path, manifest: dict | None = None) -> tuple[Path, Path, dict | None]:
+    """(package dir, .mlpackage, manifest or None) for a package dir or a bare .mlpackage; `manifest`:
+    the folder's, where the caller has read it already."""
     path = Path(path)
     if _has(path, "Manifest.json"):
         mlpackage = path
@@ -48,7 +49,8 @@ def locate(path: str | Path) -> tuple[Path, Path, dict | None]:
         mlpackage = path / MODEL_NAME
     else:
         raise PackageError(f"{path}: neither an .mlpackage nor a folder holding {MODEL_NAME}")
-    manifest = load_manifest(path) if _has(path, MANIFEST_NAME) else None
+    if manifest is None and _has(path, MANIFEST_NAME):
+        manifest = load_manifest(path)
     return path, mlpackage, manifest
 
 
@@ -170,13 +172,11 @@ def open_package(path: str | Path, backend: str = "auto", function_name: str | N
     a multifunction package (default: the package's default function). A package split into
     pieces (`coreml.split`) opens as the `ChainedPackage` of them."""
     path = Path(path)
-    if _has(path, MANIFEST_NAME) and not _has(path, "Manifest.json"):
-        manifest = load_manifest(path)
-        if "pieces" in manifest.get("package", {}):
-            return ChainedPackage.open(path, manifest, backend, function_name)
+    manifest = load_manifest(path) if _has(path, MANIFEST_NAME) and not _has(path, "Manifest.json") else None
+    if manifest is not None and "pieces" in manifest.get("package", {}):
+        return ChainedPackage.open(path, manifest, backend, function_name)
     opened_by = package_class(path, backend)
-    located = locate(path)
-    return opened_by(*located, function_name)
+    return opened_by(*locate(path, manifest), function_name)
 
 
 def is_package(path: str | Path) -> bool:

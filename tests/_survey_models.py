@@ -77,3 +77,17 @@ def failed_gate(survey_dir: Path) -> Path:
                          items=survey_dir.parent / "items.jsonl").passed:
         return out
     raise AssertionError("int4-b32 met an FP32 budget: its weights were not compressed")
+
+
+def greedy_of_release_and_survey(release, surveyed_package: Path, tokens: int = 8) -> tuple[list, list]:
+    """`generate`'s greedy continuation of one prompt on a release (what it ships) and on the
+    surveyed package its recipe came from."""
+    import numpy as np
+
+    from pipeline.ground.generation import generate
+    from pipeline.stages.backends import open_backend
+
+    prompt = np.array([1, 45, 120, 7, 300], dtype=np.int64)
+    return tuple(list(generate(open_backend(artifact), prompt, max_tokens=tokens))
+                 for artifact in (release.path, surveyed_package))
+

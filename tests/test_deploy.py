@@ -4,17 +4,15 @@ stored once for prefill and decode, gated in three parts, and what the release s
 import json
 import shutil
 
-import numpy as np
 import pytest
-from _survey_models import built_survey
+from _survey_models import built_survey, greedy_of_release_and_survey
 from conftest import FIXTURE_REFERENCE
 
 from coreml.recipes.compress import code_digests
 from manifests.identity import read_json, write_json
 from pipeline.ground.errors import IdentityError
 from pipeline.stages import deploy as deploy_module
-from pipeline.ground.generation import generate
-from pipeline.stages.backends import open_backend, release_package
+from pipeline.stages.backends import release_package
 from pipeline.stages.deploy import DeployError, deploy_package, verify_deployment
 from pipeline.stages.gates import align_package
 from pipeline.stages.release import ReleaseError, make_release, verify_release
@@ -109,12 +107,8 @@ def test_the_release_ships_the_stateful_package_and_describes_it(release, deploy
 
 
 def test_generate_on_the_release_runs_the_stateful_package_as_the_surveyed_one_runs(release, survey):
-    recipe = release["recipe"]
-    prompt = np.array([1, 45, 120, 7, 300], dtype=np.int64)
-    greedy = {}
-    for name, artifact in (("release", release.path), ("surveyed", survey.path / "packages" / recipe)):
-        greedy[name] = list(generate(open_backend(artifact), prompt, max_tokens=8))
-    assert greedy["release"] == greedy["surveyed"]
+    released, surveyed = greedy_of_release_and_survey(release, survey.path / "packages" / release["recipe"])
+    assert released == surveyed
 
 
 def test_a_release_refuses_a_deployment_without_its_fp32_package(survey, deployment, tmp_path):

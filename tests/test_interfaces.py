@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from coremltools.proto import FeatureTypes_pb2
 
-from _survey_models import cloze_slice
+from _survey_models import cloze_slice, greedy_of_release_and_survey
 from conftest import FIXTURE_REFERENCE
 from coreml.convert import export_coreml
 from coreml.interfaces import INTERFACES, InterfaceMismatch, UnknownInterface, loader_interface
@@ -263,8 +263,6 @@ def test_a_release_in_the_swift_transformers_interface_ships_what_language_model
     released; the shipped program still has what LanguageModel reads, and `generate` on the
     release continues a prompt as the surveyed package does."""
     from _survey_models import built_survey
-    from pipeline.ground.generation import generate
-    from pipeline.stages.backends import open_backend
     from pipeline.stages.deploy import deploy_package
     from pipeline.stages.release import make_release, verify_release
 
@@ -286,11 +284,8 @@ def test_a_release_in_the_swift_transformers_interface_ships_what_language_model
     assert dict(description.metadata.userDefined)[ST_NAME_KEY] == "botchan-llama-1m"
     assert "LanguageModelWithStatefulKVCache(model: model, tokenizer: tokenizer)" in (
         release.path / "RELEASE.md").read_text()
-    prompt = np.array([1, 45, 120, 7, 300], dtype=np.int64)
-    recipe = release["recipe"]
-    greedy = {name: list(generate(open_backend(artifact), prompt, max_tokens=8))
-              for name, artifact in (("release", release.path), ("surveyed", survey.path / "packages" / recipe))}
-    assert greedy["release"] == greedy["surveyed"]
+    released, surveyed = greedy_of_release_and_survey(release, survey.path / "packages" / release["recipe"])
+    assert released == surveyed
 
 
 def test_a_release_in_the_causal_lm_interface_ships_what_the_causal_lm_model_sample_asserts(packages, fixture_bundle,
@@ -299,8 +294,6 @@ def test_a_release_in_the_causal_lm_interface_ships_what_the_causal_lm_model_sam
     chunk-KV package of the same conversion, its deployed recipe on the causal-lm stateful package,
     gated, released; the shipped program still has what CausalLMModel asserts, RELEASE.md hands it
     to that sample, and `generate` on the release continues a prompt as the surveyed package does."""
-    from pipeline.ground.generation import generate
-    from pipeline.stages.backends import open_backend
     from pipeline.stages.deploy import deploy_package
     from pipeline.stages.release import make_release, verify_release
     from pipeline.stages.survey import run_survey
@@ -330,7 +323,5 @@ def test_a_release_in_the_causal_lm_interface_ships_what_the_causal_lm_model_sam
     assert [(o.name, o.type.multiArrayType.dataType) for o in description.output] == [(CAUSAL_LM_LOGITS, FLOAT16)]
     page = (release.path / "RELEASE.md").read_text()
     assert "CausalLMModel(model: model)" in page and "computeUnits = .cpuAndNeuralEngine" in page
-    prompt = np.array([1, 45, 120, 7, 300], dtype=np.int64)
-    greedy = {name: list(generate(open_backend(artifact), prompt, max_tokens=8))
-              for name, artifact in (("release", release.path), ("surveyed", survey / "packages" / "int8-pc"))}
-    assert greedy["release"] == greedy["surveyed"]
+    released, surveyed = greedy_of_release_and_survey(release, survey / "packages" / "int8-pc")
+    assert released == surveyed

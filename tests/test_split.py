@@ -101,7 +101,9 @@ def test_the_chain_is_the_unsplit_package_op_for_op(converted, precision, limit_
     got, got_cache = _run(split)
     want, want_cache = _run(whole)
     # The same ops on the same values in the same order: the pieces pass the hidden state in the
-    # dtype the unsplit program holds it in, so nothing rounds differently.
+    # dtype the unsplit program holds it in, so nothing rounds differently. Both sides run in this
+    # process on the executor's one set of kernels, so the equality holds whatever a CPU's kernels
+    # round (AVX2, AVX-512, arm64): it compares the two programs, not this machine's bits.
     for a, b in zip(got, want):
         np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(got_cache.key_cache, want_cache.key_cache)
@@ -273,8 +275,7 @@ def test_the_deployed_split_package_carries_the_surveyed_codes_and_passes_its_ga
 
 def test_the_release_lists_the_pieces_and_runs_them_as_one_model(deployed, survey):
     from coreml.manifest import pieces_sha256
-    from pipeline.ground.generation import generate
-    from pipeline.stages.backends import open_backend
+    from _survey_models import greedy_of_release_and_survey
     from pipeline.stages.release import prediction_lines, usage_markdown, verify_release
 
     _, release = deployed
@@ -296,8 +297,5 @@ def test_the_release_lists_the_pieces_and_runs_them_as_one_model(deployed, surve
     expected = open_package_backend(release.path / shipped["path"], backend="executor").logits(np.array(ids))[-1]
     assert np.array_equal(scope["logits"][0, -1].astype(np.float32), expected)
     # generate runs the release's chain as the surveyed unsplit package runs.
-    prompt = np.array([1, 45, 120, 7, 300], dtype=np.int64)
-    recipe = release["recipe"]
-    greedy = {name: list(generate(open_backend(artifact), prompt, max_tokens=8))
-              for name, artifact in (("release", release.path), ("surveyed", survey.path / "packages" / recipe))}
-    assert greedy["release"] == greedy["surveyed"]
+    released, surveyed = greedy_of_release_and_survey(release, survey.path / "packages" / release["recipe"])
+    assert released == surveyed

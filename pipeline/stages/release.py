@@ -507,7 +507,6 @@ def release_target(manifest: dict):
 
 
 def _swift_sketch(manifest: dict) -> str:
-    release, recipe = f"dist/{manifest['model']}-{manifest['recipe']}", manifest["recipe"]
     interface = manifest["interface"]
     unit = package_interface(interface, "the release")
     if unit.swift_usage:
@@ -523,18 +522,10 @@ def _swift_sketch(manifest: dict) -> str:
         f"// input_ids takes the enumerated lengths {list(lengths)} only: feed the prompt in chunks of those, largest "
         "first, each from the cache the one before wrote"]
     return "\n".join([
-        "import CoreML",
-        "import Tokenizers  // swift-transformers",
-        "",
-        f'let release = URL(fileURLWithPath: "{release}")',
-        'let tokenizer = try await AutoTokenizer.from(modelFolder: release.appendingPathComponent("tokenizer"))',
+        *_swift_prologue(manifest),
         f'let package = release.appendingPathComponent("{shipped_entry(manifest)["path"]}/model.mlpackage")',
-        "let config = MLModelConfiguration()",
-        f"config.computeUnits = {release_target(manifest).swift_compute_units}",
         "let model = try MLModel(contentsOf: try await MLModel.compileModel(at: package), configuration: config)",
-        'let ids = tokenizer.encode(text: "I was sent to")',
-        "let inputIds = try MLMultiArray(shape: [1, NSNumber(value: ids.count)], dataType: .int32)",
-        "for (i, id) in ids.enumerated() { inputIds[i] = NSNumber(value: id) }",
+        *SWIFT_PROMPT,
         *chunks,
         "// + the other inputs of the Interface table below (position, caches), zero-filled for a first call",
         f'let out = try await model.prediction(from: MLDictionaryFeatureProvider(dictionary: ["{unit.token_input}": '
@@ -543,18 +534,30 @@ def _swift_sketch(manifest: dict) -> str:
     ])
 
 
+# The Swift sketches' prompt: its token ids as the model's first input.
+SWIFT_PROMPT = ('let ids = tokenizer.encode(text: "I was sent to")',
+                "let inputIds = try MLMultiArray(shape: [1, NSNumber(value: ids.count)], dataType: .int32)",
+                "for (i, id) in ids.enumerated() { inputIds[i] = NSNumber(value: id) }")
+
+
+def _swift_prologue(manifest: dict) -> list[str]:
+    """What every cmfdeploy-interface Swift sketch opens with: the release folder, its tokenizer, and
+    a configuration on the release's compute units."""
+    return ["import CoreML",
+            "import Tokenizers  // swift-transformers",
+            "",
+            f'let release = URL(fileURLWithPath: "dist/{manifest["model"]}-{manifest["recipe"]}")',
+            'let tokenizer = try await AutoTokenizer.from(modelFolder: release.appendingPathComponent("tokenizer"))',
+            "let config = MLModelConfiguration()",
+            f"config.computeUnits = {release_target(manifest).swift_compute_units}"]
+
+
 def _swift_chain_sketch(manifest: dict) -> str:
     """A split package's pieces run in turn, each with a state of its own layers' caches."""
-    release, interface = f"dist/{manifest['model']}-{manifest['recipe']}", manifest["interface"]
+    interface = manifest["interface"]
     names = json.dumps([piece["name"] for piece in interface["pieces"]])
     return "\n".join([
-        "import CoreML",
-        "import Tokenizers  // swift-transformers",
-        "",
-        f'let release = URL(fileURLWithPath: "{release}")',
-        'let tokenizer = try await AutoTokenizer.from(modelFolder: release.appendingPathComponent("tokenizer"))',
-        "let config = MLModelConfiguration()",
-        f"config.computeUnits = {release_target(manifest).swift_compute_units}",
+        *_swift_prologue(manifest),
         'config.functionName = "prefill"  // "decode" for one token at a time',
         f"// The package in {len(interface['pieces'])} pieces (metadata.json: assets.pieces, with their sha256), each "
         "under the device's per-package limit",
@@ -564,9 +567,7 @@ def _swift_chain_sketch(manifest: dict) -> str:
         "    pieces.append(try MLModel(contentsOf: try await MLModel.compileModel(at: url), configuration: config))",
         "}",
         "let states = pieces.map { $0.makeState() }  // each piece's own layers' K/V caches",
-        'let ids = tokenizer.encode(text: "I was sent to")',
-        "let inputIds = try MLMultiArray(shape: [1, NSNumber(value: ids.count)], dataType: .int32)",
-        "for (i, id) in ids.enumerated() { inputIds[i] = NSNumber(value: id) }",
+        *SWIFT_PROMPT,
         "let position = try MLMultiArray(shape: [1], dataType: .int32)  // 0: the first call",
         'var features: MLFeatureProvider = try MLDictionaryFeatureProvider(dictionary: ["input_ids": inputIds, '
         '"position": position])',
