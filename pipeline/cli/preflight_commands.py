@@ -23,5 +23,6 @@ def _preflight(args) -> int:
     manifest = run_preflight(args.bundle, args.output, text=args.text, context=args.context, force=args.force)
     mitigations = manifest["mitigations"]
     print(f"{args.output}: fp16 {manifest['verdict']} over {manifest['context']} tokens; mitigations: residual scale "
-          f"{mitigations['residual_scale']:g}, {mitigations['rmsnorm']} RMSNorm")
+          f"{mitigations['residual_scale']:g}, {mitigations['rmsnorm']} RMSNorm"
+          + (", k bias past RoPE" if mitigations.get("key_bias") == "rope_offset" else ""))
     return 0
