@@ -177,12 +177,14 @@ def test_a_forward_releases_every_layer_and_the_head_and_computes_the_same(fixtu
     assert torch.equal(logits, kept)
 
 
-@pytest.mark.parametrize("copy_of", ["fp16 mitigated model", "fp16 reference"])
+@pytest.mark.parametrize("copy_of", ["fp16 mitigated model", "fp16 reference", "fp16 reference of the mitigated model"])
 def test_a_copy_of_the_reference_keeps_the_map_and_releases_its_pages(fixture_bundle, monkeypatch, copy_of):
     """The fp16 conversion's mitigated model and the gates' fp16 reference are deep copies of the
-    reference. Their page-dropping hooks keep the arrays of the bundle's map, never copies of them
-    (a deep copy of those arrays was a copy of the weights in memory: 0.54 GB in SmolLM2-135M's
-    fp16 conversion), and a forward of the copy drops the pages of every layer and the head."""
+    reference, the gates' of a copy. Their page-dropping hooks keep the arrays of the bundle's
+    map, never copies of them (a deep copy of those arrays was a copy of the weights in memory:
+    0.54 GB in SmolLM2-135M's fp16 conversion), nor copies of the parameters they watch (the
+    FP32 layers and head of Qwen2.5-Coder-1.5B in its chain gate's reference: 6.2 GB), and a
+    forward of the copy drops the pages of every layer and the head."""
     from pipeline.ground import reference as reference_module
     from pipeline.ground.models.fp16 import Fp16Mitigations, fp16_reference, mitigated_model
     from pipeline.ground.pages import is_mapped
@@ -192,16 +194,21 @@ def test_a_copy_of_the_reference_keeps_the_map_and_releases_its_pages(fixture_bu
     monkeypatch.setattr(reference_module, "release_pages",
                         lambda array: (released.add(array.ctypes.data), original(array)))
     model, args, _ = load_reference(fixture_bundle)
-    if copy_of == "fp16 reference":
-        copied = fp16_reference(model)
-    else:
-        copied = mitigated_model(model, args, Fp16Mitigations(residual_scale=0.5, rmsnorm="max_scaled"))
+    models = [model]
+    if copy_of != "fp16 reference":
+        models.append(mitigated_model(model, args, Fp16Mitigations(residual_scale=0.5, rmsnorm="max_scaled")))
+    if copy_of != "fp16 mitigated model":
+        models.append(fp16_reference(models[-1]))
+    copied = models[-1]
 
     def hooked_arrays(module):
         return [array for m in module.modules() for hook in m._forward_hooks.values() for _, array in hook.owned]
 
     arrays = hooked_arrays(copied)
     assert arrays and all(is_mapped(array) for array in arrays)
+    watched = [p for m in copied.modules() for hook in m._forward_hooks.values() for ps, _ in hook.owned for p in ps]
+    existing = {p.data_ptr() for m in models for p in m.parameters()}
+    assert watched and all(p.data_ptr() in existing for p in watched), "a hook watches a copy of a parameter's data"
     assert {a.ctypes.data for a in arrays} == {a.ctypes.data for a in hooked_arrays(model)}
     with torch.no_grad():
         copied(torch.arange(16))
