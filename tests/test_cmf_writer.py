@@ -317,10 +317,13 @@ def test_evict_drops_a_tensors_pages_and_the_bytes_read_back_unchanged(tmp_path,
     big = weights(rng, (2048, 1024))  # 8 MiB, far above anything the header parse touches
     (path,) = write_cmf(tmp_path / "m.cmf", arch=ARCH, tensors=[("small", weights(rng, (4, 32)), "f32"),
                                                                     ("big", big, "f32")])
+    # Only what is resident after the eviction is asserted: the kernel may reclaim the file's
+    # clean pages at any moment under memory pressure (it did, in a CI run beside a 1.5B model's
+    # gate), which can lower what a decode left resident but never raise what an eviction leaves.
     with open_cmf(path) as cmf:
         assert np.array_equal(cmf.decode("big"), big)
-        touched = _mapped_rss_kib(path.resolve())
         cmf.evict("big")
         evicted = _mapped_rss_kib(path.resolve())
-        assert touched - evicted >= big.nbytes // 1024 - 8  # every page but a shared edge
+        others = (path.stat().st_size - big.nbytes) // 1024
+        assert evicted <= others + 8  # every page of "big" but a shared edge is gone
         assert np.array_equal(cmf.decode("big"), big)  # read-only file map: the pages fault back
