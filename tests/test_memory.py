@@ -130,10 +130,11 @@ def _all_mappings() -> list[dict]:
 
 @pytest.mark.parametrize("mode", ["r", "c", "r+"])  # a package's weight.bin, a bundle, a scratch file
 def test_released_pages_leave_the_process_and_read_back_the_same(tmp_path, mode):
-    """Once read, a 16 MiB map is resident whole; releasing a view of it drops at least the whole
-    pages that view covers (no read comes between, so the kernel maps nothing back; a kernel
-    that maps the page cache's large folios whole may drop the whole folio around an end), and
-    a read afterwards sees the file's values."""
+    """Releasing a view of a read 16 MiB map drops at least the whole pages that view covers (no
+    read comes between, so the kernel maps nothing back; a kernel that maps the page cache's
+    large folios whole may drop the whole folio around an end), and a read afterwards sees the
+    file's values. What the read left resident is not asserted: under memory pressure the kernel
+    may reclaim clean file pages at any moment, which never raises what a release leaves."""
     from pipeline.ground.pages import is_mapped, release_pages
 
     path = tmp_path / "data.bin"
@@ -141,7 +142,6 @@ def test_released_pages_leave_the_process_and_read_back_the_same(tmp_path, mode)
     values.tofile(path)
     mapped = np.memmap(path, np.float32, mode=mode)
     assert mapped.sum() == values.sum()
-    assert _resident(mapped) == values.nbytes
     view = mapped[1000:3 * MIB + 7].reshape(-1, 1)  # neither end on a page boundary
     page = 4096
     first, last = -(-1000 * 4 // page), (3 * MIB + 7) * 4 // page  # its whole pages
