@@ -113,6 +113,15 @@ def save_model(mlmodel, mlpackage: Path) -> None:
     """Save `mlmodel` at `mlpackage`, and remove the temporary package coremltools made it in
     (in `working_files_in`'s folder, or the temp folder), at once rather than at exit."""
     mlmodel.save(str(mlpackage))
+    discard_model(mlmodel)
+
+
+def discard_model(mlmodel) -> None:
+    """Remove the temporary package coremltools made `mlmodel` in, if it made one. coremltools
+    removes one when its MLModel is collected on macOS only; elsewhere it stays until exit, and a
+    multifunction package's functions, each made over a copy of the weights inside a staging
+    folder, were listed and shipped as part of every compressed stateful package (two fp16
+    copies of its weights in each piece's folder)."""
     if getattr(mlmodel, "is_temp_package", False):
         shutil.rmtree(mlmodel.package_path, ignore_errors=True)
 

@@ -49,6 +49,10 @@ def test_the_stateful_package_carries_the_surveyed_codes_once_and_passes_its_gat
     # Prefill and decode read one copy of the codes: the two-function package's weight file is
     # the single-function chunk-KV package's, within the few small tables the kinds differ by.
     assert _weight_bytes(deployment.package_dir) <= 1.02 * _weight_bytes(surveyed)
+    # Nothing but the program and its records: no working package of coremltools' (each function
+    # made apart over a copy of the weights) left in the folder, its manifest and the release.
+    assert sorted(p.name for p in deployment.package_dir.iterdir()) == [
+        "manifest.json", "model.mlpackage", "tokenizer.json", "tokenizer_config.json"]
     report = read_json(deployment.gate_dir / "alignment.json")
     assert deployment.passed and report["passed"] and report["package"]["kind"] == "stateful"
     assert report["recipe"] == recipe and report["summary"]["exact"] and report["summary"]["invariants_passed"]

@@ -195,6 +195,7 @@ def _apply_per_function(functions: PackageFunctions, program, recipe: Recipe, st
             model = functions.model(name)
             compressed, hot = apply_recipe(model, program if program is not None else load_program(model),
                                            recipe, steps, once)
+            package_manifest.discard_model(model)
             paths[name] = Path(folder) / f"{name}.mlpackage"
             package_manifest.save_model(compressed, paths[name])
             hot_rows.update(hot)
@@ -362,6 +363,7 @@ def _compress_program(mlpackage: Path, view: dict, unit: Recipe, context: Contex
         if functions is None:
             compressed, hot_rows = apply_recipe(mlmodel, program, unit, plan["steps"], prepared.encoders)
         else:
+            package_manifest.discard_model(mlmodel)
             del mlmodel
             compressed, hot_rows = _apply_per_function(functions, program, unit, plan["steps"],
                                                        prepared.encoders, out.parent)
