@@ -23,11 +23,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline.ground.generation import generate  # noqa: E402
-
-
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+from pipeline.ground.generation import first_difference, generate  # noqa: E402
 
 
 def _greedy(backend, prompt: np.ndarray, new: int) -> tuple[list[int], float]:

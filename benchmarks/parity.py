@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from pipeline.ground.generation import generate  # noqa: E402
+from pipeline.ground.generation import first_difference, generate  # noqa: E402
 from pipeline.ground.models.numerics import model_logits_bound  # noqa: E402
 from pipeline.ground.reference import load_reference  # noqa: E402
 from pipeline.ground.text_roles import held_out  # noqa: E402
@@ -51,10 +51,6 @@ BOTCHAN = ROOT / "fixtures" / "botchan.txt"
 
 def held_out_text() -> str:
     return "\n".join(held_out(BOTCHAN.read_text(encoding="utf-8").splitlines()))
-
-
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
 
 def main() -> None:

@@ -80,6 +80,11 @@ def sample(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> 
     return int(rng.choice(p.size, p=p))
 
 
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Where two token sequences first part: an index, or None where they are equal."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+
+
 def check_request(prompt: np.ndarray, max_tokens: int, context: int, where: str) -> None:
     if max_tokens < 1:
         raise GenerateError(f"{where}: --max-tokens {max_tokens}: must be at least 1")
