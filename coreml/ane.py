@@ -28,8 +28,9 @@ necessary condition, not a promise that Core ML will place an op there:
   "Deploying Transformers on the Apple Neural Engine",
   https://machinelearning.apple.com/research/neural-engine-transformers, keeps the channel axis
   in C for the same engine). A vocabulary wider than 16384 fails here until its head is split
-  (`coreml.layout`: `cmfdeploy coreml --precision fp16` splits it). The token lookup's table
-  [vocab, hidden], which the split leaves whole, is a gather's operand, not a matrix one: no
+  (`coreml.layout`: `cmfdeploy coreml --precision fp16` splits it). A tied table is then looked
+  up from the head's parts; an untied head's lookup table [vocab, hidden], which the split leaves
+  whole, is a gather's operand, not a matrix one: no
   public source states a limit on a gather's table. It is named in the detail whenever it is
   past the limits, as the lookup that, like the positional prologue, reads only the token ids
   (its indices computed from the integer inputs through integer values alone), runs once

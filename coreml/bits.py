@@ -67,8 +67,9 @@ def bits_per_weight(package_dir: str | Path) -> dict:
 
     A value stored once counts once, and a weight carried by several HF names (a tied
     embedding and head) is one tensor: the count is of what the program holds, a table's hot
-    rows (their residual, slot map and ids) included, and a split head's parts: stored beside
-    a tied table, their bytes count and their rows are that table's parameters again.
+    rows (their residual, slot map and ids) included, and a split head's parts: their bytes
+    count, and their rows are parameters unless a constant carries the head's HF name already
+    (a tied table its lookup reads beside them, in a split package's first piece).
     """
     stored = parameters = 0
     counted: set[tuple[str, ...]] = set()  # the HF names whose parameters are counted already

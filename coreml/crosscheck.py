@@ -283,8 +283,9 @@ def _context(claims: _Claims, block: dict, architecture: dict) -> None:
 def _head_split(claims: _Claims, block: dict, architecture: dict) -> None:
     """A split head (`package.head_split`): its parts are the logit outputs, in order, tiling the
     vocabulary in rows of at most the part width, each the result of a linear whose weight is
-    a [rows, hidden] constant of its own (never a slice of a wider one), and their bytes are
-    what those rows hold at the float dtype."""
+    a [rows, hidden] constant of its own (never a slice of a wider one), read by the token
+    lookup's gathers exactly where the record says the lookup reads the parts, and their bytes
+    are what those rows hold at the float dtype."""
     split = block.get("head_split")
     if split is None:
         return
@@ -310,6 +311,9 @@ def _head_split(claims: _Claims, block: dict, architecture: dict) -> None:
             claims.same(f"package.head_split.parts[{part['output']}] (function {name})",
                         ("linear", True, [stop - start, hidden]), stated,
                         f"the program's producer of {var} (op, weight constant, weight shape)")
+            gathered = any(op == "gather" and weight in reads for op, reads, *_ in function.graph)
+            claims.same(f"package.head_split.token_lookup (function {name}, {part['output']})",
+                        split.get("token_lookup", False), gathered, f"whether a gather reads {weight}")
 
 
 def _arithmetic(function: ProgramFunction, dtype: str) -> dict[str, str]:

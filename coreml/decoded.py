@@ -155,9 +155,11 @@ def decoded_weights(package_dir: str | Path, scratch: ScratchFile | None = None)
     """HF name -> the weight as the package's program defines it, float32, decoded by coremltools;
     with `scratch`, each one held there as it is decoded (a map, not memory of this process).
     A split head's parts (`package.head_split`) are read from the linears that make them and
-    joined in row order as `lm_head.weight`: constants of their own, apart from a tied embedding
-    a recipe may have compressed, so the reference built from them is untied as the package is
-    (`pipeline.ground.reference.load_reference` takes that name on a tied bundle)."""
+    joined in row order: as the tied table where the token lookup reads them too
+    (`head_split.token_lookup`), else as `lm_head.weight`, constants of their own apart from the
+    embedding table a recipe may have compressed otherwise, so the reference built from them is
+    untied as the package is (`pipeline.ground.reference.load_reference` takes that name on a
+    tied bundle)."""
     out: dict[str, np.ndarray] = {}
     # A split package's pieces each hold their layers' weights; a tied table two of them hold
     # (the first's lookup, the last's head) is one weight only where both hold it alike.
@@ -181,7 +183,8 @@ def decoded_weights(package_dir: str | Path, scratch: ScratchFile | None = None)
         if split is not None:
             weights = [program.producers[program.returned[part["output"]]].inputs["weight"][0].name
                        for part in split["parts"]]
-            put(UNTIED_HEAD, np.concatenate([program.value(w).astype(np.float32) for w in weights]),
+            put(split["weight"] if split.get("token_lookup") else UNTIED_HEAD,
+                np.concatenate([program.value(w).astype(np.float32) for w in weights]),
                 f"the head's parts {', '.join(weights)}")
     return out
 

@@ -31,8 +31,9 @@ HEAD_SPLIT_REASON = (
     "the Neural Engine takes no tensor axis wider than 16384 in H or W (coreml.ane.dimension_limits): "
     "a vocabulary wider than the part width is computed by one linear per part over row slices of the "
     "head weight, each part an output of its own in vocabulary order; a runner concatenates them. The "
-    "slices are constants of their own, stored beside the embedding table the token lookup reads "
-    "(a tied head's bytes are then stored twice)"
+    "slices are constants of their own. A tied table is stored once, as the parts: the token lookup "
+    "gathers each token's row from its part (head_split.token_lookup); an untied head's parts sit beside "
+    "the embedding table, and a split package's first piece holds the table its lookup reads"
 )
 
 

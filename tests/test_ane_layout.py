@@ -274,23 +274,20 @@ def test_align_gates_the_fp16_package_in_the_neural_engine_layout(packages):
     assert "ane" in gate.report["compute_units"]["claimable"]
 
 
-def test_a_split_packages_decoded_weights_hold_its_head_as_an_untied_one(packages, fixture_bundle, prompt):
-    """The head's parts hold no whole HF tensor, so `package.weights` does not list them (a recipe
-    may code them apart from the tied table the lookup reads): `decoded_weights` joins them as
-    `lm_head.weight`, and the reference built from them is untied, as the package computes it."""
+def test_a_split_packages_decoded_weights_hold_its_tied_table_once(packages, fixture_bundle):
+    """The token lookup gathers from the head's parts (`head_split.token_lookup`), so the program
+    holds no table beside them: `decoded_weights` joins the parts as the tied table itself, and
+    the reference built from them is tied, as the package computes it."""
     from coreml.decoded import decoded_weights
 
+    assert packages["split"]["chunk_kv"]["package"]["head_split"]["token_lookup"] is True
     decoded = decoded_weights(packages["split"]["chunk_kv"].path)
     tied = load_reference(fixture_bundle)[0]
     table = tied.model.embed_tokens.weight.detach().numpy().astype(np.float16).astype(np.float32)
-    assert np.array_equal(decoded["lm_head.weight"], table) and np.array_equal(decoded["model.embed_tokens.weight"], table)
-    untied = load_reference(fixture_bundle, replaced=decoded)[0]
-    assert tied.lm_head is None and np.array_equal(untied.lm_head.weight.detach().numpy(), table)
-    with torch.no_grad():
-        ids = torch.from_numpy(prompt).long()
-        # The same values in both heads (fp16-rounded in both models): the same logits, bit for bit.
-        assert torch.equal(untied(ids), load_reference(fixture_bundle, replaced={
-            k: v for k, v in decoded.items() if k != "lm_head.weight"})[0](ids))
+    assert "lm_head.weight" not in decoded and np.array_equal(decoded["model.embed_tokens.weight"], table)
+    assert not any("model.embed_tokens.weight" in names
+                   for names in packages["split"]["chunk_kv"]["package"]["weights"].values())
+    assert load_reference(fixture_bundle, replaced=decoded)[0].lm_head is None
 
 
 @pytest.mark.parametrize("recipe", ["int8-pc", "palette4-gc32", "int4-b32"])
@@ -298,17 +295,20 @@ def test_a_recipe_codes_each_head_part_as_the_rows_of_the_table_it_codes(package
     """The parts are selected as rows of the head's HF tensor (`Weight.rows`) and coded by the step
     the recipe gives that tensor. A scale per row, a LUT per tile of 32 rows (384 and 256 are
     whole tiles), or the GPU's scale per block of 32 inputs of a row, codes a row from that row
-    alone, so every part decodes to exactly the rows of the tied table the token lookup reads,
-    coded whole."""
+    alone, so the parts, which the token lookup reads too, decode to exactly the table of the
+    unsplit package coded whole."""
     from coreml.decoded import decoded_weights
     from coreml.recipes.compress import compress_package
 
     out = compress_package(packages["split"]["chunk_kv"].path, recipe, tmp_path / recipe)
     parts = sorted((e["rows"], e) for e in out.data["selection"]["weights"].values() if "rows" in e)
     assert [rows for rows, _ in parts] == [rows for _, rows in PARTS]
-    assert all(e["compressed"] and e["hf_names"] == ["model.embed_tokens.weight"] for _, e in parts)
-    decoded = decoded_weights(out.path)
-    assert np.array_equal(decoded["lm_head.weight"], decoded["model.embed_tokens.weight"])
+    assert all(e["compressed"] and e["hf_names"] == ["model.embed_tokens.weight"]
+               and sorted(e["consumers"]) == ["gather", "linear"] for _, e in parts)
+    whole = compress_package(packages["whole"].path, recipe, tmp_path / f"{recipe}-whole")
+    decoded, coded_whole = decoded_weights(out.path), decoded_weights(whole.path)
+    assert "lm_head.weight" not in decoded
+    assert np.array_equal(decoded["model.embed_tokens.weight"], coded_whole["model.embed_tokens.weight"])
 
 
 def test_an_int8_lut_palette_quantizes_the_luts_alone_and_its_split_package_is_exact(packages, tmp_path):
@@ -321,22 +321,20 @@ def test_an_int8_lut_palette_quantizes_the_luts_alone_and_its_split_package_is_e
     out = compress_package(packages["split"]["chunk_kv"].path, "palette4-int8lut", tmp_path / "lut")
     chains = [e["chain"] for e in out.data["selection"]["weights"].values() if e["compressed"]]
     layers = out.data["architecture"]["num_layers"]
-    assert len(chains) == 1 + 7 * layers + len(PARTS)  # the table, 7 linears per layer, the head's parts
+    assert len(chains) == 7 * layers + len(PARTS)  # 7 linears per layer, the head's parts (the table too)
     assert all(chain == ["constexpr_blockwise_shift_scale", "constexpr_lut_to_dense"] for chain in chains)
     summary = align_package(out.path, FIXTURE_REFERENCE, tmp_path / "gate", items=cloze_slice(tmp_path / "items.jsonl"),
                             all_figures=True).report["summary"]
     assert summary["exact"] and summary["invariants_passed"]
 
 
-def test_a_split_packages_bits_count_its_head_parts_once_more(packages, tmp_path):
-    """The parts are stored beside the tied table: bits per weight counts their bytes over the same
-    parameters, so the split package stores exactly `head_split.bytes` more than the unsplit one."""
+def test_a_split_packages_bits_count_its_tied_table_once(packages):
+    """The tied table is stored once, as the head's parts the lookup reads: the split package
+    stores the unsplit one's bytes over the same parameters."""
     from coreml.bits import bits_per_weight
 
     split, whole = bits_per_weight(packages["split"]["chunk_kv"].path), bits_per_weight(packages["whole"].path)
-    block = json.loads((packages["split"]["chunk_kv"].path / "manifest.json").read_text())["package"]
-    assert split["parameters"] == whole["parameters"]
-    assert split["weight_bytes"] - whole["weight_bytes"] == block["head_split"]["bytes"]
+    assert split == whole
 
 
 @pytest.mark.parametrize("recipe", ["cmf-native", "mixed"])

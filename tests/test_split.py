@@ -96,8 +96,13 @@ def test_the_chain_is_the_unsplit_package_op_for_op(converted, precision, limit_
         assert piece["package_bytes"] == on_disk <= limit_mb * MB
     # The chain's interface is the unsplit package's: the runner, gates and generate take it as one.
     unsplit = read_json(whole / MANIFEST_NAME)["package"]
-    for key in ("inputs", "outputs", "states", "functions", "default_function", "head_split"):
+    for key in ("inputs", "outputs", "states", "functions", "default_function"):
         assert block.get(key) == unsplit.get(key), key
+    # Its head's parts too, save where the tied table lies: the whole looks tokens up from the
+    # parts, the chain from its first piece's own table.
+    if "head_split" in unsplit:
+        assert {**unsplit["head_split"], "token_lookup": False} == block["head_split"]
+        assert unsplit["head_split"]["token_lookup"] is True
     got, got_cache = _run(split)
     want, want_cache = _run(whole)
     # The same ops on the same values in the same order: the pieces pass the hidden state in the
@@ -123,6 +128,17 @@ def test_fp16_pieces_pass_the_hidden_state_in_fp16_and_the_last_splits_the_head(
     assert isinstance(chain, ChainedPackage) and chain.function_name == "decode"
 
 
+def test_a_tied_table_is_counted_once_where_the_whole_fits(fixture_bundle):
+    """One program stores the fixture's tied table once (3.67 MB in all at FP32): at 4 MB it is
+    not split, though the table counted in a first piece and again in a last (4.20 MB) is over."""
+    from coreml.kinds.export import reference_for_export
+    from coreml.kinds.stateful_split import split_plan
+
+    assert split_plan(reference_for_export(fixture_bundle, conversion=Conversion(max_package_mb=4))) is None
+    plan = split_plan(reference_for_export(fixture_bundle, conversion=Conversion(max_package_mb=3)))
+    assert [p.layers for p in plan] == [(0, 3), (3, 4)]
+
+
 def test_a_head_alone_is_a_piece_without_states(fixture_bundle, tmp_path, monkeypatch):
     import coreml.kinds.stateful_split as split
 
@@ -130,7 +146,8 @@ def test_a_head_alone_is_a_piece_without_states(fixture_bundle, tmp_path, monkey
         return (Piece(0, 3, (0, 2), True, False), Piece(1, 3, (2, 4), False, False), Piece(2, 3, (4, 4), False, True))
 
     monkeypatch.setattr(split, "plan_pieces", head_apart)
-    export_coreml(fixture_bundle, tmp_path / "pkg", kinds=("stateful",), conversion=Conversion(max_package_mb=4))
+    # 3 MB: under the model's 3.67 MB (the whole is not split where it fits), over each piece's.
+    export_coreml(fixture_bundle, tmp_path / "pkg", kinds=("stateful",), conversion=Conversion(max_package_mb=3))
     manifest = verify_package(tmp_path / "pkg" / "stateful").data
     head = manifest["package"]["pieces"][-1]
     assert "states" not in head and head["piece"] == {"index": 2, "count": 3, "layers": [4, 4], "takes": "hidden",

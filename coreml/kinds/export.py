@@ -186,24 +186,42 @@ class HeadParts(nn.Module):
     def __init__(self, model: nn.Module, rows: tuple[tuple[int, int], ...]):
         super().__init__()
         weight = model.head.weight.detach()
+        self.rows = rows
         self.parts = nn.ParameterList([nn.Parameter(weight[start:stop], requires_grad=False)
                                        for start, stop in rows])
 
     def forward(self, hidden) -> tuple:
         return tuple(torch.nn.functional.linear(hidden, part) for part in self.parts)
 
+    def token_rows(self, ids):
+        """The token lookup of a tied table from the parts (`Decoder.token_rows`), so the program
+        stores the table once: each part gathers the ids that fall in its rows (others read its
+        row 0), and each token keeps its own part's gather. A select, not a sum of masked parts,
+        so every row keeps its bits; the indices are integer values of the ids alone, which the
+        Neural Engine check reads as the lookup's (`coreml.ane`)."""
+        out = None
+        for (start, stop), part in zip(self.rows, self.parts):
+            inside = (ids >= start) & (ids < stop)
+            rows = torch.nn.functional.embedding(torch.where(inside, ids - start, torch.zeros_like(ids)), part)
+            out = rows if out is None else torch.where(inside.unsqueeze(-1), rows, out)
+        return out
+
 
 class SplitHeadModel(nn.Module):
     """The model with its head in parts, behind the two entries the kinds trace: the cached step
     (`forward_with_cache_tensors`: the parts as a tuple, then the caches) and the plain forward
-    from position 0 (`forward`: the parts)."""
+    from position 0 (`forward`: the parts). A tied table is looked up from the parts
+    (`HeadParts.token_rows`): one copy of it in the program, not the table and its parts."""
 
     def __init__(self, model: nn.Module, rows: tuple[tuple[int, int], ...]):
         super().__init__()
         self.model, self.head = model, HeadParts(model, rows)
 
-    def forward_with_cache_tensors(self, ids, position, key_cache, value_cache):
-        hidden, keys, values = self.model.hidden_with_cache_tensors(ids, position, key_cache, value_cache)
+    def forward_with_cache_tensors(self, ids, position, key_cache, value_cache, attention_bias=None):
+        token_rows = self.head.token_rows if self.model.lm_head is None else None
+        hidden, keys, values = self.model.hidden_with_cache_tensors(ids, position, key_cache, value_cache,
+                                                                    attention_bias=attention_bias,
+                                                                    token_rows=token_rows)
         return self.head(hidden), torch.stack(keys), torch.stack(values)
 
     def forward(self, ids):
@@ -491,8 +509,8 @@ def finish_package(package_dir: Path, ref: Reference, block: dict, checks: dict,
     if histogram is None:
         block = {**block, "weights": weight_names(mlpackage, ref.model, ref.precision.numpy_dtype),
                  "fp32_ops": kept_fp32_record(mlpackage)}
-    if ref.head_rows is not None:
-        block["head_split"] = head_split_record(ref)
+    if ref.head_rows is not None:  # a tied table is looked up from the parts where one program has both
+        block["head_split"] = head_split_record(ref, token_lookup=histogram is None and ref.model.lm_head is None)
     if "SlidingAttention" in ref.args.layer_types:
         checks = {**checks, "sliding_window": sliding_window_record(ref.args)}
     numerics = ref.numerics
@@ -514,15 +532,17 @@ def finish_package(package_dir: Path, ref: Reference, block: dict, checks: dict,
     )
 
 
-def head_split_record(ref: Reference) -> dict:
+def head_split_record(ref: Reference, token_lookup: bool) -> dict:
     """The manifest's `package.head_split`: the part width, each part's output and rows of the head
-    weight, the bytes the parts store beside the embedding table, and why
-    (`coreml.crosscheck` checks each part's linear and weight shape against the program)."""
+    weight, the bytes the parts store, whether the token lookup reads the parts (`token_lookup`: a
+    tied table in a program that looks tokens up, `HeadParts.token_rows`) or a table of its own,
+    and why (`coreml.crosscheck` checks each part's linear, weight shape and readers against the program)."""
     hidden, itemsize = ref.args.hidden_size, ref.precision.numpy_dtype.itemsize
     return {"part_width": max(stop - start for start, stop in ref.head_rows),
             "weight": ref.model.head_name,
             "parts": [{"output": f"logits_{i}", "rows": [start, stop]} for i, (start, stop) in enumerate(ref.head_rows)],
             "bytes": ref.args.vocab_size * hidden * itemsize,
+            "token_lookup": token_lookup,
             "why": HEAD_SPLIT_REASON}
 
 

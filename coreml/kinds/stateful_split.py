@@ -41,6 +41,8 @@ def split_plan(ref: Reference) -> tuple[Piece, ...] | None:
 
     layers = [size(layer) for layer in model.model.layers]
     head = model.head.weight.numel() * itemsize + size(model.model.norm)
+    if size(model) <= ref.max_package_bytes:
+        return None  # in one program a tied table is stored once (`HeadParts.token_rows`), in pieces twice
     plan = plan_pieces(layers, size(model.model.embed_tokens), head, ref.max_package_bytes, where=ref.bundle_dir)
     return plan if len(plan) > 1 else None
 
@@ -207,7 +209,7 @@ def finish_split(package_dir: Path, ref: Reference, whole: dict, blocks: list[di
                  "fp32_ops": kept_fp32_record(mlpackage), "op_histogram": package_manifest.op_histogram(mlpackage),
                  "package_bytes": size}
         if block["piece"]["gives"] == "logits" and ref.head_rows is not None:
-            piece["head_split"] = head_split_record(ref)
+            piece["head_split"] = head_split_record(ref, token_lookup=False)  # the first piece looks tokens up
         pieces.append(piece)
     block = {key: value for key, value in whole.items() if key != "name"}
     block["pieces"] = pieces

@@ -377,28 +377,34 @@ class Decoder(nn.Module):
         return self.logits_of(hidden), torch.stack(keys), torch.stack(values)
 
     def hidden_with_cache_tensors(self, ids, position, key_cache, value_cache, rows_apart: bool = False,
-                                  attention_bias=None):
+                                  attention_bias=None, token_rows=None):
         """`forward_with_cache_tensors` short of the head: the final-normed hidden states, and
         each layer's written caches as lists (stacked after the head, the converted program's
-        op order stays what it was). `rows_apart`: each token a chunk of its own (`CacheStep`)."""
+        op order stays what it was). `rows_apart`: each token a chunk of its own (`CacheStep`).
+        `token_rows`: what reads the ids' table rows in place of `self.token_rows` (a head in parts)."""
         hidden, keys, values = self.layers_with_cache_tensors(ids, position, key_cache, value_cache,
-                                                              (0, self.args.num_layers), rows_apart, attention_bias)
+                                                              (0, self.args.num_layers), rows_apart, attention_bias,
+                                                              token_rows)
         return self.model.norm(hidden), keys, values
 
+    def token_rows(self, ids):
+        """The embedding table's rows of `ids` [1, T]: [1, T, hidden]."""
+        return F.embedding(ids, self.model.embed_tokens.weight)
+
     def layers_with_cache_tensors(self, x, position, key_cache, value_cache, layers: tuple[int, int],
-                                  rows_apart: bool = False, attention_bias=None):
+                                  rows_apart: bool = False, attention_bias=None, token_rows=None):
         """Layers start..stop-1 of `hidden_with_cache_tensors`, before the final norm: what one piece
         of a model cut at layer boundaries computes (`coreml.split`). `x` is the token ids [1, T]
-        where start is 0 (embedded here), else the hidden states [1, T, hidden] layer start - 1
-        gave; the caches hold these layers' alone [stop - start, 1, kv_heads, context, head_dim].
-        Pieces run in turn compute what the whole does, op for op."""
+        where start is 0 (embedded here, by `token_rows` if given), else the hidden states [1, T, hidden]
+        layer start - 1 gave; the caches hold these layers' alone [stop - start, 1, kv_heads,
+        context, head_dim]. Pieces run in turn compute what the whole does, op for op."""
         start, stop = layers
         tokens = x if start == 0 else x[:, :, 0]  # [1, T]: the step counts the chunk's positions from it
         step = CacheStep(tokens, position, key_cache[0, 0, 0, :, 0], self.sliding_window, rows_apart, attention_bias)
         full = _cos_sin(step, self.inv_freq)
         rope = {"FullAttention": full,
                 "SlidingAttention": full if self.sliding_inv_freq is None else _cos_sin(step, self.sliding_inv_freq)}
-        h = F.embedding(x, self.model.embed_tokens.weight) if start == 0 else x
+        h = (token_rows or self.token_rows)(x) if start == 0 else x
         if key_cache.dtype == torch.float64:
             h = h.double()  # the float64 side of `noise.rounding_noise`: its layers are widened as they run
         elif h.dtype != torch.float32:
