@@ -5,7 +5,10 @@
 
 The reference model is the package's own upstream (pipeline.ground.reference.load_reference on
 the bundle the package was converted from), so a measured error is the error of exactly
-the weights the package holds. Calibration ids come from `pipeline.ground.text_roles`
+the weights the package holds. An fp16 package's is that model with the mitigations its
+conversion applied (`pipeline.ground.models.fp16.mitigated_model`, computing in float32), and
+its weights are read rounded to fp16 (`Calibration.weight`): the package's own constants, bit
+for bit, which a code made from them must equal (`coreml.recipes.base.carried`). Calibration ids come from `pipeline.ground.text_roles`
 (`text_roles(lines)["calibration"]`, tokenized), never from the quality text.
 """
 
@@ -65,6 +68,8 @@ class Calibration:
     # identity of the model's weights they are measured on (its bundle manifest's sha256).
     cache: ResultCache | None = None
     weights_identity: str | None = None
+    # The float dtype the package stores its weights in, where narrower than the model's (fp16).
+    weight_dtype: type[np.floating] | None = None
     _reference: list[tuple[np.ndarray, np.ndarray]] | None = None
 
     @property
@@ -87,10 +92,19 @@ class Calibration:
         (`special_tokens.bos_token_id`), as the quality gate's windows are: a model trained
         with BOS first (Gemma) is measured on the inputs it will be judged on. `cache`: where
         its Hessians and codes are shared with other recipes' (`coreml.cache`)."""
-        model, _, _ = load_reference(upstream_path(package_dir, manifest["source"]))
-        model.eval()
-        calib = cls.of_model(model, calibration_ids, count, manifest["special_tokens"]["bos_token_id"])
-        calib.cache, calib.weights_identity = cache, manifest["source"]["manifest_sha256"]
+        from coreml.precisions import package_precision
+
+        model, args, _ = load_reference(upstream_path(package_dir, manifest["source"]))
+        identity, weight_dtype = manifest["source"]["manifest_sha256"], None
+        if package_precision(manifest["package"], package_dir).compute_precision == "float16":
+            from pipeline.ground.models.fp16 import Fp16Mitigations, mitigated_model
+
+            mitigations = Fp16Mitigations.of_package(manifest, package_dir)
+            model = mitigated_model(model, args, mitigations)
+            identity = content_key("fp16 package weights", identity, mitigations.to_record())
+            weight_dtype = np.float16
+        calib = cls.of_model(model.eval(), calibration_ids, count, manifest["special_tokens"]["bos_token_id"])
+        calib.cache, calib.weights_identity, calib.weight_dtype = cache, identity, weight_dtype
         return calib
 
     def cached_code(self, make: Callable[[], object], *inputs) -> object:
@@ -132,7 +146,9 @@ class Calibration:
         return float(np.mean(kl))
 
     def weight(self, name: str) -> np.ndarray:
-        return self.original[name].detach().numpy()
+        """The model's tensor `name` as the package stores it (float32 values)."""
+        value = self.original[name].detach().numpy()
+        return value if self.weight_dtype is None else value.astype(self.weight_dtype).astype(np.float32)
 
     def input_moments(self) -> dict[str, np.ndarray]:
         """Weight name -> E[x_j^2] per input column of the linear it feeds, over the windows.

@@ -337,12 +337,36 @@ def test_a_split_packages_bits_count_its_tied_table_once(packages):
     assert split == whole
 
 
-@pytest.mark.parametrize("recipe", ["cmf-native", "mixed"])
-def test_a_recipe_of_whole_tensors_refuses_a_split_head_by_name(packages, tmp_path, recipe):
+def test_a_recipe_of_whole_tensors_refuses_a_split_head_by_name(packages, tmp_path):
     from coreml.recipes.base import RecipePrecondition
     from coreml.recipes.compress import compress_package
 
-    calibration = {"calibration_ids": np.arange(300) % 1024} if recipe == "mixed" else {}
-    with pytest.raises(RecipePrecondition, match=rf"recipe {recipe}: head_parts_0\S* holds rows \[0, 384\] of "
-                                                  r"model.embed_tokens.weight \(a head split into 3 parts"):
-        compress_package(packages["split"]["chunk_kv"].path, recipe, tmp_path / recipe, **calibration)
+    with pytest.raises(RecipePrecondition, match=r"recipe cmf-native: head_parts_0\S* holds rows \[0, 384\] of "
+                                                 r"model.embed_tokens.weight \(a head split into 3 parts"):
+        compress_package(packages["split"]["chunk_kv"].path, "cmf-native", tmp_path / "cmf-native")
+
+
+def test_the_mixed_palettes_code_a_split_head_and_an_fp16_packages_own_constants(fixture_bundle, tmp_path):
+    """The chooser codes the tied table's parts as the rows they hold and measures them joined,
+    and an fp16 package's codes are made from its own constants: the mitigated model's tensors
+    (residual scale 0.5 in the table, o_proj and down_proj) rounded to fp16, which each carried
+    code is checked against. Every option is a palette or a per-channel scale: the package
+    claims the Neural Engine, within the 6 bits it was given, and its gate is exact."""
+    from coreml.bits import bits_per_weight
+    from coreml.recipes.compress import compress_package
+    from pipeline.ground.models.fp16 import Fp16Mitigations
+    from pipeline.stages.gates import align_package
+
+    conversion = Conversion("fp16", transform="pipeline.ground.models.fp16:mitigated_from_record",
+                            mitigations=Fp16Mitigations(residual_scale=0.5).to_record(), head_part_width=WIDTH)
+    package = export_coreml(fixture_bundle, tmp_path / "pkg", kinds=("chunk_kv",), conversion=conversion)["chunk_kv"]
+    out = compress_package(package.path, "mixed-palette-6", tmp_path / "mixed", calibration_ids=np.arange(600) % 1024)
+    mixed = out.data["selection"]["mixed"]
+    assert set(mixed["choices"]) == {"model.embed_tokens.weight", *(f"layers.{i}" for i in range(4))}
+    assert mixed["budget_bits"] > 0 and bits_per_weight(out.path)["bits_per_weight"] <= 6.0
+    parts = [e for e in out.data["selection"]["weights"].values() if "rows" in e]
+    assert len(parts) == len(PARTS) and all(e["compressed"] for e in parts)
+    assert ane_report(out.path / "model.mlpackage")["compute_units"] == ["cpu", "gpu", "ane"]
+    gate = align_package(out.path, FIXTURE_REFERENCE, tmp_path / "gate", items=cloze_slice(tmp_path / "items.jsonl"),
+                         all_figures=True)
+    assert gate.report["summary"]["exact"] and gate.report["summary"]["invariants_passed"], gate.failure()

@@ -19,7 +19,7 @@ from coreml.calibration import Calibration
 from pipeline.ground.pages import release_pages
 from pipeline.ground.scratch import ScratchFile
 from coreml.recipes.base import (RECIPES, WEIGHT_THRESHOLD, Context, Encoder, Prepared, Recipe, RecipePrecondition,
-                                 StepRecipe, Weight, carried, precondition, register_recipe, whole_tensors)
+                                 StepRecipe, Weight, carried, precondition, register_recipe)
 
 # Default budget of the mixed recipe in bits per weight, counted as mlx-lm and Core ML count
 # (every stored byte of codes, scales, offsets and LUTs, x 8, over the parameter count).
@@ -36,21 +36,29 @@ class MixedRecipe(Recipe):
     options: tuple[str, ...]
     group: str
     measure: str
+    bpw: float | None = None  # the recipe's own budget; None: the survey's (`--mixed-bpw`, else MIXED_BPW)
 
     def params(self) -> dict:
-        return {"mixed": {"options": list(self.options), "group": self.group, "measure": self.measure}}
+        return {"mixed": {"options": list(self.options), "group": self.group, "measure": self.measure,
+                          **({"bpw": self.bpw} if self.bpw is not None else {})}}
 
     def prepare(self, weights: list[Weight], context: Context) -> Prepared:
-        whole_tensors(self.name, weights)
+        bpw = context.bpw if self.bpw is None else self.bpw
         below = sum(w.size for w in weights if w.hf_names and w.size <= WEIGHT_THRESHOLD)
-        _require_budget(_groups(weights), _budget_bits(weights, context.bpw, below), self.options)  # before measuring
+        _require_budget(_groups(weights), _budget_bits(weights, bpw, below), self.options)  # before measuring
         calib = context.calibration(calibration.HESSIAN_WINDOWS)
-        record, cached = mixed_plan(weights, calib, context.bpw, below, self.options)
+        record, cached = mixed_plan(weights, calib, bpw, below, self.options)
         by_name = {w.name: w for w in weights}
         return Prepared(
             lambda weight: RECIPES[record["choices"][weight.group]].select(weight, as_part_of=self.name),
-            {n: carried(n, c, calib.weight(by_name[n].hf_names[0])) for n, c in cached.items()},
+            {n: carried(n, c, _value(calib, by_name[n])) for n, c in cached.items()},
             {"mixed": record})
+
+
+def _value(calib: Calibration, weight: Weight) -> np.ndarray:
+    """The tensor the package holds as `weight`: its HF tensor, or the rows a part of a split head holds."""
+    value = calib.weight(weight.hf_names[0])
+    return value if weight.rows is None else value[weight.rows[0]:weight.rows[1]]
 
 
 MIXED = register_recipe(MixedRecipe(
@@ -59,6 +67,14 @@ MIXED = register_recipe(MixedRecipe(
     group="decoder layer (embedding on its own)",
     measure="calibration logit KL: per group coded alone (summed, minimised exactly under the budget), then the "
             "plan and every uniform option that fits, each coded whole"))
+# The same chooser among what the Neural Engine reads (issue 48): 4-bit GPTQ palettes per 32 x 32
+# tile (4.25 bits; the tied table also per 8 x 32, 5.0), 6-bit ones per 16 rows (6 + 64/cols) and
+# int8 per channel (8 + 16/cols), per decoder layer and for the table (with its head parts) on
+# its own; at the survey's budget (4.5 bits by default) and at 6 bits.
+MIXED_PALETTE = register_recipe(replace(
+    MIXED, name="mixed-palette",
+    options=("palette4-gptq-gc32", "palette4-gptq-gc32-emb8x32", "palette6-gptq-g16", "int8-pc")))
+register_recipe(replace(MIXED_PALETTE, name="mixed-palette-6", bpw=6.0))
 
 
 def _groups(weights: list[Weight]) -> dict[str, list[Weight]]:
@@ -231,18 +247,26 @@ class OptionCodes:
     def code(self, weight: Weight, option: str):
         key = (weight.name, _step_key(RECIPES[option], weight))
         if key not in self._codes:
-            self._codes[key] = _held(self._encoders[key](self.calib.weight(weight.hf_names[0])), self._codes_file)
+            self._codes[key] = _held(self._encoders[key](_value(self.calib, weight)), self._codes_file)
             _released(self._codes[key])
         return self._codes[key]
 
     def decoded(self, choices: dict[str, str]) -> dict[str, np.ndarray]:
         """HF name -> the decoded weight of every group `choices` names, coded by its choice
-        (in a scratch file of this call's own, gone with the arrays)."""
+        (in a scratch file of this call's own, gone with the arrays); the parts of a split head
+        written into their rows of the whole tensor."""
         scratch, decoded = ScratchFile(), {}
         for group, weights in self.groups.items():
             for w in weights if group in choices else ():
                 code = self.code(w, choices[group])
-                array = scratch.hold(_decoded(code))
+                if w.rows is None:
+                    array = scratch.hold(_decoded(code))
+                else:
+                    name = w.hf_names[0]
+                    if name not in decoded:
+                        decoded[name] = scratch.empty(self.calib.original[name].shape, np.float32)
+                    array = decoded[name]
+                    array[w.rows[0]:w.rows[1]] = _decoded(code)
                 _released(code)
                 decoded.update((name, array) for name in w.hf_names)
         return decoded

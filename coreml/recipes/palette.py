@@ -151,3 +151,7 @@ register_recipe(GptqPaletteRecipe("palette4-gptq-gc32-emb8x32", GptqKmeans(4), e
 # leaves the tied embedding/head 6 bits per 16 rows (6 + 64/576) within 4.5 bits per weight.
 register_recipe(GptqPaletteRecipe("palette4-gptq-g8-head6", GptqKmeans(4, (8, None)),
                                   embedding=GptqKmeans(6, (16, None))))
+# 6 bits per 16 output rows across all columns, the tied embedding/head alike: a 64-entry fp16
+# LUT is 1024 bits a band, 6 + 64/cols bits (6.11 on SmolLM2's 576-wide inputs, 6.04 on its
+# 1536-wide ones). The mixed palettes' wide option (coreml.recipes.mixed).
+register_recipe(GptqPaletteRecipe("palette6-gptq-g16", GptqKmeans(6, (16, None))))

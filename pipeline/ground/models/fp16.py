@@ -162,6 +162,13 @@ class Fp16Mitigations:
         return record
 
     @classmethod
+    def of_package(cls, manifest: dict, where: object) -> "Fp16Mitigations":
+        """The mitigations an uncompressed fp16 package's conversion applied, as its manifest
+        records them (`numerics.mitigations`; none recorded: none applied)."""
+        record = manifest.get("numerics", {}).get("mitigations")
+        return cls() if record is None else cls.from_record(record["record"], f"{where}: field 'numerics.mitigations.record'")
+
+    @classmethod
     def from_record(cls, record: dict, where: str = "fp16 mitigations") -> "Fp16Mitigations":
         if not isinstance(record, dict):
             raise Fp16MitigationError(f"{where}: {record!r} is not an object")

@@ -71,9 +71,7 @@ def intended_numerics(package_dir: Path, manifest: dict, bundle: Path) -> Intend
         from pipeline.ground.models.fp16 import Fp16Mitigations
 
         base = upstream_of(package_dir, manifest)[1] if compressed else manifest
-        record = base.get("numerics", {}).get("mitigations")
-        mitigations = (Fp16Mitigations() if record is None else Fp16Mitigations.from_record(
-            record["record"], f"{package_dir}: field 'numerics.mitigations.record'")).to_record()
+        mitigations = Fp16Mitigations.of_package(base, package_dir).to_record()
     cache_dtype = np.float16 if fp16 else package_kind(manifest["package"]["kind"], package_dir).cache_dtype(unit)
     return IntendedNumerics(Path(bundle), manifest["package"]["context"], unit.name, unit.compute_precision,
                             np.dtype(cache_dtype or np.float32), mitigations,
