@@ -281,3 +281,35 @@ def test_a_compressed_fp16_package_is_held_to_the_compression_budget(fp16_packag
     assert default_budget(load_manifest(packages / "chunk_kv")) == "ppl=0.5%,top1=0.99"
     assert default_budget(load_manifest(tmp_path / "int8-pc")) == COMPRESSED_BUDGET == "ppl=2%,top1=0.95"
     assert default_budget(load_manifest(packages / "chunk_kv"), compressed=True) == COMPRESSED_BUDGET
+
+
+def test_a_compressed_gemma3_package_with_a_residual_scale_is_gated_on_its_own_gains(tmp_path):
+    """Gemma's residual scale moves into its post-norms' gains, which become plain gains
+    fl(1 + w) x alpha: the package stores them so, and the gates' reference of a compressed
+    package is rebuilt from them (`fp16.moved_gains`), not refused, and computes what the package
+    computes, within the fp16 bound."""
+    from _hf_models import save_hf_model
+
+    from coreml.recipes.compress import compress_package
+    from pipeline.ground.models.fp16 import Fp16Mitigations
+    from pipeline.ground.models.numerics import fp16_logits_bound
+    from pipeline.stages.bundle import export_bundle
+    from pipeline.stages.gates.references import intended_references
+    from pipeline.stages.importers.hf import import_hf
+    from pipeline.stages.importers.quant_policy import QuantPolicy
+
+    save_hf_model("gemma3", tmp_path / "hf", seed=12)
+    import_hf(tmp_path / "hf", tmp_path / "m.cmf", policy=QuantPolicy("f32"))
+    export_bundle(tmp_path / "m.cmf", tmp_path / "bundle")
+    mitigations = Fp16Mitigations(residual_scale=0.125, rmsnorm="max_scaled")
+    conversion = Conversion("fp16", transform="pipeline.ground.models.fp16:mitigated_from_record",
+                            mitigations=mitigations.to_record())
+    package = export_coreml(tmp_path / "bundle", tmp_path / "coreml", kinds=("chunk_kv",), context=32,
+                            conversion=conversion)["chunk_kv"]
+    out = compress_package(package.path, "int8-pc", tmp_path / "int8-pc")
+    intended, _ = intended_references(out.path, out.data, tmp_path / "bundle")
+    ids = (np.arange(24) * 5 + 3) % 128
+    got = open_package_backend(out.path, backend="executor").logits(ids)
+    want = intended.logits(ids)
+    model = load_reference(tmp_path / "bundle")[0]
+    assert np.isfinite(got).all() and np.abs(got - want).max() <= fp16_logits_bound(model, len(ids), probable=True)

@@ -277,22 +277,36 @@ def _residual_norms(layer) -> list[RMSNorm]:
     return [layer.input_layernorm, layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm]
 
 
+def moved_gains(model: Decoder) -> dict[str, tuple[RMSNorm, float]]:
+    """The norms whose gains carry the residual scale: HF weight name -> (the norm, the power
+    of alpha its gain is multiplied by). The final norm of a tied head (its head reads the
+    scaled table), and in a sandwich layer the post-attention and post-FFN norms, which write
+    into the stream. Each becomes a plain gain (`_set_gain`), which a package stores as it is."""
+    names = {id(module): name for name, module in model.named_modules()}
+    moved = [(model.model.norm, -1.0)] if model.lm_head is None else []
+    for layer in model.model.layers:
+        if layer.pre_feedforward_layernorm is not None:
+            moved.append((layer.post_attention_layernorm, 1.0))
+        if layer.post_feedforward_layernorm is not None:
+            moved.append((layer.post_feedforward_layernorm, 1.0))
+    return {f"{names[id(norm)]}.weight": (norm, power) for norm, power in moved}
+
+
 def _scale_residual(model: Decoder, alpha: float, weights_scaled: bool, scratch: ScratchFile) -> None:
     for norm in [model.model.norm, *(n for layer in model.model.layers for n in _residual_norms(layer))]:
         norm.eps = norm.eps * alpha**2
     if weights_scaled:
+        # The weights are a mitigated package's: its moved gains are the plain ones, alpha in them.
+        for norm, _ in moved_gains(model).values():
+            norm.offset = False
         return
     model.model.embed_tokens.weight.data = _scaled(model.model.embed_tokens.weight.data, alpha, scratch)
-    if model.lm_head is None:  # the head reads the scaled table: the final gain undoes alpha
-        _set_gain(model.model.norm, _gain(model.model.norm).detach() / alpha)
+    for norm, power in moved_gains(model).values():
+        _set_gain(norm, _gain(norm).detach() * alpha**power)
     for layer in model.model.layers:
         if layer.pre_feedforward_layernorm is None:
             _scale_rows(layer.self_attn.o_proj, alpha, scratch)
-        else:
-            _set_gain(layer.post_attention_layernorm, _gain(layer.post_attention_layernorm).detach() * alpha)
-        if layer.post_feedforward_layernorm is not None:
-            _set_gain(layer.post_feedforward_layernorm, _gain(layer.post_feedforward_layernorm).detach() * alpha)
-        else:
+        if layer.post_feedforward_layernorm is None:
             _scale_ffn_output(layer.mlp, alpha, scratch)
 
 
@@ -309,19 +323,15 @@ def mitigated_model(model: Decoder, args: ModelArgs, mitigations: Fp16Mitigation
     """A copy of `model` with `mitigations` applied: the same interface (forward,
     forward_cached, CachedStep traces it), the FP32 function kept (module docstring).
     `weights_scaled`: the weights already carry alpha (a mitigated package's own decoded
-    weights, with plain gains where alpha moved a Gemma gain): only the eps, the norm form
-    and the mask are applied.
+    weights, every one the residual scale changes among them: the moved gains as the plain
+    gains the package stores, `moved_gains`): only the eps, the norm forms and the mask are
+    applied.
     The residual scale and a finite mask change weights and constants only: the traced
     graph has the same op kinds. The max-scaled norm adds abs, a max reduction, the floor
     (clamp_min), the division and a reciprocal (sqrt(eps) / m) per norm; the key-bias offset
     a positional sub-graph (the angles, sin, pow, mul, add) and an add per layer with a k bias."""
     if model.args != args:
         raise Fp16MitigationError(f"mitigated_model: the args given are not the model's ({args.arch_name})")
-    if weights_scaled and mitigations.residual_scale != 1.0 and args.norm_style == "gemma":
-        # alpha moved into Gemma's (1 + w) gains is a plain gain the package stores, which the
-        # (1 + w) form cannot be rebuilt from: refused by name rather than run wrong.
-        raise Fp16MitigationError(f"mitigated_model: {args.arch_name}'s decoded weights carry a residual scale "
-                                  f"{mitigations.residual_scale:g} in its (1 + w) norm gains; rebuilding them is not supported")
     # The copy shares every weight it does not scale: each rescaling binds a new tensor to the
     # copy's own Parameter, never writes into one. So a mitigated model costs the weights it
     # scales (Gemma 3's tied table, 670 MB), not a second model (1.07 GB), and those lie in a

@@ -94,11 +94,20 @@ def intended_references(package_dir: Path, manifest: dict, bundle: Path,
     context, compressed = numerics.context, numerics.decoded_from is not None
     fp32 = TorchBackend(fp32_model, args, context)
     if numerics.compute_precision == "float16":
-        from pipeline.ground.models.fp16 import Fp16Mitigations, fp16_reference, mitigated_model
+        from pipeline.ground.models.fp16 import Fp16MitigationError, Fp16Mitigations, fp16_reference, mitigated_model
+        from pipeline.ground.models.fp16 import moved_gains
 
         mitigations = Fp16Mitigations.from_record(numerics.mitigations)
         # A compressed package's decoded weights are the model's own tensors; the rest stay the bundle's map.
-        model, _, _ = load_reference(bundle, replaced=decoded_weights(package_dir, ScratchFile()) if compressed else None)
+        decoded = decoded_weights(package_dir, ScratchFile()) if compressed else None
+        model, _, _ = load_reference(bundle, replaced=decoded)
+        if compressed and mitigations.residual_scale != 1.0:
+            # Each gain the residual scale moved must be the package's own (a plain gain): the
+            # bundle's (a Gemma w of 1 + w) read as one would run a different model.
+            missing = [name for name in moved_gains(model) if name not in decoded]
+            if missing:
+                raise Fp16MitigationError(f"{package_dir}: the package holds no constant for {missing[0]} (and "
+                                          f"{len(missing) - 1} more), a norm gain its residual scale moved")
         what = f"recipe {numerics.recipe}, decoded weights" if compressed else "bundle weights"
         mitigated = mitigated_model(model, args, mitigations, weights_scaled=compressed)
         del model
