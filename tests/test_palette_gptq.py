@@ -129,8 +129,9 @@ def palettes(tmp_path_factory):
 def test_the_recipes_are_registered_and_refuse_without_calibration(palettes, tmp_path):
     source, _, _ = palettes
     names = list(RECIPES)
-    assert names[-3:] == ["palette4-gptq-gc32", "palette4-gptq-gc32-emb8x32", "palette4-gptq-g8-head6"]
-    for name in names[-3:]:
+    assert names[-6:] == ["palette4-gptq-gc32", "palette4-gptq-gc32-emb8x32", "palette4-gptq-g8-head6",
+                          "palette6-gptq-g16", "mixed-palette", "mixed-palette-6"]
+    for name in names[-6:]:
         assert RECIPES[name].params_record()["calibration"] is True
     with pytest.raises(RecipePrecondition, match="calibration_ids"):
         compress_package(source.path, "palette4-gptq-gc32", tmp_path / "none")
