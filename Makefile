@@ -55,13 +55,16 @@ DEPLOYED := $(SURVEY)-deployed$(if $(filter-out cmfdeploy,$(INTERFACE)),-$(INTER
 SHIPPED_KIND = $(if $(filter stateful,$(KINDS)),stateful,stateless)
 SCORE_RUN := $(OUT)/scores/$(PRECISION)-chunk_kv
 # Each target's recipes: the ANE reads palettes and per-channel scales only (coreml.ane; a survey
-# deploys nothing there that cannot claim it), the GPU per-block scales too. The ANE's list ends
-# with int8-b32, which it cannot claim: where none of the others passes (int8-pc on Qwen2.5-Coder
-# 0.5B: top-1 0.94, over the default budget), the survey falls back to it for the GPU, saying why.
+# deploys nothing there that cannot claim it), the GPU per-block scales too. The ANE's rows are
+# int8 per channel and the mixed GPTQ palettes at <= 4.5 and <= 6 bits (docs/COMPRESSION.md,
+# 2026-12-07: the 4-bit ones they choose among, applied alone, never beat them at their budget).
+# Its list ends with int8-b32, which it cannot claim: where none of the others passes (int8-pc on
+# Qwen2.5-Coder 0.5B: top-1 0.94, over the default budget), the survey falls back to it for the
+# GPU, saying why.
 RECIPES_cpu := int8-b32 int8-b32-fp16scale int4-b32 int4-b32-emb8 gptq-int4-b32 gptq-int4-b64 gptq-int4-b64-emb8 gptq-int4-b32-zp \
   palette6-gc32 palette4-gc32 int8-b32-embfp16 palette4-int8lut mixed
 RECIPES_gpu := int8-b32 int8-pc int4-b32 int4-b32-emb8 gptq-int4-b32 gptq-int4-b32-zp palette6-gc32 palette4-gc32
-RECIPES_ane := int8-pc palette6-gc32 palette4-gc32 palette4-int8lut palette4-gptq-gc32-emb8x32 int8-b32
+RECIPES_ane := int8-pc mixed-palette mixed-palette-6 int8-b32
 RECIPES ?= $(RECIPES_$(TARGET))
 ITEMS ?= fixtures/scoring/cloze.jsonl
 # How far from FP32 a package's numerics may go (the gates' quality part): perplexity change
