@@ -328,7 +328,8 @@ def run_codes(bundle: Path, window: int, recipes: list[str], work: Path, mlx_bit
     below = sum(t.numel() for n, t in model.original.items() if t.numel() <= WEIGHT_THRESHOLD or t.ndim != 2)
     uniform = [r for r in recipes if "@" not in r and r != "mixed"]
     start = time.perf_counter()
-    options = OptionCodes(weights, calib, tuple(dict.fromkeys([*MIXED.options, *uniform])))
+    # No recipe (mlx-lm's rows alone): no Hessians, which are most of an hour on 2 cores beside other work.
+    options = OptionCodes(weights, calib, tuple(dict.fromkeys([*MIXED.options, *uniform]))) if recipes else None
     setup = time.perf_counter() - start
     print(f"Hessians and encoders: {setup:.1f} s", flush=True)
     for spec in recipes:
