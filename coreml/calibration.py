@@ -8,8 +8,9 @@ the bundle the package was converted from), so a measured error is the error of 
 the weights the package holds. An fp16 package's is that model with the mitigations its
 conversion applied (`pipeline.ground.models.fp16.mitigated_model`, computing in float32), and
 its weights are read rounded to fp16 (`Calibration.weight`): the package's own constants, bit
-for bit, which a code made from them must equal (`coreml.recipes.base.carried`). Calibration ids come from `pipeline.ground.text_roles`
-(`text_roles(lines)["calibration"]`, tokenized), never from the quality text.
+for bit, which a code made from them must equal (`coreml.recipes.base.carried`). Calibration
+ids come from `pipeline.ground.text_roles` (`text_roles(lines)["calibration"]`, tokenized),
+never from the quality text.
 """
 
 from collections.abc import Callable

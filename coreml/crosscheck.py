@@ -301,6 +301,7 @@ def _head_split(claims: _Claims, block: dict, architecture: dict) -> None:
     claims.same("package.head_split.bytes", split["bytes"], vocab * hidden * itemsize,
                 f"{vocab} rows of {hidden} at {itemsize} bytes")
     for name, function in claims.program.functions.items():
+        gathered = {var for op, reads, *_ in function.graph if op == "gather" for var in reads}
         for part, (start, stop) in zip(split["parts"], rows):
             var = function.returned[part["output"]]
             op, reads = next(((o, keyed) for o, _, writes, keyed, _ in function.graph if var in writes), (None, {}))
@@ -311,9 +312,8 @@ def _head_split(claims: _Claims, block: dict, architecture: dict) -> None:
             claims.same(f"package.head_split.parts[{part['output']}] (function {name})",
                         ("linear", True, [stop - start, hidden]), stated,
                         f"the program's producer of {var} (op, weight constant, weight shape)")
-            gathered = any(op == "gather" and weight in reads for op, reads, *_ in function.graph)
             claims.same(f"package.head_split.token_lookup (function {name}, {part['output']})",
-                        split.get("token_lookup", False), gathered, f"whether a gather reads {weight}")
+                        split.get("token_lookup", False), weight in gathered, f"whether a gather reads {weight}")
 
 
 def _arithmetic(function: ProgramFunction, dtype: str) -> dict[str, str]:

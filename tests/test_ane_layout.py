@@ -235,7 +235,9 @@ def test_a_stateless_call_is_right_padded_to_the_next_length_and_cut_back(packag
      r"field 'package.head_split.bytes' is 1, but 1024 rows of 128 at 2 bytes"),
     (lambda b: b.update(enumerated={"T": [1, 8, 128]}),
      r"field 'package.inputs\[input_ids\].shape \(function main\)' is \[1, \{'one of': \[1, 8, 128\]\}\]"),
-], ids=["rows", "bytes", "lengths"])
+    (lambda b: b["head_split"].update(token_lookup=False),
+     r"field 'package.head_split.token_lookup \(function main, logits_0\)' is False, but whether a gather reads"),
+], ids=["rows", "bytes", "lengths", "token_lookup"])
 def test_verify_refuses_a_manifest_that_lies_about_the_layout(packages, tmp_path, lie, message):
     package = tmp_path / "chunk_kv"
     shutil.copytree(packages["split"]["chunk_kv"].path, package)

@@ -39,10 +39,10 @@ def split_plan(ref: Reference) -> tuple[Piece, ...] | None:
     def size(module: nn.Module) -> int:
         return sum(p.numel() for p in module.parameters()) * itemsize
 
-    layers = [size(layer) for layer in model.model.layers]
-    head = model.head.weight.numel() * itemsize + size(model.model.norm)
     if size(model) <= ref.max_package_bytes:
         return None  # in one program a tied table is stored once (`HeadParts.token_rows`), in pieces twice
+    layers = [size(layer) for layer in model.model.layers]
+    head = model.head.weight.numel() * itemsize + size(model.model.norm)
     plan = plan_pieces(layers, size(model.model.embed_tokens), head, ref.max_package_bytes, where=ref.bundle_dir)
     return plan if len(plan) > 1 else None
 

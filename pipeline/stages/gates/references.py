@@ -94,8 +94,8 @@ def intended_references(package_dir: Path, manifest: dict, bundle: Path,
     context, compressed = numerics.context, numerics.decoded_from is not None
     fp32 = TorchBackend(fp32_model, args, context)
     if numerics.compute_precision == "float16":
-        from pipeline.ground.models.fp16 import Fp16MitigationError, Fp16Mitigations, fp16_reference, mitigated_model
-        from pipeline.ground.models.fp16 import moved_gains
+        from pipeline.ground.models.fp16 import (Fp16MitigationError, Fp16Mitigations, fp16_reference,
+                                                 mitigated_model, moved_gains)
 
         mitigations = Fp16Mitigations.from_record(numerics.mitigations)
         # A compressed package's decoded weights are the model's own tensors; the rest stay the bundle's map.
