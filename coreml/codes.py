@@ -16,7 +16,7 @@ errors the fits minimise: activation second moments from calibration text turn t
 plain fits into sensitivity-weighted ones (SKM, AWQ-style weighted min/max).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -99,20 +99,24 @@ def shift_scale(data: np.ndarray, offset: np.ndarray | None, scale: np.ndarray) 
 
 @dataclass(frozen=True)
 class Palette:
-    """`lut[i // rows_per_group, j // cols_per_group][indices[i, j]]` (iOS18 grouped LUTs)."""
+    """`lut[i // rows_per_group, j // cols_per_group][indices[i, j]]` (iOS18 grouped LUTs), times
+    `row_scale[i]` where there is one (coremltools' palette with per-channel scale: an iOS18
+    `constexpr_blockwise_shift_scale` of the LUT's output, its product rounded to the LUT's dtype)."""
 
     indices: np.ndarray  # [rows, cols] uint8
     lut: np.ndarray  # [row groups, column groups, 2**nbits] fp16 (or fp32)
     nbits: int
+    row_scale: np.ndarray | None = None  # [rows, 1], the LUT's dtype
 
     def decode(self) -> np.ndarray:
         rows, cols = self.indices.shape
         i = (np.arange(rows) // (rows // self.lut.shape[0]))[:, None]
         j = (np.arange(cols) // (cols // self.lut.shape[1]))[None, :]
-        return self.lut[i, j, self.indices].astype(np.float32)
+        return scaled_entries(self.lut[i, j, self.indices], self.row_scale, self.lut.dtype).astype(np.float32)
 
     def bits(self) -> int:
-        return self.indices.size * self.nbits + self.lut.size * self.lut.itemsize * 8
+        return (self.indices.size * self.nbits + self.lut.size * self.lut.itemsize * 8
+                + (0 if self.row_scale is None else self.row_scale.size * self.row_scale.itemsize * 8))
 
 
 @dataclass(frozen=True)
@@ -151,7 +155,8 @@ def with_hot_rows(table: np.ndarray, residual: np.ndarray, slot: np.ndarray) -> 
 def code_arrays(code: ShiftScale | HotRows | Palette) -> tuple[dict[str, np.ndarray], dict]:
     """`code` as named arrays and a JSON record (`code_from_arrays` gives it back), for `coreml.cache`."""
     if isinstance(code, Palette):
-        return {"indices": code.indices, "lut": code.lut}, {"kind": "palette", "nbits": code.nbits}
+        scaled = {} if code.row_scale is None else {"row_scale": code.row_scale}
+        return {"indices": code.indices, "lut": code.lut, **scaled}, {"kind": "palette", "nbits": code.nbits}
     if isinstance(code, HotRows):
         parts = {"table": code_arrays(code.table), "residual": code_arrays(code.residual)}
         arrays = {f"{part}.{name}": a for part, (named, _) in parts.items() for name, a in named.items()}
@@ -162,7 +167,7 @@ def code_arrays(code: ShiftScale | HotRows | Palette) -> tuple[dict[str, np.ndar
 
 def code_from_arrays(arrays: dict[str, np.ndarray], record: dict) -> ShiftScale | HotRows | Palette:
     if record["kind"] == "palette":
-        return Palette(arrays["indices"], arrays["lut"], record["nbits"])
+        return Palette(arrays["indices"], arrays["lut"], record["nbits"], arrays.get("row_scale"))
     if record["kind"] == "hot_rows":
         parts = {part: code_from_arrays({k.split(".", 1)[1]: a for k, a in arrays.items() if k.startswith(f"{part}.")},
                                         record[part]) for part in ("table", "residual")}
@@ -368,14 +373,18 @@ class GptqFactor:
 
 
 # A palette's LUT refit (`gptq_palette`): conjugate-gradient steps on each band's least squares.
-# A band of one 16-entry LUT is solved in 16 steps (in exact arithmetic); on a random 128 x 256
-# weight in 32 x 32 tiles (128 entries a band) the output error after 16 steps was within 0.2%
-# of its value after 64.
-PALETTE_REFIT_STEPS = 16
+# A band of one 16-entry LUT is solved in 16 steps in exact arithmetic; in float32 products CG
+# loses its directions' conjugacy, and on rows of ranges 30x apart (a row-scaled palette, or
+# rows as unequal as a table's) 16 steps stopped 4.6e-5 relative above the least squares' error,
+# 32 steps within 1e-14 (tests/test_palette_gptq.py holds the optimum to 48 x 2^-24). On a
+# random 128 x 256 weight in 32 x 32 tiles (128 entries a band) the output error after 16 steps
+# was within 0.2% of its value after 64.
+PALETTE_REFIT_STEPS = 32
 
 
 def gptq_palette(w: np.ndarray, hessian: np.ndarray, nbits: int, group: tuple[int, int], dtype=np.float16,
-                 damp: float = GPTQ_DAMP, act_order: bool = True, rounds: int = 2, refit: bool = True) -> Palette:
+                 damp: float = GPTQ_DAMP, act_order: bool = True, rounds: int = 2, refit: bool = True,
+                 row_scale: bool = False) -> Palette:
     """One LUT of 2**nbits entries per `group` = (rows, columns) of the weight, its codes chosen
     by GPTQ with the LUT as the grid (`GptqFactor.feedback`), so the layer's output error on
     inputs with second moments `hessian` is minimised rather than the weights' own.
@@ -390,7 +399,11 @@ def gptq_palette(w: np.ndarray, hessian: np.ndarray, nbits: int, group: tuple[in
     undo what GPTQ bought, and the result never errs more than the weighted k-means palette on
     any band.
     `act_order`: columns coded by descending H_jj (the LUT is fitted before any feedback, so
-    the order costs nothing in fit)."""
+    the order costs nothing in fit).
+    `row_scale`: each row's entries are scaled by its own max |w| (`row_scales`), so rows of
+    different ranges share one LUT of the normalised values; the k-means start weighs each
+    normalised value by H_jj times its row's scale squared, and GPTQ and the refit code to the
+    scaled entries, the output error of the weights as the package decodes them."""
     w = np.asarray(w, np.float32)
     rows, cols = w.shape
     k = 1 << nbits
@@ -398,22 +411,44 @@ def gptq_palette(w: np.ndarray, hessian: np.ndarray, nbits: int, group: tuple[in
     importance = np.diag(factor.hessian)
     indices = np.empty((rows, cols), np.uint8)
     luts = np.empty((rows // group[0], cols // group[1], k), dtype)
+    scales = np.empty((rows, 1), dtype) if row_scale else None
     for rows_here in factor.row_blocks(rows, cols, group[0]):
         weight = factor.live(w[rows_here])
-        palette = _kmeans_tiles(weight.astype(np.float32), nbits, group, importance, dtype)[0]
+        palette = kmeans_tiles(weight.astype(np.float32), nbits, group, importance, dtype, row_scale=row_scale)
+        scale = palette.row_scale
         best, best_errors = palette, _band_errors(factor, weight, palette, group[0])
         for _ in range(rounds):
-            assigned = Palette(_palette_feedback(factor, weight, palette.lut, group), palette.lut, nbits)
+            assigned = Palette(_palette_feedback(factor, weight, palette.lut, group, scale), palette.lut, nbits, scale)
             if not refit:
                 best, best_errors = _better(factor, weight, group[0], best, best_errors, assigned)
                 break  # assigned to the same LUTs again, the same codes
             refitted = Palette(assigned.indices, _refit_luts(factor.hessian, weight, assigned, group).astype(dtype),
-                               nbits)
+                               nbits, scale)
             for made in (assigned, refitted):
                 best, best_errors = _better(factor, weight, group[0], best, best_errors, made)
             palette = refitted  # the next round assigns to the refitted LUTs
         indices[rows_here], luts[rows_here.start // group[0]:rows_here.stop // group[0]] = best.indices, best.lut
-    return Palette(indices, luts, nbits)
+        if scales is not None:
+            scales[rows_here] = scale
+    return Palette(indices, luts, nbits, scales)
+
+
+def row_scales(w: np.ndarray, dtype) -> np.ndarray:
+    """[rows, 1] each row's max |w| in `dtype`, 1 for a row of zeros (coremltools' per-channel
+    scale of a palette, `enable_per_channel_scale`)."""
+    scale = np.abs(np.asarray(w)).max(axis=1, keepdims=True).astype(dtype)
+    scale[scale == 0] = 1
+    return scale
+
+
+def scaled_entries(entries: np.ndarray, scale: np.ndarray | None, dtype) -> np.ndarray:
+    """`entries` (each row's LUT entries, [rows, ...]) times the row's `scale`, in `dtype`, as the
+    package decodes them: the product of two `dtype` values is exact in float32, then rounded
+    once to `dtype`, as `constexpr_blockwise_shift_scale` multiplies in the scale's dtype."""
+    if scale is None:
+        return entries
+    shape = scale.shape + (1,) * (entries.ndim - scale.ndim)
+    return (entries.astype(np.float32) * scale.astype(np.float32).reshape(shape)).astype(dtype)
 
 
 def _better(factor: GptqFactor, weight: np.ndarray, band: int, best: Palette, best_errors: np.ndarray,
@@ -422,7 +457,8 @@ def _better(factor: GptqFactor, weight: np.ndarray, band: int, best: Palette, be
     errors = _band_errors(factor, weight, made, band)
     better = errors < best_errors
     return (Palette(np.where(np.repeat(better, band)[:, None], made.indices, best.indices),
-                    np.where(better[:, None, None], made.lut, best.lut), made.nbits), np.minimum(errors, best_errors))
+                    np.where(better[:, None, None], made.lut, best.lut), made.nbits, made.row_scale),
+            np.minimum(errors, best_errors))
 
 
 def _band_errors(factor: GptqFactor, weight: np.ndarray, palette: Palette, band: int) -> np.ndarray:
@@ -430,16 +466,18 @@ def _band_errors(factor: GptqFactor, weight: np.ndarray, palette: Palette, band:
     return factor.output_errors(weight, palette.decode().astype(np.float64)).reshape(-1, band).sum(axis=1)
 
 
-def _palette_feedback(factor: GptqFactor, weight: np.ndarray, lut: np.ndarray, group: tuple[int, int]) -> np.ndarray:
-    """uint8 codes of `weight`'s rows into `lut` (their bands' LUTs, [bands, column groups, entries])
-    by GPTQ: each error-updated value takes its LUT's nearest entry (the lowest on a tie)."""
+def _palette_feedback(factor: GptqFactor, weight: np.ndarray, lut: np.ndarray, group: tuple[int, int],
+                      scale: np.ndarray | None = None) -> np.ndarray:
+    """uint8 codes of `weight`'s rows into `lut` (their bands' LUTs, [bands, column groups, entries],
+    each row's entries times its `scale` where there is one) by GPTQ: each error-updated value
+    takes its LUT's nearest entry (the lowest on a tie)."""
     rows = len(weight)
     band = np.arange(rows) // group[0]
-    entries = lut.astype(np.float64)
+    entries = scaled_entries(lut[band], scale, lut.dtype).astype(np.float64)  # [rows, column groups, entries]
     indices = np.empty(weight.shape, np.uint8)
 
     def code_column(column: int, pending: np.ndarray) -> np.ndarray:
-        here = entries[band, column // group[1]]
+        here = entries[:, column // group[1]]
         q = np.abs(pending[:, :1] - here).argmin(axis=1)
         indices[:, column] = q
         return here[np.arange(rows), q]
@@ -452,8 +490,10 @@ def _refit_luts(hessian: np.ndarray, weight: np.ndarray, palette: Palette, group
     """float64 LUTs of least output error tr((W - W_hat) H (W - W_hat)^T) for `palette`'s codes,
     from its LUTs, by PALETTE_REFIT_STEPS conjugate-gradient steps on each band's normal equations.
 
-    W_hat is linear in the entries: W_hat = A(c), each weight reading the entry its code names,
-    and the gradient A^T((W - A(c)) H) sums (W - W_hat) H over the weights that read each entry.
+    W_hat is linear in the entries: W_hat = A(c), each weight reading the entry its code names
+    (times its row's scale, where the palette has them: the product's rounding is left out of
+    the fit, and the kept palette is chosen on its output error as decoded), and the gradient
+    A^T((W - A(c)) H) sums (W - W_hat) H over the weights that read each entry.
     Bands share no entry, so each is its own system, solved side by side (step sizes per band);
     an entry no weight reads has a zero row and stays as it is. Each step costs one product
     with H, as GPTQ's own updates do; forming each band's normal matrix would cost the
@@ -463,13 +503,19 @@ def _refit_luts(hessian: np.ndarray, weight: np.ndarray, palette: Palette, group
     slot = (((np.arange(rows) // group[0])[:, None] * column_groups + np.arange(cols) // group[1]) * k
             + palette.indices).ravel()
 
+    scale = None if palette.row_scale is None else palette.row_scale.astype(np.float64)
+
     def normal(lut_flat: np.ndarray, target: np.ndarray | None = None) -> np.ndarray:
         """A^T((target - A(c)) H) per band, or A^T(A(c) H) without a target."""
         product = lut_flat.ravel()[slot].reshape(rows, cols)
+        if scale is not None:
+            product = product * scale
         if target is not None:
             product = target - product
-        gradient = (product.astype(np.float32) @ hessian).ravel()
-        return np.bincount(slot, gradient, bands * column_groups * k).reshape(bands, -1)
+        gradient = product.astype(np.float32) @ hessian
+        if scale is not None:
+            gradient = gradient * scale
+        return np.bincount(slot, gradient.ravel(), bands * column_groups * k).reshape(bands, -1)
 
     # The products in float32: twice as fast, and their rounding (2^-24 relative a term) is far
     # below the fp16 rounding (2^-11) of the entries they find.
@@ -520,7 +566,7 @@ def _searched_parameters(values: np.ndarray, nbits: int, dtype, integer_offset: 
 
 
 def kmeans_tiles(w: np.ndarray, nbits: int, tile: tuple[int, int], importance: np.ndarray | None = None,
-                 dtype=np.float16, cache: "ResultCache | None" = None) -> Palette:
+                 dtype=np.float16, cache: "ResultCache | None" = None, row_scale: bool = False) -> Palette:
     """One LUT per tile of `tile` = (rows, columns), by weighted k-means over the tile's values.
 
     iOS18 `constexpr_lut_to_dense` blocks its LUTs on both axes. (32, all columns) is the
@@ -533,7 +579,16 @@ def kmeans_tiles(w: np.ndarray, nbits: int, tile: tuple[int, int], importance: n
     dtype, which only rounds them afterwards: palette4-int8lut's fp32 LUT then costs the final
     assignment alone where palette4-gc32 has run (Gemma 3, one thread: 52.9 -> 23.9 s). The
     codes are those computed afresh, bit for bit.
+
+    `row_scale`: the LUTs are of the rows divided by their scales (`row_scales`), each value's
+    importance times its row's scale squared (its error as decoded).
     """
+    if row_scale:
+        scale = row_scales(w, dtype)
+        s = scale.astype(np.float64)
+        weighted = None if importance is None else _broadcast(importance, w) * s * s
+        normalised = (np.asarray(w, np.float64) / s).astype(np.float32)
+        return replace(kmeans_tiles(normalised, nbits, tile, weighted, dtype, cache), row_scale=scale)
     if cache is None:
         return _kmeans_tiles(w, nbits, tile, importance, dtype)[0]
     made = {}

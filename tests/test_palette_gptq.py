@@ -70,30 +70,35 @@ def test_no_band_errs_more_than_its_weighted_k_means_start():
                       + slack.reshape(-1, band).sum(1) + their_slack.reshape(-1, band).sum(1))
 
 
-def test_the_refit_is_the_least_squares_lut_of_the_codes():
+@pytest.mark.parametrize("row_scale", [False, True])
+def test_the_refit_is_the_least_squares_lut_of_the_codes(row_scale):
     """The refit's LUTs minimise the output error for the codes they are given: against the
     least-squares solution by numpy's lstsq on the explicit problem (each row's error through
-    the Cholesky factor of H, every weight one equation in the entry its code names), the
-    refit's error is no larger than that optimum but for the float32 rounding of its products
-    (2^-24 relative a product, entering the optimum's error at second order), and smaller than
-    the k-means LUTs' it starts from."""
+    the Cholesky factor of H, every weight one equation in the entry its code names, times its
+    row's scale where the palette has them), the refit's error is no larger than that optimum
+    but for the float32 rounding of its products (2^-24 relative a product, entering the
+    optimum's error at second order), and smaller than the k-means LUTs' it starts from."""
     w, h = _problem(16, 48, seed=3)
+    w *= np.geomspace(0.1, 3.0, 16, dtype=np.float32)[:, None]  # rows of unequal ranges
     group = (8, 48)
     factor = codes.GptqFactor.of(h)
     weight = factor.live(w)
-    assigned = codes.gptq_palette(w, h, 4, group, refit=False)
+    assigned = codes.gptq_palette(w, h, 4, group, refit=False, row_scale=row_scale)
     refit = codes._refit_luts(factor.hessian, weight, assigned, group)
     lower = np.linalg.cholesky(factor.hessian)  # H = L L^T: e H e^T = |e L|^2
+    scale = np.ones((16, 1)) if assigned.row_scale is None else assigned.row_scale.astype(np.float64)
+    assert (assigned.row_scale is not None) == row_scale
 
     band = np.arange(16)[:, None] // 8
 
     def error(lut):  # float64 LUTs [bands, 1, 16], unrounded: what the refit solves for
-        return _row_errors(lut[band, 0, assigned.indices], w, factor.hessian)[0].sum()
+        return _row_errors(lut[band, 0, assigned.indices] * scale, w, factor.hessian)[0].sum()
 
     optimum = np.empty_like(refit)
     for band in range(2):
         rows = slice(8 * band, 8 * band + 8)
-        design = np.concatenate([(np.eye(16)[assigned.indices[i]].T @ lower).T for i in range(rows.start, rows.stop)])
+        design = np.concatenate([(scale[i] * np.eye(16)[assigned.indices[i]].T @ lower).T
+                                 for i in range(rows.start, rows.stop)])
         target = np.concatenate([weight[i] @ lower for i in range(rows.start, rows.stop)])
         optimum[band, 0] = np.linalg.lstsq(design, target, rcond=None)[0]
     assert error(refit) <= error(optimum) * (1 + 48 * 2.0 ** -24)
@@ -110,6 +115,35 @@ def test_gptq_palette_codes_bands_in_row_blocks_each_as_on_its_own(monkeypatch):
         alone = codes.gptq_palette(w[first:first + 16], h, 4, (8, 32))
         assert np.array_equal(whole.indices[first:first + 16], alone.indices)
         assert np.array_equal(whole.lut[first // 8:first // 8 + 2], alone.lut)
+
+
+def test_a_row_scale_lets_rows_of_different_ranges_share_a_palette():
+    """Rows whose ranges differ (a table's tokens, a layer's output channels) share one LUT of
+    their values over their max |w| (coremltools' palette with per-channel scale): for 16 bits
+    more a row, the output error falls below the unscaled palette's of the same LUTs. Each
+    weight decodes to its entry times its row's scale, rounded once to fp16 (numpy's fp16
+    product), the scale being the row's max |w| in fp16; and no band errs more than its
+    k-means start, weighted by H_jj times its row's scale squared."""
+    w, h = _problem(64, 128, seed=5)
+    w *= np.geomspace(0.05, 4.0, 64, dtype=np.float32)[np.random.default_rng(5).permutation(64), None]
+    damped = h + codes.GPTQ_DAMP * np.mean(np.diag(h)) * np.eye(len(h))
+    for group in ((16, 128), (8, 32)):
+        plain = codes.gptq_palette(w, h, 4, group)
+        scaled = codes.gptq_palette(w, h, 4, group, row_scale=True)
+        assert scaled.bits() == plain.bits() + 64 * 16
+        assert np.array_equal(scaled.row_scale, np.abs(w).max(axis=1, keepdims=True).astype(np.float16))
+        rows, cols = np.arange(64)[:, None] // group[0], np.arange(128)[None, :] // group[1]
+        entries = scaled.lut[rows, cols, scaled.indices]
+        assert np.array_equal(scaled.decode(), (entries * scaled.row_scale).astype(np.float32))
+        errors = {name: _row_errors(p.decode(), w, h)[0].sum() for name, p in (("plain", plain), ("scaled", scaled))}
+        assert errors["scaled"] < 0.8 * errors["plain"], errors
+        s = scaled.row_scale.astype(np.float64)
+        start = codes.kmeans_tiles((w / s).astype(np.float32), 4, group, np.diag(damped)[None, :] * s * s)
+        (mine, slack), (theirs, their_slack) = (_row_errors(decoded, w, damped) for decoded in
+                                                (scaled.decode(), start.decode() * s))
+        band = group[0]
+        assert np.all(mine.reshape(-1, band).sum(1) <= theirs.reshape(-1, band).sum(1)
+                      + slack.reshape(-1, band).sum(1) + their_slack.reshape(-1, band).sum(1))
 
 
 @pytest.fixture(scope="module")
@@ -129,9 +163,10 @@ def palettes(tmp_path_factory):
 def test_the_recipes_are_registered_and_refuse_without_calibration(palettes, tmp_path):
     source, _, _ = palettes
     names = list(RECIPES)
-    assert names[-6:] == ["palette4-gptq-gc32", "palette4-gptq-gc32-emb8x32", "palette4-gptq-g8-head6",
-                          "palette6-gptq-g16", "mixed-palette", "mixed-palette-6"]
-    for name in names[-6:]:
+    assert names[-8:] == ["palette4-gptq-gc32", "palette4-gptq-gc32-emb8x32", "palette4-gptq-g8-head6",
+                          "palette6-gptq-g16", "mixed-palette", "mixed-palette-6", "palette4-gptq-g32-pcs",
+                          "palette6-gptq-g16-pcs"]
+    for name in names[-8:]:
         assert RECIPES[name].params_record()["calibration"] is True
     with pytest.raises(RecipePrecondition, match="calibration_ids"):
         compress_package(source.path, "palette4-gptq-gc32", tmp_path / "none")
@@ -180,4 +215,41 @@ def test_the_package_stores_the_bits_its_shapes_say_and_the_neural_engine_reads_
     checks = {c["check"]: c for f in report["functions"].values() for c in f["checks"]}
     assert checks["weight_compression"]["verdict"] == "pass", checks["weight_compression"]
     assert "constexpr_lut_to_dense" in checks["weight_compression"]["detail"]
+    assert report["compute_units"] == ["cpu", "gpu", "ane"], checks
+
+
+def test_a_row_scaled_palette_decodes_through_its_lut_and_scale_ops_and_claims_the_neural_engine(palettes, tmp_path):
+    """palette4-gptq-g32-pcs on the same fp16 package: each compressed constant is a LUT op then
+    a per-channel shift-scale op, and decodes (by the MIL executor, from the saved package) to
+    `codes.gptq_palette`'s row-scaled palette of the recipe's Hessian: 4 bits per 32 rows for
+    the layers, per 8 rows for the tied embedding/head. The bits are the arithmetic's (a
+    16-entry fp16 LUT per band and an fp16 scale per row), and the Neural Engine's static check
+    passes the scale, whose one wide axis is the rows'."""
+    source, ids, _ = palettes
+    made = compress_package(source.path, "palette4-gptq-g32-pcs", tmp_path / "g32-pcs", calibration_ids=ids)
+    hessians = Calibration.from_package(source.path, verify_package(source.path, hashes=False).data, ids,
+                                        HESSIAN_WINDOWS).input_hessians()
+    original = {n: w.astype(np.float16).astype(np.float32) for n, w in random_weights(seed=1).items()}
+    constants = Executor(load_program(made.path / "model.mlpackage")).constants
+    entries = [e for e in made["selection"]["weights"].values() if e["compressed"]]
+    assert len(entries) == 5 * LAYERS + 1
+    for entry in entries:
+        name = entry["hf_names"][0]
+        rows = 8 if name == EMBEDDING else 32
+        want = codes.gptq_palette(original[name], hessians[name], 4, (rows, original[name].shape[1]), row_scale=True)
+        assert np.array_equal(np.asarray(constants[entry["compressed_as"]], np.float32), want.decode()), name
+        assert entry["chain"] == ["constexpr_lut_to_dense", "constexpr_blockwise_shift_scale"]
+        assert "row_scale=max |w| per row" in entry["how"]
+    q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    layer_shapes = [(q, HIDDEN), (kv, HIDDEN), (kv, HIDDEN), (HIDDEN, q), (FFN, HIDDEN), (FFN, HIDDEN), (HIDDEN, FFN)]
+    layer_bits = sum(r * c * 4 + r // 32 * 16 * 16 + 16 * r if r * c > WEIGHT_THRESHOLD else 16 * r * c
+                     for r, c in layer_shapes)
+    embedding_bits = VOCAB * HIDDEN * 4 + VOCAB // 8 * 16 * 16 + 16 * VOCAB
+    norms = (2 * LAYERS + 1) * HIDDEN
+    counted = bits_per_weight(made.path)
+    assert counted["bits_per_weight"] == (LAYERS * layer_bits + embedding_bits + 16 * norms) / counted["parameters"]
+    report = ane_report(made.path / "model.mlpackage")
+    checks = {c["check"]: c for f in report["functions"].values() for c in f["checks"]}
+    assert checks["weight_compression"]["verdict"] == "pass", checks["weight_compression"]
+    assert "constexpr_blockwise_shift_scale" in checks["weight_compression"]["detail"]
     assert report["compute_units"] == ["cpu", "gpu", "ane"], checks

@@ -34,7 +34,8 @@ order_recipes(("int8-b32", "int4-b32", "int4-b32-emb8", "palette6-gc32", "palett
                "palette4-int8lut", "palette4-skm", "mixed", "cmf-native", "gptq-int4-b32", "gptq-int4-b64",
                "int8-b32-fp16scale", "gptq-int4-b64-emb8", "int8-pc", "gptq-int4-b32-zp",
                "gptq-int4-b32-zp-hot", "palette4-gptq-gc32", "palette4-gptq-gc32-emb8x32",
-               "palette4-gptq-g8-head6", "palette6-gptq-g16", "mixed-palette", "mixed-palette-6"))
+               "palette4-gptq-g8-head6", "palette6-gptq-g16", "mixed-palette", "mixed-palette-6",
+               "palette4-gptq-g32-pcs", "palette6-gptq-g16-pcs"))
 
 __all__ = ["EMBEDDING", "MIXED_BPW", "RECIPES", "WEIGHT_THRESHOLD", "Context", "Prepared", "Recipe",
            "RecipePrecondition", "Selected", "StepRecipe", "UnknownRecipe", "Weight", "apply_recipe", "choose_mixed",

@@ -30,7 +30,7 @@ def _parameters_in_fp16(code):
     if isinstance(code, codes.ShiftScale):
         return replace(code, scale=fp16(code.scale), offset=fp16(code.offset))
     if isinstance(code, codes.Palette):
-        return replace(code, lut=fp16(code.lut))
+        return replace(code, lut=fp16(code.lut), row_scale=fp16(code.row_scale))
     return code
 
 
@@ -62,6 +62,8 @@ def emit_code(code, before_op, dtype: np.dtype = np.dtype(np.float32)) -> "mb.Va
     elif isinstance(code, codes.Palette):
         out = mb.constexpr_lut_to_dense(indices=_subbyte(code.indices, code.nbits, False),
                                         lut=code.lut[..., None], before_op=before_op)
+        if code.row_scale is not None:  # coremltools' per-channel scale of a palette (iOS18 joint compression)
+            out = mb.constexpr_blockwise_shift_scale(data=out, scale=code.row_scale, before_op=before_op)
         decoded = code.lut.dtype
     elif dtype == np.float16:  # a float16 array in an fp16 program: the constant as it already was
         return mb.const(val=code.astype(np.float16), before_op=before_op)

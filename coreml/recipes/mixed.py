@@ -67,13 +67,14 @@ MIXED = register_recipe(MixedRecipe(
     group="decoder layer (embedding on its own)",
     measure="calibration logit KL: per group coded alone (summed, minimised exactly under the budget), then the "
             "plan and every uniform option that fits, each coded whole"))
-# The same chooser among what the Neural Engine reads (issue 48): 4-bit GPTQ palettes per 32 x 32
-# tile (4.25 bits; the tied table also per 8 x 32, 5.0), 6-bit ones per 16 rows (6 + 64/cols) and
-# int8 per channel (8 + 16/cols), per decoder layer and for the table (with its head parts) on
-# its own; at the survey's budget (4.5 bits by default) and at 6 bits.
+# The same chooser among what the Neural Engine reads (issue 48): row-scaled GPTQ palettes, 4-bit
+# per 32 rows (4 + 24/cols bits; the tied table per 8 rows, 4 + 48/cols) and 6-bit per 16 rows
+# (6 + 80/cols), and int8 per channel (8 + 16/cols), per decoder layer and for the
+# table (with its head parts) on its own; at the survey's budget (4.5 bits by default) and at 6
+# bits. The row-scaled palettes err less than the unscaled ones at fewer bits (coreml.recipes.
+# palette), which were its options before.
 MIXED_PALETTE = register_recipe(replace(
-    MIXED, name="mixed-palette",
-    options=("palette4-gptq-gc32", "palette4-gptq-gc32-emb8x32", "palette6-gptq-g16", "int8-pc")))
+    MIXED, name="mixed-palette", options=("palette4-gptq-g32-pcs", "palette6-gptq-g16-pcs", "int8-pc")))
 register_recipe(replace(MIXED_PALETTE, name="mixed-palette-6", bpw=6.0))
 
 
