@@ -125,7 +125,7 @@ PACKAGES = $(PKG)/$(firstword $(KINDS))/manifest.json
 # once from its own CMF by the PyTorch reference.
 REFERENCE := $(if $(filter $(DEFAULT_MODEL),$(MODEL)),fixtures/reference,$(OUT)/reference)
 
-.PHONY: all test test-mil-ops test-portability venv qwen2-1.5b import bundle preflight coreml compress align gates deploy score release clean
+.PHONY: settings-changed all test test-mil-ops test-portability venv qwen2-1.5b import bundle preflight coreml compress align gates deploy score release clean
 
 # align before compress: the gates run side by side (ALIGN_JOBS), and the survey then finds
 # the FP32 chunk_kv gate it starts from passed.
@@ -289,10 +289,18 @@ $(ALIGN)/%.passed: $(PACKAGES) $(REFERENCE)/index.json $(ITEMS)
 	$(JOB_ENV) $(CLI) align $(PKG)/$* --fixtures $(REFERENCE) -o $(ALIGN)/$* $(QUALITY_FLAGS) $(GATE_FLAGS_$*) --force
 	touch $@
 
-$(SURVEY)/survey.json: $(ALIGN)/chunk_kv.passed $(FP32_BASELINE) $(ITEMS)
+# What the survey measures beside its inputs' files. Its stamp is rewritten only when they
+# change, so `make compress RECIPES=...` surveys the new recipes (it ran nothing before) and an
+# unchanged make runs nothing again.
+SURVEY_SETTINGS = --recipes $(RECIPES) $(QUALITY_FLAGS) $(if $(MIXED_BPW),--mixed-bpw $(MIXED_BPW))
+
+$(SURVEY).settings: settings-changed
+	@mkdir -p $(@D) && printf '%s\n' '$(SURVEY_SETTINGS)' > $@.partial
+	@if cmp -s $@.partial $@; then rm $@.partial; else mv $@.partial $@; fi
+
+$(SURVEY)/survey.json: $(ALIGN)/chunk_kv.passed $(FP32_BASELINE) $(ITEMS) $(SURVEY).settings
 	$(CLI) survey $(PKG)/chunk_kv --fp32-gate $(ALIGN)/chunk_kv --fixtures $(REFERENCE) --target $(TARGET) \
-	  -o $(SURVEY) --recipes $(RECIPES) $(QUALITY_FLAGS) $(SURVEY_SCORES) \
-	  $(if $(MIXED_BPW),--mixed-bpw $(MIXED_BPW)) --jobs $(SURVEY_JOBS) $(WORKER_FLAGS) --force
+	  -o $(SURVEY) $(SURVEY_SETTINGS) $(SURVEY_SCORES) --jobs $(SURVEY_JOBS) $(WORKER_FLAGS) --force
 
 $(SCORE_RUN)/manifest.json: $(ALIGN)/chunk_kv.passed $(ITEMS)
 	$(CLI) score $(PKG)/chunk_kv $(ITEMS) -o $(SCORE_RUN) --jobs $(SCORE_JOBS) $(WORKER_FLAGS) --force

@@ -4,6 +4,7 @@ The Makefile's stamps once sat inside the folders they stood for (`survey/releas
 `verify-artifact` of a survey after `make release` failed on a file its manifest does not list.
 """
 
+import json
 import os
 import shutil
 import subprocess
@@ -45,7 +46,16 @@ def test_every_folder_make_all_release_writes_verifies(tmp_path, capsys):
                 "survey-ane-deployed", "scores/fp32-reference"} <= kinds
         for folder in folders:
             assert main(["verify-artifact", str(folder)]) == 0, (folder, capsys.readouterr().err)
-        stamps = [path for path in out.rglob("*") if path.suffix in (".passed", ".released", ".done")]
+        # The survey is made again when its recipes change, and only then (`make compress
+        # RECIPES=...` once ran nothing, its inputs' files being unchanged).
+        for recipes, again in (("int8-pc palette6-gc32", False), ("int8-pc", True), ("int8-pc", False)):
+            remade = subprocess.run(["make", "-C", str(ROOT), "--no-print-directory", "compress", f"MODEL={model}",
+                                     f"RECIPES={recipes}", f"PYTHON={sys.executable}"],
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1800)
+            assert remade.returncode == 0, remade.stdout[-4000:]
+            assert ("pipeline.cli survey" in remade.stdout) == again, (recipes, remade.stdout[-4000:])
+        assert [r["name"] for r in json.loads((out / "survey-ane" / "survey.json").read_text())["recipes"]] == ["int8-pc"]
+        stamps = [path for path in out.rglob("*") if path.suffix in (".passed", ".released", ".done", ".settings")]
         assert stamps and not any((parent / "manifest.json").exists() for stamp in stamps for parent in stamp.parents
                                   if out in parent.parents or parent == out), stamps
     finally:
