@@ -222,8 +222,8 @@ def test_a_row_scaled_palette_decodes_through_its_lut_and_scale_ops_and_claims_t
     """palette4-gptq-g32-pcs on the same fp16 package: each compressed constant is a LUT op then
     a per-channel shift-scale op, and decodes (by the MIL executor, from the saved package) to
     `codes.gptq_palette`'s row-scaled palette of the recipe's Hessian: 4 bits per 32 rows for
-    the layers, per 8 rows for the tied embedding/head. The bits are the arithmetic's (a
-    16-entry fp16 LUT per band and an fp16 scale per row), and the Neural Engine's static check
+    the layers, per 32 x 32 tile for the tied embedding/head. The bits are the arithmetic's (a
+    16-entry fp16 LUT per band or tile and an fp16 scale per row), and the Neural Engine's static check
     passes the scale, whose one wide axis is the rows'."""
     source, ids, _ = palettes
     made = compress_package(source.path, "palette4-gptq-g32-pcs", tmp_path / "g32-pcs", calibration_ids=ids)
@@ -235,8 +235,8 @@ def test_a_row_scaled_palette_decodes_through_its_lut_and_scale_ops_and_claims_t
     assert len(entries) == 5 * LAYERS + 1
     for entry in entries:
         name = entry["hf_names"][0]
-        rows = 8 if name == EMBEDDING else 32
-        want = codes.gptq_palette(original[name], hessians[name], 4, (rows, original[name].shape[1]), row_scale=True)
+        group = (32, 32) if name == EMBEDDING else (32, original[name].shape[1])
+        want = codes.gptq_palette(original[name], hessians[name], 4, group, row_scale=True)
         assert np.array_equal(np.asarray(constants[entry["compressed_as"]], np.float32), want.decode()), name
         assert entry["chain"] == ["constexpr_lut_to_dense", "constexpr_blockwise_shift_scale"]
         assert "row_scale=max |w| per row" in entry["how"]
@@ -244,7 +244,7 @@ def test_a_row_scaled_palette_decodes_through_its_lut_and_scale_ops_and_claims_t
     layer_shapes = [(q, HIDDEN), (kv, HIDDEN), (kv, HIDDEN), (HIDDEN, q), (FFN, HIDDEN), (FFN, HIDDEN), (HIDDEN, FFN)]
     layer_bits = sum(r * c * 4 + r // 32 * 16 * 16 + 16 * r if r * c > WEIGHT_THRESHOLD else 16 * r * c
                      for r, c in layer_shapes)
-    embedding_bits = VOCAB * HIDDEN * 4 + VOCAB // 8 * 16 * 16 + 16 * VOCAB
+    embedding_bits = VOCAB * HIDDEN * 4 + VOCAB // 32 * (HIDDEN // 32) * 16 * 16 + 16 * VOCAB
     norms = (2 * LAYERS + 1) * HIDDEN
     counted = bits_per_weight(made.path)
     assert counted["bits_per_weight"] == (LAYERS * layer_bits + embedding_bits + 16 * norms) / counted["parameters"]

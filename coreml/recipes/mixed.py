@@ -68,7 +68,7 @@ MIXED = register_recipe(MixedRecipe(
     measure="calibration logit KL: per group coded alone (summed, minimised exactly under the budget), then the "
             "plan and every uniform option that fits, each coded whole"))
 # The same chooser among what the Neural Engine reads (issue 48): row-scaled GPTQ palettes, 4-bit
-# per 32 rows (4 + 24/cols bits; the tied table per 8 rows, 4 + 48/cols) and 6-bit per 16 rows
+# per 32 rows (4 + 24/cols bits; the tied table per 32 x 32 tile, 4.25 + 16/cols) and 6-bit per 16 rows
 # (6 + 80/cols), and int8 per channel (8 + 16/cols), per decoder layer and for the
 # table (with its head parts) on its own; at the survey's budget (4.5 bits by default) and at 6
 # bits. The row-scaled palettes err less than the unscaled ones at fewer bits (coreml.recipes.
