@@ -21,6 +21,9 @@ from coreml.mil.loader import load_program
 from coreml.recipes import EMBEDDING, RECIPES, WEIGHT_THRESHOLD, RecipePrecondition, compress_package
 
 ROUNDING = 2.0 ** -53
+# A test-model layer's weights: q, k, v, o, gate, up, down.
+Q, KV = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+LAYER_SHAPES = [(Q, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, Q), (FFN, HIDDEN), (FFN, HIDDEN), (HIDDEN, FFN)]
 
 
 def _problem(rows: int, cols: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -202,12 +205,10 @@ def test_the_package_stores_the_bits_its_shapes_say_and_the_neural_engine_reads_
     rows, 16 bits each norm weight and each matrix of at most WEIGHT_THRESHOLD elements (fp16, as
     the program keeps them); and the Neural Engine's static check passes the scalar LUTs."""
     _, _, made = palettes
-    q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
-    layer_shapes = [(q, HIDDEN), (kv, HIDDEN), (kv, HIDDEN), (HIDDEN, q), (FFN, HIDDEN), (FFN, HIDDEN), (HIDDEN, FFN)]
-    layer_bits = sum(r * c * 4 + r // 8 * 16 * 16 if r * c > WEIGHT_THRESHOLD else 16 * r * c for r, c in layer_shapes)
+    layer_bits = sum(r * c * 4 + r // 8 * 16 * 16 if r * c > WEIGHT_THRESHOLD else 16 * r * c for r, c in LAYER_SHAPES)
     embedding_bits = VOCAB * HIDDEN * 6 + VOCAB // 16 * 64 * 16
     norms = (2 * LAYERS + 1) * HIDDEN
-    parameters = LAYERS * sum(r * c for r, c in layer_shapes) + VOCAB * HIDDEN + norms
+    parameters = LAYERS * sum(r * c for r, c in LAYER_SHAPES) + VOCAB * HIDDEN + norms
     counted = bits_per_weight(made.path)
     assert counted["parameters"] == parameters
     assert counted["bits_per_weight"] == (LAYERS * layer_bits + embedding_bits + 16 * norms) / parameters
@@ -240,10 +241,8 @@ def test_a_row_scaled_palette_decodes_through_its_lut_and_scale_ops_and_claims_t
         assert np.array_equal(np.asarray(constants[entry["compressed_as"]], np.float32), want.decode()), name
         assert entry["chain"] == ["constexpr_lut_to_dense", "constexpr_blockwise_shift_scale"]
         assert "row_scale=max |w| per row" in entry["how"]
-    q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
-    layer_shapes = [(q, HIDDEN), (kv, HIDDEN), (kv, HIDDEN), (HIDDEN, q), (FFN, HIDDEN), (FFN, HIDDEN), (HIDDEN, FFN)]
     layer_bits = sum(r * c * 4 + r // 32 * 16 * 16 + 16 * r if r * c > WEIGHT_THRESHOLD else 16 * r * c
-                     for r, c in layer_shapes)
+                     for r, c in LAYER_SHAPES)
     embedding_bits = VOCAB * HIDDEN * 4 + VOCAB // 32 * (HIDDEN // 32) * 16 * 16 + 16 * VOCAB
     norms = (2 * LAYERS + 1) * HIDDEN
     counted = bits_per_weight(made.path)
