@@ -1,13 +1,16 @@
 """The catch table: every seeded converter fault (`pipeline.stages.gates.faults`) in a correct
-FP32 package, gated, and what the gate said: which part failed, the largest |Δ logit| of the
-exactness part against its bound. The correct package's own gate first, as the baseline of the
-same run. (An FP32 package's quality part measures its intended numerics, the FP32 reference,
-not the package: a fault never moves it.) Printed, never asserted (tests/test_gate_faults.py asserts the fixture's).
+package, FP32 or fp16, gated, and what the gate said: which part failed, the largest |Δ logit| of
+the exactness part against its bound. The correct package's own gate first, as the baseline of the
+same run. (A package's quality part measures its intended numerics, the torch reference of its
+precision, not the package: a fault never moves it.) A fault the package has nothing to seed into
+(`norm_unscaled` where the norms are plain) says so. Printed, never asserted
+(tests/test_gate_faults.py asserts the fixture's).
 
     python benchmarks/fault_bench.py PACKAGE --bundle BUNDLE --fixtures REFERENCE [--items ITEMS] [--work DIR]
 
-PACKAGE is an FP32 chunk-KV package (`cmfdeploy coreml BUNDLE -o OUT --kinds chunk_kv`), REFERENCE
-the model's reference fixtures (`cmfdeploy reference-fixtures`).
+PACKAGE is a chunk-KV or stateful package (`cmfdeploy coreml BUNDLE -o OUT --kinds chunk_kv`,
+`--precision fp16` with its preflight), REFERENCE the model's reference fixtures
+(`cmfdeploy reference-fixtures`).
 """
 
 import argparse
@@ -54,7 +57,7 @@ def main() -> None:
         folder = work / name
         shutil.rmtree(folder, ignore_errors=True)
         try:
-            package, where = seeded_copy(args.package, args.bundle, folder / "coreml" / "chunk_kv", name)
+            package, where = seeded_copy(args.package, args.bundle, folder / "coreml" / args.package.name, name)
         except FaultNotApplicable as error:
             print(f"| {name} | not applicable: {error} | | | | | | |", flush=True)
             continue

@@ -65,6 +65,21 @@ def test_the_mitigated_fp16_package_is_finite_and_passes_its_gate(hazard, mitiga
     assert set(report["compute_units"]["claimable"]) >= {"cpu", "gpu"}
 
 
+def test_a_package_whose_norms_lost_their_max_scaling_fails_its_gate(hazard, tmp_path):
+    """The seeded fault `norm_unscaled` (pipeline.stages.gates.faults): the converter left out the
+    mitigation the preflight chose, in a program that still claims it. Its norms square the
+    residual stream past 65504 on ".", which the gate's exactness and invariants both see."""
+    from pipeline.stages.gates.faults import seeded_copy
+
+    package, where = seeded_copy(hazard / "mitigated" / "chunk_kv", hazard / "bundle",
+                                 tmp_path / "coreml" / "chunk_kv", "norm_unscaled")
+    assert "norms" in where
+    gate = align_package(package, hazard / "reference", tmp_path / "gate", items=hazard / "items.jsonl")
+    assert not gate.passed
+    assert gate.report["summary"]["exact"] is False
+    assert gate.report["summary"]["invariants_passed"] is False
+
+
 def test_the_same_package_without_mitigations_is_inf_on_the_hazard_and_fails_its_gate(hazard):
     gate = _gate(hazard, "naive")
     report = gate.report

@@ -6,13 +6,15 @@ weight, or a constant of the saved program) and then makes the copy's manifest c
 again (its files' sha256), so the identity chain holds and only the gate's numerics can tell.
 The bundle is copied along to where the package's relative source link expects it.
 
-FP32 packages: a weight is found in the package's weight file by its float32 bytes, which must
-occur exactly once. The program's constants are edited in every function (a stateful
-package's prefill and decode alike), at the first op of each function that reads them: one
-layer's, where each layer has its own.
+FP32 and fp16 packages alike: a weight is edited where the program stores it (its const's blob,
+in the package's dtype, as any fp16 mitigation scaled it), a constant in the program's dtype.
+Constants and program edits go into every function (a stateful package's prefill and decode
+alike); a constant at the first op of each function that reads it, one layer's where each layer
+has its own. A compressed package's weights are not consts, and are refused by name.
 """
 
 import os
+import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,15 +50,15 @@ def register_fault(name: str, what: str):
 def seeded_copy(package_dir: Path, bundle_dir: Path, out_dir: Path, fault: str) -> tuple[Path, str]:
     """`package_dir` copied to `out_dir` with `fault` seeded and its manifest made consistent again;
     (the copy, where the fault was seeded)."""
+    from coreml.kinds.export import kept_fp32_record
+    from coreml.manifest import op_histogram
+    from coreml.split import chained_histogram
     from manifests.identity import MANIFEST_NAME, inventory, read_json, write_json
 
     if fault not in FAULTS:
         raise FaultNotApplicable(f"fault {fault!r} is not among {sorted(FAULTS)}")
     package_dir, out_dir = Path(package_dir), Path(out_dir)
     manifest = read_json(package_dir / MANIFEST_NAME)
-    if manifest["package"].get("precision", "fp32") != "fp32":
-        raise FaultNotApplicable(f"{package_dir}: faults are seeded into FP32 packages only "
-                                 f"(this is {manifest['package'].get('precision')})")
     shutil.copytree(package_dir, out_dir)
     linked = Path(os.path.normpath(out_dir / manifest["source"]["relative_path"]))
     # A copy beside the package (the same depth under the same folder) links to the bundle itself.
@@ -68,6 +70,15 @@ def seeded_copy(package_dir: Path, bundle_dir: Path, out_dir: Path, fault: str) 
     name = "model.mlpackage" if pieces is None else next(
         p["name"] for p in pieces if p["piece"]["layers"][0] <= middle < p["piece"]["layers"][1])
     where = FAULTS[fault].seed(out_dir / name, Path(bundle_dir), arch)
+    # A program edit adds ops: the records a converter that wrote them would have made, its op
+    # histogram and, in fp16, its float32 ops.
+    for block, program in ([(manifest["package"], name)] if pieces is None else
+                           [(piece, piece["name"]) for piece in pieces]):
+        if "fp32_ops" in block:
+            block["fp32_ops"] = kept_fp32_record(out_dir / program)
+        (manifest if pieces is None else block)["op_histogram"] = op_histogram(out_dir / program)
+    if pieces is not None:
+        manifest["op_histogram"] = chained_histogram(pieces)
     manifest["files"] = inventory(out_dir)
     write_json(out_dir / MANIFEST_NAME, manifest)
     return out_dir, where
@@ -75,20 +86,51 @@ def seeded_copy(package_dir: Path, bundle_dir: Path, out_dir: Path, fault: str) 
 
 # ------------------------------------------------------------------ weights
 
+def _stored_weights(mlpackage: Path, name: str) -> list[tuple[Path, int, object, tuple[int, ...]]]:
+    """(weight file, blob offset, MIL dtype, shape) of every distinct blob holding bundle weight
+    `name` as the program stores it: the const coremltools names after the module path
+    (`model_model_layers_8_mlp_down_proj_weight`), `_to_fp16` in an fp16 program. A stateful
+    package's functions share their blobs; each is edited once."""
+    from coreml.mil.loader import blob_file, program_spec, tensor_spec
+
+    spec_path, model = program_spec(mlpackage)
+    pattern = re.compile(r"(?:^|_)" + re.escape(name.replace(".", "_")) + r"(?:_to_fp16)?$")
+    found = {}
+    for function_name, function in model.mlProgram.functions.items():
+        for op in function.block_specializations[function.opset].operations:
+            value = op.attributes["val"] if op.type == "const" and "val" in op.attributes else None
+            if value is None or value.WhichOneof("value") != "blobFileValue" or not pattern.search(op.outputs[0].name):
+                continue
+            spec = tensor_spec(value.type, f"{spec_path}: function {function_name}")
+            path = blob_file(spec_path.parent, value.blobFileValue.fileName, str(spec_path))
+            found[(path, value.blobFileValue.offset)] = (spec.dtype, spec.shape)
+    if not found:
+        raise FaultNotApplicable(f"{spec_path}: no const of the program stores {name} uncompressed")
+    return [(path, offset, dtype, shape) for (path, offset), (dtype, shape) in found.items()]
+
+
+def _edit_weight(mlpackage: Path, name: str, edit: Callable[[np.ndarray], np.ndarray]) -> None:
+    """Bundle weight `name` as the package stores it (FP32 or fp16, and scaled where an fp16
+    mitigation rescales it) replaced in place by `edit` of its stored values, computed in
+    float32 and rounded once to the stored dtype."""
+    from coreml.mil.loader import BlobStorage
+
+    for path, offset, dtype, shape in _stored_weights(mlpackage, name):
+        storage = BlobStorage(path)
+        entry = storage.entry(offset, dtype)
+        stored = storage.read(offset, dtype, shape).astype(np.float32)
+        del storage  # its read-only map, before the file is written
+        wrong = np.ascontiguousarray(edit(stored).astype(dtype.numpy))
+        with open(path, "r+b") as blob:
+            blob.seek(entry.data_offset)
+            blob.write(wrong.tobytes())
+
+
 def _bundle_tensor(bundle: Path, name: str) -> np.ndarray:
     from safetensors import safe_open
 
     with safe_open(bundle / "weights.safetensors", framework="numpy") as weights:
         return weights.get_tensor(name).astype(np.float32)
-
-
-def _replace_weight(mlpackage: Path, right: np.ndarray, wrong: np.ndarray, name: str) -> None:
-    blob = next(mlpackage.rglob("weight.bin"))
-    data = blob.read_bytes()
-    found = data.count(right.tobytes())
-    if found != 1:
-        raise FaultNotApplicable(f"{blob}: {name}'s float32 bytes occur {found} times, not once")
-    blob.write_bytes(data.replace(right.tobytes(), wrong.astype(np.float32).tobytes()))
 
 
 def _middle_layer(arch: dict) -> int:
@@ -98,8 +140,7 @@ def _middle_layer(arch: dict) -> int:
 @register_fault("matrix_scale", "one matrix written 0.1% too large (one layer's down_proj x (1 + 1e-3))")
 def _matrix_scale(mlpackage: Path, bundle: Path, arch: dict) -> str:
     name = f"model.layers.{_middle_layer(arch)}.mlp.down_proj.weight"
-    right = _bundle_tensor(bundle, name)
-    _replace_weight(mlpackage, right, right * np.float32(1 + 1e-3), name)
+    _edit_weight(mlpackage, name, lambda w: w * np.float32(1 + 1e-3))
     return name
 
 
@@ -107,10 +148,14 @@ def _matrix_scale(mlpackage: Path, bundle: Path, arch: dict) -> str:
 def _norm_rows_swapped(mlpackage: Path, bundle: Path, arch: dict) -> str:
     name = f"model.layers.{_middle_layer(arch)}.input_layernorm.weight"
     right = _bundle_tensor(bundle, name)
-    wrong = right.copy()
     low, high = int(np.argmin(right)), int(np.argmax(right))
-    wrong[[low, high]] = wrong[[high, low]]
-    _replace_weight(mlpackage, right, wrong, name)
+
+    def swap(w):
+        w = w.copy()
+        w[[low, high]] = w[[high, low]]
+        return w
+
+    _edit_weight(mlpackage, name, swap)
     return f"{name}[{low}] <-> [{high}]"
 
 
@@ -120,18 +165,39 @@ def _kv_heads_swapped(mlpackage: Path, bundle: Path, arch: dict) -> str:
         raise FaultNotApplicable(f"{bundle}: one K/V head, none to swap")
     layer, dim = _middle_layer(arch), arch["head_dim"]
     for part in ("k_proj", "v_proj"):
-        name = f"model.layers.{layer}.self_attn.{part}.weight"
-        right = _bundle_tensor(bundle, name)
-        wrong = np.concatenate([right[dim:2 * dim], right[:dim], right[2 * dim:]])
-        _replace_weight(mlpackage, right, wrong, name)
+        _edit_weight(mlpackage, f"model.layers.{layer}.self_attn.{part}.weight",
+                     lambda w: np.concatenate([w[dim:2 * dim], w[:dim], w[2 * dim:]]))
     return f"layer {layer}: K/V heads 0 and 1"
 
 
 # ------------------------------------------------------------------ program constants
 
+def _scalar_value(value) -> np.ndarray | None:
+    """A const's immediate float scalar as a writable one-element array of its dtype (fp32
+    `floats`, fp16 little-endian `bytes`), or None for any other const."""
+    from coremltools.proto import MIL_pb2
+
+    if value.WhichOneof("value") != "immediateValue" or value.type.tensorType.rank != 0:
+        return None
+    dtype = value.type.tensorType.dataType
+    tensor = value.immediateValue.tensor
+    if dtype == MIL_pb2.FLOAT32 and len(tensor.floats.values) == 1:
+        return np.array(tensor.floats.values, np.float32)
+    if dtype == MIL_pb2.FLOAT16 and len(tensor.bytes.values) == 2:
+        return np.frombuffer(tensor.bytes.values, np.float16).copy()
+    return None
+
+
+def _set_scalar(value, scalar: np.ndarray) -> None:
+    if scalar.dtype == np.float16:
+        value.immediateValue.tensor.bytes.values = scalar.tobytes()
+    else:
+        value.immediateValue.tensor.floats.values[0] = float(scalar[0])
+
+
 def _scale_constant(mlpackage: Path, value: float, factor: float, what: str) -> str:
-    """The scalar float constant `value` read by the first op of each function that reads it,
-    times `factor`, in the saved program."""
+    """The scalar float constant `value` (as the program's dtype rounds it: an fp16 program holds
+    it in fp16) read by the first op of each function that reads it, times `factor`."""
     from coreml.mil.loader import program_spec
 
     spec_path, model = program_spec(mlpackage)
@@ -141,16 +207,16 @@ def _scale_constant(mlpackage: Path, value: float, factor: float, what: str) -> 
         scalars = {}
         for op in ops:
             val = op.attributes["val"] if op.type == "const" and "val" in op.attributes else None
-            if val is not None and val.WhichOneof("value") == "immediateValue":
-                floats = val.immediateValue.tensor.floats.values
-                if len(floats) == 1 and np.isclose(floats[0], value, rtol=1e-6, atol=0):
-                    scalars[op.outputs[0].name] = floats
+            scalar = None if val is None else _scalar_value(val)
+            if scalar is not None and scalar[0] == scalar.dtype.type(value):
+                scalars[op.outputs[0].name] = (val, scalar)
         reader = next((op for op in ops if op.type != "const" and any(
             a.name in scalars for arg in op.inputs.values() for a in arg.arguments)), None)
         if reader is None:
             continue
         const = next(a.name for arg in reader.inputs.values() for a in arg.arguments if a.name in scalars)
-        scalars[const][0] = float(np.float32(scalars[const][0] * factor))
+        val, scalar = scalars[const]
+        _set_scalar(val, (scalar.astype(np.float32) * np.float32(factor)).astype(scalar.dtype))
         edited.append(f"{function_name}: {const} (read by {reader.type} -> {reader.outputs[0].name})")
     if not edited:
         raise FaultNotApplicable(f"{spec_path}: no op reads {what} {value:g}")
@@ -167,3 +233,127 @@ def _attention_scale(mlpackage: Path, bundle: Path, arch: dict) -> str:
 @register_fault("rmsnorm_eps", "one RMSNorm's epsilon x 100")
 def _rmsnorm_eps(mlpackage: Path, bundle: Path, arch: dict) -> str:
     return _scale_constant(mlpackage, float(np.float32(arch["rms_norm_eps"])), 100.0, "RMSNorm's epsilon")
+
+
+# ------------------------------------------------------------------ program edits: positions
+# The decoder's positions enter three computations (`pipeline.ground.models.base.CacheStep`,
+# `_cos_sin`), each an op of its own in the saved program, reading the chunk's positions P
+# ([T, 1], float32): the cache write `equal(slots, P)`, the causal mask `less_equal(slots, P)`,
+# and RoPE's `mul(P, inv_freq)`. A converter that got one of them a position off is seeded by
+# reading P + 1 there instead: an `add` inserted before that op alone.
+
+
+def _positions_readers(ops) -> tuple[str, str, list]:
+    """(slots, P, the mask's ops) of a function: the causal mask is the `less_equal` of the
+    cache's slot indices and the positions, each function's one (rows apart, a reference-only
+    form, is never converted)."""
+    masks = [op for op in ops if op.type == "less_equal"]
+    if not masks:
+        raise FaultNotApplicable("no less_equal op (the causal mask of slots and positions)")
+    slots, positions = (masks[0].inputs[key].arguments[0].name for key in ("x", "y"))
+    return slots, positions, masks
+
+
+def _shift_readers(mlpackage: Path, pick: Callable[[list, str, str, list], list], what: str) -> str:
+    """Each op `pick(ops, slots, positions, masks)` names, in every function, made to read
+    positions + 1 where it read the positions: an `add` of a float32 1 inserted before it."""
+    from coremltools.proto import MIL_pb2
+
+    from coreml.mil.loader import program_spec
+
+    spec_path, model = program_spec(mlpackage)
+    edited = []
+    for function_name, function in model.mlProgram.functions.items():
+        ops = function.block_specializations[function.opset].operations
+        try:
+            slots, positions, masks = _positions_readers(ops)
+        except FaultNotApplicable as error:
+            raise FaultNotApplicable(f"{spec_path}: function {function_name}: {error}") from None
+        producer = next(op for op in ops if any(out.name == positions for out in op.outputs))
+        for index, reader in enumerate(pick(list(ops), slots, positions, masks)):
+            shifted = f"fault_{positions}_plus_one_{index}"
+            one = MIL_pb2.Operation(type="const")
+            one.outputs.add(name=f"{shifted}_y").type.tensorType.dataType = MIL_pb2.FLOAT32
+            one.attributes["val"].type.tensorType.dataType = MIL_pb2.FLOAT32
+            one.attributes["val"].immediateValue.tensor.floats.values.append(1.0)
+            add = MIL_pb2.Operation(type="add")
+            add.inputs["x"].arguments.add(name=positions)
+            add.inputs["y"].arguments.add(name=f"{shifted}_y")
+            add.outputs.add(name=shifted).type.CopyFrom(producer.outputs[0].type)
+            for argument in (a for arg in reader.inputs.values() for a in arg.arguments if a.name == positions):
+                argument.name = shifted
+            at = list(ops).index(reader)
+            ops.insert(at, add)
+            ops.insert(at, one)
+            edited.append(f"{function_name}: {reader.type} -> {reader.outputs[0].name} reads {positions} + 1")
+    if not edited:
+        raise FaultNotApplicable(f"{spec_path}: no op computes {what} from the positions")
+    spec_path.write_bytes(model.SerializeToString())
+    return "; ".join(edited)
+
+
+@register_fault("rope_shifted", "RoPE's positions one ahead (every layer's cos and sin at position + 1)")
+def _rope_shifted(mlpackage: Path, bundle: Path, arch: dict) -> str:
+    def rope(ops, slots, positions, masks):  # mul(P, inv_freq): one per RoPE base
+        return [op for op in ops if op.type == "mul" and positions in
+                (op.inputs[key].arguments[0].name for key in ("x", "y"))]
+
+    return _shift_readers(mlpackage, rope, "RoPE's angles")
+
+
+@register_fault("mask_leak", "the causal mask one position late: each query sees the next token")
+def _mask_leak(mlpackage: Path, bundle: Path, arch: dict) -> str:
+    return _shift_readers(mlpackage, lambda ops, slots, positions, masks: masks, "the causal mask")
+
+
+@register_fault("cache_slot_off", "the K/V cache written one slot late")
+def _cache_slot_off(mlpackage: Path, bundle: Path, arch: dict) -> str:
+    def write(ops, slots, positions, masks):  # equal(slots, P): the one-hot write of the chunk's K/V
+        return [op for op in ops if op.type == "equal" and [op.inputs[key].arguments[0].name for key in ("x", "y")]
+                == [slots, positions]]
+
+    return _shift_readers(mlpackage, write, "the cache write")
+
+
+# ------------------------------------------------------------------ program edits: fp16 mitigations
+
+@register_fault("norm_unscaled", "the max-scaled RMSNorm's scaling dropped: every norm squares its input "
+                                 "itself, as the plain form does, and overflows where |x| > 255.9 in fp16")
+def _norm_unscaled(mlpackage: Path, bundle: Path, arch: dict) -> str:
+    """Every max-scaled norm's divisor m (`pipeline.ground.models.fp16.MaxScaledRMSNorm`: the
+    `maximum` of max|x| and a floor, read by the `real_div` of x and by the `inverse` of its eps
+    term) replaced by a constant 1: x * rsqrt(mean(x**2) + eps), the function unchanged and its
+    overflow guard gone."""
+    from coremltools.proto import MIL_pb2
+
+    from coreml.mil.loader import program_spec
+
+    spec_path, model = program_spec(mlpackage)
+    edited = []
+    for function_name, function in model.mlProgram.functions.items():
+        ops = function.block_specializations[function.opset].operations
+        maxima = {op.outputs[0].name: op for op in ops if op.type == "maximum"}
+        divisors = {op.inputs["y"].arguments[0].name for op in ops if op.type == "real_div"} & set(maxima)
+        for index, divisor in enumerate(sorted(divisors)):
+            # m's rank with every dimension 1: what reads m keeps its declared shape.
+            declared = maxima[divisor].outputs[0].type.tensorType
+            ones = MIL_pb2.TensorType(dataType=declared.dataType, rank=declared.rank)
+            for _ in range(declared.rank):
+                ones.dimensions.add().constant.size = 1
+            one = MIL_pb2.Operation(type="const")
+            one.outputs.add(name=f"fault_unscaled_{index}").type.tensorType.CopyFrom(ones)
+            one.attributes["val"].type.tensorType.CopyFrom(ones)
+            value = np.ones(1, np.float16 if declared.dataType == MIL_pb2.FLOAT16 else np.float32)
+            if value.dtype == np.float16:
+                one.attributes["val"].immediateValue.tensor.bytes.values = value.tobytes()
+            else:
+                one.attributes["val"].immediateValue.tensor.floats.values.extend(value.tolist())
+            for argument in (a for op in ops for arg in op.inputs.values() for a in arg.arguments if a.name == divisor):
+                argument.name = one.outputs[0].name
+            ops.insert(0, one)
+        if divisors:
+            edited.append(f"{function_name}: {len(divisors)} norms")
+    if not edited:
+        raise FaultNotApplicable(f"{spec_path}: no max-scaled RMSNorm (a real_div by a maximum) to unscale")
+    spec_path.write_bytes(model.SerializeToString())
+    return "; ".join(edited)
