@@ -24,8 +24,10 @@ Two runs writing the same output at once: `staged_output` holds an exclusive loc
 hidden `.<name>.lock` beside the output from the first staged byte to the rename, and a
 second run that finds it held fails at once with OutputBusy (the first one wins; the output
 is only ever one run's). The lock is an flock, so a killed run never leaves it held. A write
-that fails (a full disk, a quota) raises OutputWriteFailed naming the output; the staging
-folder is removed and an old output is left as it was.
+that fails (a full disk, a quota) raises OutputWriteFailed naming the output; so does any error of
+a stage that leaves the output's or the temp folder's disk full (`filled_disk`), naming that disk,
+whatever words the library that filled it used. The staging folder is removed and an old output
+is left as it was.
 """
 
 import contextlib
@@ -35,6 +37,7 @@ import os
 import re
 import secrets
 import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -157,16 +160,56 @@ def staged_output(out_dir: str | os.PathLike, force: bool) -> Iterator[Path]:
             _fsync_tree(staging)
             _move_into_place(staging, out_dir, force)
         except OSError as error:
+            full = filled_disk(staging)
             shutil.rmtree(staging, ignore_errors=True)
             if error.errno not in NO_SPACE:
                 raise
-            raise OutputWriteFailed(f"{out_dir}: writing the output failed ({error.strerror}: {error.filename}); "
-                                    "nothing was replaced") from error
+            raise OutputWriteFailed(f"{out_dir}: writing the output failed ({error.strerror}: {error.filename})"
+                                    + (f"; {full}" if full else "") + "; nothing was replaced") from error
+        except Exception as error:
+            # A library that writes files itself (coremltools' MIL FileWriter, its package saver)
+            # reports a full disk in words of its own, or as a missing file a later step looks
+            # for: the disk it filled is named here, while what was staged still holds it.
+            full = filled_disk(staging)
+            shutil.rmtree(staging, ignore_errors=True)
+            if full is None:
+                raise
+            raise OutputWriteFailed(f"{out_dir}: writing the output failed, {full}, when the stage failed with "
+                                    f"{type(error).__name__}: {error}; nothing was replaced. Free space there, "
+                                    "or write elsewhere (-o, TMPDIR)") from error
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
         finally:
             _WRITING.discard(live)
+
+
+# A write that fails for want of room leaves its filesystem with at most a few blocks free: the
+# kernel writes what fits before it refuses the rest, and a library's buffered writer flushes the
+# same way. Less than this free where a stage failed is a full disk, not a coincidence.
+FULL_DISK_BYTES = 1 << 20
+
+
+def filled_disk(staging: Path) -> str | None:
+    """Which disk a failed stage found full, in words (the filesystem, its free bytes, what the
+    staging folder held), or None: the output's filesystem, where the stage stages and coremltools
+    works (`coreml.manifest.working_files_in`), and the temp folder's, where gates keep scratch."""
+    staged = sum(f.stat().st_size for f in staging.rglob("*") if f.is_file() and not f.is_symlink()) \
+        if staging.exists() else 0
+    for folder, what in ((staging if staging.exists() else staging.parent, "the output's"),
+                         (Path(tempfile.gettempdir()), "the temp folder's (TMPDIR)")):
+        free = shutil.disk_usage(folder).free
+        if free < FULL_DISK_BYTES:
+            return (f"{what} filesystem, at {_mount_point(folder)}, filled ({free} B free; the staging folder held "
+                    f"{staged} B)")
+    return None
+
+
+def _mount_point(path: Path) -> Path:
+    path = path.resolve()
+    while not os.path.ismount(path):
+        path = path.parent
+    return path
 
 
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)

@@ -252,6 +252,32 @@ def test_a_full_disk_fails_clearly_and_keeps_the_old_output(small_disk, monkeypa
     verify_chain(out)
 
 
+def test_a_disk_that_fills_inside_coremltools_is_named_not_its_library_error(small_disk, fixture_bundle,
+                                                                              monkeypatch):
+    """Issue 51: coremltools reports a full disk in words of its own ('[MIL FileWriter]: Unknown
+    error occurred while writing data to the file', or a missing Manifest.json at its merge).
+    Another writer took the room the disk check saw (here, the check skipped): the conversion
+    fails as OutputWriteFailed naming the filesystem that filled, with the library's error
+    after it, and leaves nothing behind."""
+    import coreml.convert as convert
+
+    monkeypatch.setattr(convert, "require_disk", lambda *args, **kwargs: None)
+    out = small_disk / "coreml"
+    with pytest.raises(OutputWriteFailed, match=re.escape(f"{out}: writing the output failed, the output's "
+                                                          f"filesystem, at {small_disk}, filled (")) as failed:
+        convert.export_coreml(fixture_bundle, out, kinds=("chunk_kv",))
+    assert "when the stage failed with RuntimeError: " in str(failed.value)
+    assert os.listdir(small_disk) == []
+
+
+def test_an_error_on_a_disk_with_room_is_not_called_a_full_disk(tmp_path):
+    from manifests.output import staged_output
+
+    with pytest.raises(RuntimeError, match="^a library's own failure$"), staged_output(tmp_path / "out", False):
+        raise RuntimeError("a library's own failure")
+    assert os.listdir(tmp_path) == []
+
+
 # --- two runs at once ----------------------------------------------------------------------------
 
 
