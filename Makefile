@@ -4,7 +4,7 @@
 #
 #   make bundle coreml compress align      MODEL=path/to/model.cmf  RECIPES="int8-b32 int4-b32"
 #   make compress BUDGET="ppl=5%,top1=0.9"  the quality budget every gate holds packages to
-#   make release                            -> dist/<model>-<recipe>/
+#   make release                            -> dist/<model>-<recipe>/ and the app's files alone, dist/<model>-<recipe>-app/
 #   make all MODEL=path/to/model.gguf       a GGUF or a transformers folder is imported (f32) first
 #
 # Every stage target is a real file under build/<model>/, rebuilt only when its inputs
@@ -317,7 +317,10 @@ $(DEPLOYED).passed: $(SURVEY)/survey.json $(ALIGN)/stateful.passed $(FP32_BASELI
 $(SURVEY).released: $(SURVEY)/survey.json $(ALIGN)/$(SHIPPED_KIND).passed $(if $(filter stateful,$(SHIPPED_KIND)),$(DEPLOYED).passed)
 	$(CLI) release $(SURVEY) -o dist --name $(NAME) --package $(PKG)/$(SHIPPED_KIND) $(ALIGN)/$(SHIPPED_KIND) \
 	  $(if $(filter stateful,$(SHIPPED_KIND)),--deployment $(DEPLOYED)) --force
-	$(CLI) verify-artifact dist/$(NAME)-$$($(PY) -c "import json;print(json.load(open('$(SURVEY)/survey.json'))['deployed']['recipe'])")
+	released=dist/$(NAME)-$$($(PY) -c "import json;print(json.load(open('$(SURVEY)/survey.json'))['deployed']['recipe'])") && \
+	  $(CLI) verify-artifact $$released && \
+	  $(CLI) app-release $$released --force && \
+	  $(CLI) verify-artifact $$released-app
 	touch $@
 
 clean:

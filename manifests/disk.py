@@ -150,10 +150,26 @@ def require_disk(out_path: str | os.PathLike, need: DiskNeed, weight_bytes: int,
     same = scratch == 0 or same_filesystem(out_fs, temp_fs)
     checks = [(out_fs, output + scratch)] if same else [(out_fs, output), (temp_fs, scratch)]
     for folder, needed in checks:
-        free = shutil.disk_usage(folder).free
-        if needed > free:
-            raise NotEnoughDisk(
-                f"{out_path}: stage {need.stage!r} needs {needed} B ({needed / 2**30:.2f} GiB) free on the "
-                f"filesystem of {folder}, which has {free} B ({free / 2**30:.2f} GiB); counted as "
-                f"{need.formula(weight_bytes, logits_bytes, units, jobs)}. Free space there, or pass another "
-                + ("output folder (-o)" if folder == out_fs else "temp folder (TMPDIR)"))
+        _refuse_unless_free(out_path, need.stage, folder, needed, need.formula(weight_bytes, logits_bytes, units, jobs),
+                            "output folder (-o)" if folder == out_fs else "temp folder (TMPDIR)")
+
+
+def require_copy_disk(out_path: str | os.PathLike, stage: str, copied_bytes: int, what: str) -> None:
+    """Raise NotEnoughDisk unless the output's filesystem has room for a stage that copies
+    `copied_bytes` of an artifact as it is (`what` says which), and its small files."""
+    needed = copied_bytes + COPY_FIXED_BYTES
+    _refuse_unless_free(out_path, stage, nearest_existing(out_path), needed,
+                        f"{copied_bytes} B of {what} + {COPY_FIXED_BYTES} B fixed", "output folder (-o)")
+
+
+# Beside what a copying stage copies: its manifest, descriptor and page, kilobytes.
+COPY_FIXED_BYTES = MiB
+
+
+def _refuse_unless_free(out_path, stage: str, folder: Path, needed: int, counted_as: str, elsewhere: str) -> None:
+    free = shutil.disk_usage(folder).free
+    if needed > free:
+        raise NotEnoughDisk(
+            f"{out_path}: stage {stage!r} needs {needed} B ({needed / 2**30:.2f} GiB) free on the "
+            f"filesystem of {folder}, which has {free} B ({free / 2**30:.2f} GiB); counted as "
+            f"{counted_as}. Free space there, or pass another {elsewhere}")

@@ -23,6 +23,7 @@ SCHEMA_FILES = {
     "cmfdeploy.survey_folder/1": "survey_folder.schema.json",
     "cmfdeploy.scores/1": "scores.schema.json",
     "cmfdeploy.release/1": "release.schema.json",
+    "cmfdeploy.app_release/1": "app_release.schema.json",
     "cmfdeploy.preflight/1": "preflight.schema.json",
     "cmfdeploy.deployment/1": "deployment.schema.json",
 }

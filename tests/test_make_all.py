@@ -38,8 +38,9 @@ def test_every_folder_make_all_release_writes_verifies(tmp_path, capsys):
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1800)
         assert made.returncode == 0, made.stdout[-4000:]
         released = sorted(dist.glob(f"{name}-*"))
-        assert len(released) == 1, released
-        folders = _verified_folders(out, released[0])
+        assert len(released) == 2 and released[1].name == f"{released[0].name}-app", released
+        folders = _verified_folders(out, *released)
+        assert set(released) <= set(folders)
         kinds = {path.relative_to(out).as_posix() for path in folders if out in path.parents}
         assert {"bundle", "preflight", "coreml-fp16/stateless", "coreml-fp16/chunk_kv", "coreml-fp16/stateful",
                 "align-fp16/stateless", "align-fp16/chunk_kv", "align-fp16/stateful", "survey-ane",

@@ -28,7 +28,7 @@ COMMANDS = {
     "score": "pipeline.cli.scoring_commands",
     "preflight": "pipeline.cli.preflight_commands",
     **dict.fromkeys(["coreml", "compress"], "pipeline.cli.coreml_commands"),
-    **dict.fromkeys(["survey", "deploy", "release"], "pipeline.cli.survey_commands"),
+    **dict.fromkeys(["survey", "deploy", "release", "app-release"], "pipeline.cli.survey_commands"),
     "mlx": "pipeline.cli.mlx_commands",
 }
 # The distributions `--version` names beside cmfdeploy: the ones whose versions shape an artifact.

@@ -1,5 +1,6 @@
 """CLI: `cmfdeploy survey PACKAGE ...` (every recipe, gated in three parts), `cmfdeploy deploy SURVEY PACKAGE ...`
-(the deployed recipe on the package an app runs, gated; exit 1 when its gate fails) and `cmfdeploy release SURVEY`."""
+(the deployed recipe on the package an app runs, gated; exit 1 when its gate fails), `cmfdeploy release SURVEY` and
+`cmfdeploy app-release RELEASE`."""
 
 import argparse
 from pathlib import Path
@@ -64,6 +65,14 @@ def register(subparsers) -> None:
     release.add_argument("--force", action="store_true", help="replace an existing output")
     release.set_defaults(func=_release)
 
+    app = subparsers.add_parser("app-release", help="cut the app's files (the shipped package, tokenizer, "
+                                                    "metadata.json) from a release into <release>-app/")
+    app.add_argument("release", help="release folder (from `cmfdeploy release`)")
+    app.add_argument("-o", "--out", help="folder <release>-app/ goes in (default: the release's own folder)")
+    app.add_argument("--sign", metavar="KEY", help="Ed25519 private key (PEM or 32 raw bytes): sign its manifest")
+    app.add_argument("--force", action="store_true", help="replace an existing output")
+    app.set_defaults(func=_app_release)
+
 
 def _survey(args: argparse.Namespace) -> int:
     from pipeline.stages.survey import run_survey
@@ -95,6 +104,15 @@ def _release(args: argparse.Namespace) -> int:
     manifest = make_release(args.survey, args.out, recipe=args.recipe, packages=[tuple(p) for p in args.package],
                             name=args.name, force=args.force, sign_key=args.sign, deployment=args.deployment)
     print(f"{manifest.path}: {len(manifest['files'])} files, {manifest['inventory']['total_bytes']} bytes")
+    return 0
+
+
+def _app_release(args: argparse.Namespace) -> int:
+    from pipeline.stages.app_release import make_app_release
+
+    manifest = make_app_release(args.release, args.out, force=args.force, sign_key=args.sign)
+    print(f"{manifest.path}: {len(manifest['files'])} files, {manifest['inventory']['total_bytes']} bytes "
+          f"({manifest['shipped']['name']}, the package an app loads)")
     return 0
 
 

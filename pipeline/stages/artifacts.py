@@ -25,6 +25,7 @@ VERIFIERS = {
     "cmfdeploy.alignment/1": "pipeline.stages.gates.report:verify_alignment",
     "cmfdeploy.compressed/1": "coreml.manifest:verify_package",
     "cmfdeploy.release/1": "pipeline.stages.release:verify_release",
+    "cmfdeploy.app_release/1": "pipeline.stages.app_release:verify_app_release",
     "cmfdeploy.scores/1": "pipeline.stages.scoring:verify_scores",
     "cmfdeploy.survey_folder/1": "pipeline.stages.survey:verify_survey",
     "cmfdeploy.preflight/1": "pipeline.stages.preflight:verify_preflight",
@@ -39,6 +40,9 @@ CHECKS = {
     "cmfdeploy.release/1": ("every package against its manifest, every gate passed and of exactly its package, "
                             "the compressed package's bindings to the FP32 package and gate, the survey's records, "
                             "tokenizer/ against every package's tokenizer, metadata.json against the manifest"),
+    "cmfdeploy.app_release/1": ("the package against its manifest and the release's entry of it, tokenizer/ against "
+                                "the package's tokenizer, metadata.json's package and recipe, and, where the release "
+                                "is beside it, that the release ships this entry"),
     "cmfdeploy.scores/1": "scores and items as recorded",
     "cmfdeploy.survey_folder/1": "survey.json against its schema and inventory, every measured package and gate",
     "cmfdeploy.preflight/1": "the report's verdict, mitigations and source against the manifest",

@@ -19,9 +19,14 @@ from pipeline.ground.torch_backend import TorchBackend
 
 PACKAGE_MARKER = "model.mlpackage"
 RELEASE_FORMAT = "cmfdeploy.release/1"
+# An app folder cut from a release (`pipeline.stages.app_release`) records the entry it ships.
+APP_RELEASE_FORMAT = "cmfdeploy.app_release/1"
+
+
 def release_package(path: Path) -> Path | None:
     """The package folder a release folder runs as: the package it ships (`shipped_entry`: its
-    deployment's, else the survey's compressed one); None when `path` is not a release."""
+    deployment's, else the survey's compressed one), or an app folder's; None when `path` is
+    neither."""
     from manifests.identity import MANIFEST_NAME, load_manifest
 
     from coreml.package import is_package
@@ -29,6 +34,8 @@ def release_package(path: Path) -> Path | None:
     if not (path.is_dir() and (path / MANIFEST_NAME).is_file()) or is_package(path):
         return None
     manifest = load_manifest(path)
+    if manifest["format"] == APP_RELEASE_FORMAT:
+        return path / manifest["shipped"]["path"]
     if manifest["format"] != RELEASE_FORMAT:
         return None
     return path / shipped_entry(manifest)["path"]

@@ -421,9 +421,14 @@ def _shipped_size(manifest: dict, record: dict) -> dict:
     return {"size_bytes": shipped["size_bytes"], "bytes_vs_fp32": shipped["size_bytes"] / source["size_bytes"]}
 
 
-def _python_snippet(manifest: dict) -> str:
+def release_folder(manifest: dict) -> str:
+    """Where the snippets say the release is: `make release`'s dist/<model>-<recipe>."""
+    return f"dist/{manifest['model']}-{manifest['recipe']}"
+
+
+def _python_snippet(manifest: dict, folder: str) -> str:
     """Load the shipped package and the tokenizer on a Mac and predict the next token."""
-    interface, recipe = manifest["interface"], manifest["recipe"]
+    interface = manifest["interface"]
     kind = package_kind(interface["kind"], "the release's interface")
     aim = release_target(manifest)
     lines = [
@@ -433,7 +438,7 @@ def _python_snippet(manifest: dict) -> str:
         "import numpy as np",
         "from tokenizers import Tokenizer",
         "",
-        f'release = "dist/{manifest["model"]}-{recipe}"  # this folder',
+        f'release = "{folder}"  # this folder',
         'tokenizer = Tokenizer.from_file(f"{release}/tokenizer/tokenizer.json")',
         'config = json.load(open(f"{release}/tokenizer/tokenizer_config.json"))',
         *(_chain_lines(manifest, kind, aim) if "pieces" in interface else [
@@ -506,13 +511,13 @@ def release_target(manifest: dict):
     return target(manifest["survey"].get("target", "cpu"), "the release's survey")
 
 
-def _swift_sketch(manifest: dict) -> str:
+def _swift_sketch(manifest: dict, folder: str) -> str:
     interface = manifest["interface"]
     unit = package_interface(interface, "the release")
     if unit.swift_usage:
-        return _swift_loader_sketch(manifest, unit)
+        return _swift_loader_sketch(manifest, unit, folder)
     if "pieces" in interface:
-        return _swift_chain_sketch(manifest)
+        return _swift_chain_sketch(manifest, folder)
     lengths, names = enumerated_lengths(interface, "prefill"), logit_outputs(interface)
     head = (['let logits = out.featureValue(for: "logits")!.multiArrayValue!  // [1, T, vocab]: argmax of the last row']
             if names == ["logits"] else
@@ -522,7 +527,7 @@ def _swift_sketch(manifest: dict) -> str:
         f"// input_ids takes the enumerated lengths {list(lengths)} only: feed the prompt in chunks of those, largest "
         "first, each from the cache the one before wrote"]
     return "\n".join([
-        *_swift_prologue(manifest),
+        *_swift_prologue(manifest, folder),
         f'let package = release.appendingPathComponent("{shipped_entry(manifest)["path"]}/model.mlpackage")',
         "let model = try MLModel(contentsOf: try await MLModel.compileModel(at: package), configuration: config)",
         *SWIFT_PROMPT,
@@ -540,24 +545,24 @@ SWIFT_PROMPT = ('let ids = tokenizer.encode(text: "I was sent to")',
                 "for (i, id) in ids.enumerated() { inputIds[i] = NSNumber(value: id) }")
 
 
-def _swift_prologue(manifest: dict) -> list[str]:
+def _swift_prologue(manifest: dict, folder: str) -> list[str]:
     """What every cmfdeploy-interface Swift sketch opens with: the release folder, its tokenizer, and
     a configuration on the release's compute units."""
     return ["import CoreML",
             "import Tokenizers  // swift-transformers",
             "",
-            f'let release = URL(fileURLWithPath: "dist/{manifest["model"]}-{manifest["recipe"]}")',
+            f'let release = URL(fileURLWithPath: "{folder}")',
             'let tokenizer = try await AutoTokenizer.from(modelFolder: release.appendingPathComponent("tokenizer"))',
             "let config = MLModelConfiguration()",
             f"config.computeUnits = {release_target(manifest).swift_compute_units}"]
 
 
-def _swift_chain_sketch(manifest: dict) -> str:
+def _swift_chain_sketch(manifest: dict, folder: str) -> str:
     """A split package's pieces run in turn, each with a state of its own layers' caches."""
     interface = manifest["interface"]
     names = json.dumps([piece["name"] for piece in interface["pieces"]])
     return "\n".join([
-        *_swift_prologue(manifest),
+        *_swift_prologue(manifest, folder),
         'config.functionName = "prefill"  // "decode" for one token at a time',
         f"// The package in {len(interface['pieces'])} pieces (metadata.json: assets.pieces, with their sha256), each "
         "under the device's per-package limit",
@@ -580,22 +585,23 @@ def _swift_chain_sketch(manifest: dict) -> str:
     ])
 
 
-def _swift_loader_sketch(manifest: dict, unit) -> str:
+def _swift_loader_sketch(manifest: dict, unit, folder: str) -> str:
     """A package in a Swift loader's interface (`coreml.interfaces`) is that loader's to run."""
-    release, recipe = f"dist/{manifest['model']}-{manifest['recipe']}", manifest["recipe"]
     return "\n".join([
         "import CoreML", "",
         f"// The package takes the names {unit.loader} asserts (interface {unit.name}, docs/INTERFACES.md).",
-        f'let package = URL(fileURLWithPath: "{release}/{shipped_entry(manifest)["path"]}/model.mlpackage")',
+        f'let package = URL(fileURLWithPath: "{folder}/{shipped_entry(manifest)["path"]}/model.mlpackage")',
         "let config = MLModelConfiguration()",
         f"config.computeUnits = {release_target(manifest).swift_compute_units}",
         "let model = try MLModel(contentsOf: try await MLModel.compileModel(at: package), configuration: config)",
-        *(line.format(tokenizer=f"{release}/{TOKENIZER_DIR}") for line in unit.swift_usage)])
+        *(line.format(tokenizer=f"{folder}/{TOKENIZER_DIR}") for line in unit.swift_usage)])
 
 
-def usage_markdown(manifest: dict) -> list[str]:
-    """RELEASE.md's first section: the release as a Mac developer uses it."""
-    rel = f"dist/{manifest['model']}-{manifest['recipe']}"
+def usage_markdown(manifest: dict, folder: str | None = None) -> list[str]:
+    """RELEASE.md's first section: the release as a Mac developer uses it, from `folder` (the
+    release's own, or an app folder cut from it, which holds the shipped package at the same
+    relative path)."""
+    rel = folder or release_folder(manifest)
     return [
         "## Use it",
         "",
@@ -612,13 +618,13 @@ def usage_markdown(manifest: dict) -> list[str]:
         "In Python on a Mac (coremltools and `tokenizers`; Core ML prediction needs macOS):",
         "",
         "```python",
-        _python_snippet(manifest),
+        _python_snippet(manifest, rel),
         "```",
         "",
         "In Swift (Core ML's `MLModel` and swift-transformers' `Tokenizers`), a sketch **not compiled here**:",
         "",
         "```swift",
-        _swift_sketch(manifest),
+        _swift_sketch(manifest, rel),
         "```",
         "",
     ]
@@ -636,13 +642,25 @@ def _token_count_note(interface: dict) -> str:
     return note
 
 
-def release_markdown(manifest: dict, survey: dict) -> str:
+def interface_markdown(manifest: dict) -> list[str]:
+    """RELEASE.md's interface section: the shipped package's features, token count and special ids."""
     from pipeline.stages.report import md_table
 
     interface, tokens = manifest["interface"], manifest["special_tokens"]
     features = [[direction, f["name"], f["dtype"], "[" + ", ".join(map(str, f["shape"])) + "]", f.get("meaning", "")]
                 for direction, key in (("input", "inputs"), ("output", "outputs"), ("state", "states"))
                 for f in interface.get(key, [])]
+    return ["## Interface", "",
+            md_table(["", "name", "dtype", "shape", "meaning"], features),
+            _token_count_note(interface) +
+            f"Special tokens: BOS {tokens['bos_token_id']}, EOS {tokens['eos_token_ids']}, PAD {tokens['pad_token_id']}.",
+            ""]
+
+
+def release_markdown(manifest: dict, survey: dict) -> str:
+    from pipeline.stages.report import md_table
+
+    interface = manifest["interface"]
     packages = [[e["name"], e["role"], e["kind"], e["size_bytes"], e["gate"]["recipe"], e["gate"]["backend"],
                  e["gate"]["summary"]["max_abs"], e["gate"]["summary"]["top1_agreement_min"],
                  e["gate"]["summary"]["kl_mean_max"], e["gate"]["passed"]] for e in manifest["packages"]]
@@ -663,12 +681,7 @@ def release_markdown(manifest: dict, survey: dict) -> str:
         f"({chosen}).",
         "",
         *usage_markdown(manifest),
-        "## Interface",
-        "",
-        md_table(["", "name", "dtype", "shape", "meaning"], features),
-        _token_count_note(interface) +
-        f"Special tokens: BOS {tokens['bos_token_id']}, EOS {tokens['eos_token_ids']}, PAD {tokens['pad_token_id']}.",
-        "",
+        *interface_markdown(manifest),
         "## Packages and their gates",
         "",
         "Every package passed its three-part alignment gate: exact against a PyTorch reference of its intended "
