@@ -172,6 +172,39 @@ def _kv_heads_swapped(mlpackage: Path, bundle: Path, arch: dict) -> str:
 
 # ------------------------------------------------------------------ program constants
 
+def _edit_program(mlpackage: Path, edit: Callable[[str, object], list[str]], nothing: str) -> str:
+    """`edit(function name, its ops)` run on every function of the saved program, which it edits
+    in place, saying what it did; FaultNotApplicable with `nothing` where no function was edited."""
+    from coreml.mil.loader import program_spec
+
+    spec_path, model = program_spec(mlpackage)
+    edited = []
+    for function_name, function in model.mlProgram.functions.items():
+        edited += edit(function_name, function.block_specializations[function.opset].operations)
+    if not edited:
+        raise FaultNotApplicable(f"{spec_path}: {nothing}")
+    spec_path.write_bytes(model.SerializeToString())
+    return "; ".join(edited)
+
+
+def _const_op(name: str, declared, value: float):
+    """A MIL const `name` of `declared`'s dtype (FP32 or fp16) and rank, every dimension 1, holding
+    `value`: it broadcasts where a value of that type was read."""
+    from coremltools.proto import MIL_pb2
+
+    tensor_type = MIL_pb2.TensorType(dataType=declared.dataType, rank=declared.rank)
+    for _ in range(declared.rank):
+        tensor_type.dimensions.add().constant.size = 1
+    op = MIL_pb2.Operation(type="const")
+    op.outputs.add(name=name).type.tensorType.CopyFrom(tensor_type)
+    op.attributes["val"].type.tensorType.CopyFrom(tensor_type)
+    if declared.dataType == MIL_pb2.FLOAT16:
+        op.attributes["val"].immediateValue.tensor.bytes.values = np.float16(value).tobytes()
+    else:
+        op.attributes["val"].immediateValue.tensor.floats.values.append(float(np.float32(value)))
+    return op
+
+
 def _scalar_value(value) -> np.ndarray | None:
     """A const's immediate float scalar as a writable one-element array of its dtype (fp32
     `floats`, fp16 little-endian `bytes`), or None for any other const."""
@@ -188,22 +221,11 @@ def _scalar_value(value) -> np.ndarray | None:
     return None
 
 
-def _set_scalar(value, scalar: np.ndarray) -> None:
-    if scalar.dtype == np.float16:
-        value.immediateValue.tensor.bytes.values = scalar.tobytes()
-    else:
-        value.immediateValue.tensor.floats.values[0] = float(scalar[0])
-
-
 def _scale_constant(mlpackage: Path, value: float, factor: float, what: str) -> str:
     """The scalar float constant `value` (as the program's dtype rounds it: an fp16 program holds
     it in fp16) read by the first op of each function that reads it, times `factor`."""
-    from coreml.mil.loader import program_spec
 
-    spec_path, model = program_spec(mlpackage)
-    edited = []
-    for function_name, function in model.mlProgram.functions.items():
-        ops = function.block_specializations[function.opset].operations
+    def scale(function_name, ops):
         scalars = {}
         for op in ops:
             val = op.attributes["val"] if op.type == "const" and "val" in op.attributes else None
@@ -213,15 +235,17 @@ def _scale_constant(mlpackage: Path, value: float, factor: float, what: str) -> 
         reader = next((op for op in ops if op.type != "const" and any(
             a.name in scalars for arg in op.inputs.values() for a in arg.arguments)), None)
         if reader is None:
-            continue
+            return []
         const = next(a.name for arg in reader.inputs.values() for a in arg.arguments if a.name in scalars)
         val, scalar = scalars[const]
-        _set_scalar(val, (scalar.astype(np.float32) * np.float32(factor)).astype(scalar.dtype))
-        edited.append(f"{function_name}: {const} (read by {reader.type} -> {reader.outputs[0].name})")
-    if not edited:
-        raise FaultNotApplicable(f"{spec_path}: no op reads {what} {value:g}")
-    spec_path.write_bytes(model.SerializeToString())
-    return "; ".join(edited)
+        scaled = (scalar.astype(np.float32) * np.float32(factor)).astype(scalar.dtype)
+        if scaled.dtype == np.float16:
+            val.immediateValue.tensor.bytes.values = scaled.tobytes()
+        else:
+            val.immediateValue.tensor.floats.values[0] = float(scaled[0])
+        return [f"{function_name}: {const} (read by {reader.type} -> {reader.outputs[0].name})"]
+
+    return _edit_program(mlpackage, scale, f"no op reads {what} {value:g}")
 
 
 @register_fault("attention_scale", "one layer's attention scale x 1.01")
@@ -259,26 +283,19 @@ def _shift_readers(mlpackage: Path, pick: Callable[[list, str, str, list], list]
     positions + 1 where it read the positions: an `add` of a float32 1 inserted before it."""
     from coremltools.proto import MIL_pb2
 
-    from coreml.mil.loader import program_spec
-
-    spec_path, model = program_spec(mlpackage)
-    edited = []
-    for function_name, function in model.mlProgram.functions.items():
-        ops = function.block_specializations[function.opset].operations
+    def shift(function_name, ops):
         try:
             slots, positions, masks = _positions_readers(ops)
         except FaultNotApplicable as error:
-            raise FaultNotApplicable(f"{spec_path}: function {function_name}: {error}") from None
+            raise FaultNotApplicable(f"{mlpackage}: function {function_name}: {error}") from None
         producer = next(op for op in ops if any(out.name == positions for out in op.outputs))
+        edited = []
         for index, reader in enumerate(pick(list(ops), slots, positions, masks)):
             shifted = f"fault_{positions}_plus_one_{index}"
-            one = MIL_pb2.Operation(type="const")
-            one.outputs.add(name=f"{shifted}_y").type.tensorType.dataType = MIL_pb2.FLOAT32
-            one.attributes["val"].type.tensorType.dataType = MIL_pb2.FLOAT32
-            one.attributes["val"].immediateValue.tensor.floats.values.append(1.0)
+            one = _const_op(f"{shifted}_y", MIL_pb2.TensorType(dataType=MIL_pb2.FLOAT32), 1.0)
             add = MIL_pb2.Operation(type="add")
             add.inputs["x"].arguments.add(name=positions)
-            add.inputs["y"].arguments.add(name=f"{shifted}_y")
+            add.inputs["y"].arguments.add(name=one.outputs[0].name)
             add.outputs.add(name=shifted).type.CopyFrom(producer.outputs[0].type)
             for argument in (a for arg in reader.inputs.values() for a in arg.arguments if a.name == positions):
                 argument.name = shifted
@@ -286,10 +303,9 @@ def _shift_readers(mlpackage: Path, pick: Callable[[list, str, str, list], list]
             ops.insert(at, add)
             ops.insert(at, one)
             edited.append(f"{function_name}: {reader.type} -> {reader.outputs[0].name} reads {positions} + 1")
-    if not edited:
-        raise FaultNotApplicable(f"{spec_path}: no op computes {what} from the positions")
-    spec_path.write_bytes(model.SerializeToString())
-    return "; ".join(edited)
+        return edited
+
+    return _edit_program(mlpackage, shift, f"no op computes {what} from the positions")
 
 
 @register_fault("rope_shifted", "RoPE's positions one ahead (every layer's cos and sin at position + 1)")
@@ -324,36 +340,15 @@ def _norm_unscaled(mlpackage: Path, bundle: Path, arch: dict) -> str:
     `maximum` of max|x| and a floor, read by the `real_div` of x and by the `inverse` of its eps
     term) replaced by a constant 1: x * rsqrt(mean(x**2) + eps), the function unchanged and its
     overflow guard gone."""
-    from coremltools.proto import MIL_pb2
 
-    from coreml.mil.loader import program_spec
-
-    spec_path, model = program_spec(mlpackage)
-    edited = []
-    for function_name, function in model.mlProgram.functions.items():
-        ops = function.block_specializations[function.opset].operations
+    def unscale(function_name, ops):
         maxima = {op.outputs[0].name: op for op in ops if op.type == "maximum"}
-        divisors = {op.inputs["y"].arguments[0].name for op in ops if op.type == "real_div"} & set(maxima)
-        for index, divisor in enumerate(sorted(divisors)):
-            # m's rank with every dimension 1: what reads m keeps its declared shape.
-            declared = maxima[divisor].outputs[0].type.tensorType
-            ones = MIL_pb2.TensorType(dataType=declared.dataType, rank=declared.rank)
-            for _ in range(declared.rank):
-                ones.dimensions.add().constant.size = 1
-            one = MIL_pb2.Operation(type="const")
-            one.outputs.add(name=f"fault_unscaled_{index}").type.tensorType.CopyFrom(ones)
-            one.attributes["val"].type.tensorType.CopyFrom(ones)
-            value = np.ones(1, np.float16 if declared.dataType == MIL_pb2.FLOAT16 else np.float32)
-            if value.dtype == np.float16:
-                one.attributes["val"].immediateValue.tensor.bytes.values = value.tobytes()
-            else:
-                one.attributes["val"].immediateValue.tensor.floats.values.extend(value.tolist())
+        divisors = sorted({op.inputs["y"].arguments[0].name for op in ops if op.type == "real_div"} & set(maxima))
+        for index, divisor in enumerate(divisors):
+            one = _const_op(f"fault_unscaled_{index}", maxima[divisor].outputs[0].type.tensorType, 1.0)
             for argument in (a for op in ops for arg in op.inputs.values() for a in arg.arguments if a.name == divisor):
                 argument.name = one.outputs[0].name
             ops.insert(0, one)
-        if divisors:
-            edited.append(f"{function_name}: {len(divisors)} norms")
-    if not edited:
-        raise FaultNotApplicable(f"{spec_path}: no max-scaled RMSNorm (a real_div by a maximum) to unscale")
-    spec_path.write_bytes(model.SerializeToString())
-    return "; ".join(edited)
+        return [f"{function_name}: {len(divisors)} norms"] if divisors else []
+
+    return _edit_program(mlpackage, unscale, "no max-scaled RMSNorm (a real_div by a maximum) to unscale")
