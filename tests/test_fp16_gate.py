@@ -65,15 +65,18 @@ def test_the_mitigated_fp16_package_is_finite_and_passes_its_gate(hazard, mitiga
     assert set(report["compute_units"]["claimable"]) >= {"cpu", "gpu"}
 
 
-def test_a_package_whose_norms_lost_their_max_scaling_fails_its_gate(hazard, tmp_path):
-    """The seeded fault `norm_unscaled` (pipeline.stages.gates.faults): the converter left out the
-    mitigation the preflight chose, in a program that still claims it. Its norms square the
-    residual stream past 65504 on ".", which the gate's exactness and invariants both see."""
+@pytest.mark.parametrize("fault, seeded", [("norm_unscaled", "norms"), ("rmsnorm_eps", "read by mul")])
+def test_a_fault_in_the_mitigated_norms_fails_the_gate(hazard, tmp_path, fault, seeded):
+    """Seeded faults (pipeline.stages.gates.faults) where only a mitigated package has them:
+    `norm_unscaled`, the converter left out the max-scaled norm the preflight chose, in a program
+    that still claims it (its norms square the residual stream past 65504 on "."); and
+    `rmsnorm_eps` on the max-scaled form's root eps (alpha sqrt(eps), which the residual scale
+    alpha shrank), read by the `mul` that squares it."""
     from pipeline.stages.gates.faults import seeded_copy
 
     package, where = seeded_copy(hazard / "mitigated" / "chunk_kv", hazard / "bundle",
-                                 tmp_path / "coreml" / "chunk_kv", "norm_unscaled")
-    assert "norms" in where
+                                 tmp_path / "coreml" / "chunk_kv", fault)
+    assert seeded in where
     gate = align_package(package, hazard / "reference", tmp_path / "gate", items=hazard / "items.jsonl")
     assert not gate.passed
     assert gate.report["summary"]["exact"] is False

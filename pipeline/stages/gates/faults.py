@@ -221,9 +221,10 @@ def _scalar_value(value) -> np.ndarray | None:
     return None
 
 
-def _scale_constant(mlpackage: Path, value: float, factor: float, what: str) -> str:
+def _scale_constant(mlpackage: Path, value: float, factor: float, what: str, readers: tuple[str, ...] = ()) -> str:
     """The scalar float constant `value` (as the program's dtype rounds it: an fp16 program holds
-    it in fp16) read by the first op of each function that reads it, times `factor`."""
+    it in fp16) read by the first op of each function that reads it (of the op types `readers`,
+    where given), times `factor`."""
 
     def scale(function_name, ops):
         scalars = {}
@@ -232,7 +233,7 @@ def _scale_constant(mlpackage: Path, value: float, factor: float, what: str) -> 
             scalar = None if val is None else _scalar_value(val)
             if scalar is not None and scalar[0] == scalar.dtype.type(value):
                 scalars[op.outputs[0].name] = (val, scalar)
-        reader = next((op for op in ops if op.type != "const" and any(
+        reader = next((op for op in ops if op.type != "const" and (not readers or op.type in readers) and any(
             a.name in scalars for arg in op.inputs.values() for a in arg.arguments)), None)
         if reader is None:
             return []
@@ -256,7 +257,17 @@ def _attention_scale(mlpackage: Path, bundle: Path, arch: dict) -> str:
 
 @register_fault("rmsnorm_eps", "one RMSNorm's epsilon x 100")
 def _rmsnorm_eps(mlpackage: Path, bundle: Path, arch: dict) -> str:
-    return _scale_constant(mlpackage, float(np.float32(arch["rms_norm_eps"])), 100.0, "RMSNorm's epsilon")
+    """The eps an fp16 package's mitigations left (`pipeline.ground.models.fp16`): eps alpha^2 under
+    a residual scale alpha, added to the mean square (the `add`); in the max-scaled form its root
+    alpha sqrt(eps), squared after the division by the row's max (the `mul`), so x 10 there."""
+    from manifests.identity import MANIFEST_NAME, read_json
+
+    numerics = read_json(mlpackage.parent / MANIFEST_NAME).get("numerics") or {}
+    mitigations = (numerics.get("mitigations") or {}).get("record") or {}
+    eps = np.float32(arch["rms_norm_eps"] * mitigations.get("residual_scale", 1.0) ** 2)
+    if mitigations.get("rmsnorm") == "max_scaled":
+        return _scale_constant(mlpackage, float(np.float32(np.sqrt(eps))), 10.0, "RMSNorm's root epsilon", ("mul",))
+    return _scale_constant(mlpackage, float(eps), 100.0, "RMSNorm's epsilon", ("add",))
 
 
 # ------------------------------------------------------------------ program edits: positions
