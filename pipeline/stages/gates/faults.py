@@ -188,20 +188,23 @@ def _edit_program(mlpackage: Path, edit: Callable[[str, object], list[str]], not
 
 
 def _const_op(name: str, declared, value: float):
-    """A MIL const `name` of `declared`'s dtype (FP32 or fp16) and rank, every dimension 1, holding
-    `value`: it broadcasts where a value of that type was read."""
+    """A MIL const `name` of `declared`'s dtype (FP32 or fp16) and shape, an unknown dimension 1,
+    every entry `value`: it broadcasts where a value of that type was read, and an op reading it
+    keeps its declared shape (Gemma's per-head norms declare their heads' dimension)."""
     from coremltools.proto import MIL_pb2
 
+    shape = [dim.constant.size if dim.WhichOneof("dimension") == "constant" else 1 for dim in declared.dimensions]
     tensor_type = MIL_pb2.TensorType(dataType=declared.dataType, rank=declared.rank)
-    for _ in range(declared.rank):
-        tensor_type.dimensions.add().constant.size = 1
+    for size in shape:
+        tensor_type.dimensions.add().constant.size = size
     op = MIL_pb2.Operation(type="const")
     op.outputs.add(name=name).type.tensorType.CopyFrom(tensor_type)
     op.attributes["val"].type.tensorType.CopyFrom(tensor_type)
+    count = int(np.prod(shape))
     if declared.dataType == MIL_pb2.FLOAT16:
-        op.attributes["val"].immediateValue.tensor.bytes.values = np.float16(value).tobytes()
+        op.attributes["val"].immediateValue.tensor.bytes.values = np.full(count, value, np.float16).tobytes()
     else:
-        op.attributes["val"].immediateValue.tensor.floats.values.append(float(np.float32(value)))
+        op.attributes["val"].immediateValue.tensor.floats.values.extend([float(np.float32(value))] * count)
     return op
 
 
