@@ -63,6 +63,8 @@ def test_it_verifies_through_the_release_to_the_cmf_and_runs_as_the_release_runs
     assert main(["verify-artifact", str(app.path)]) == 0
     ids = np.array([[1, 40, 41, 42, 43]], dtype=np.int64)
     ours, theirs = open_backend(app.path), open_backend(release.path)
+    # The same package files run by the same executor in one process, on the same inputs: the
+    # same arithmetic in the same order, so bit for bit on any CPU.
     np.testing.assert_array_equal(ours.logits(ids), theirs.logits(ids))
 
 
