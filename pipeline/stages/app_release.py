@@ -29,7 +29,6 @@ from pathlib import Path
 
 from coreml import manifest as package_manifest
 from manifests.chain import upstream_path
-from manifests.copied import check_copied
 from manifests.disk import require_copy_disk
 from manifests.identity import (MANIFEST_NAME, Manifest, artifact_source, check_files, environment, inventory,
                                 load_manifest, read_json, sha256_file, write_json)
@@ -37,6 +36,7 @@ from manifests.output import staged_output
 from manifests.schema import validate
 from pipeline.ground.errors import IdentityError
 from pipeline.stages.backends import shipped_entry
+from pipeline.stages.release_copies import check_package_entry
 from pipeline.stages.release import (METADATA_NAME, TOKENIZER_DIR, interface_markdown, usage_markdown,
                                      verify_release)
 from pipeline.stages.signing import sign_manifest
@@ -133,11 +133,7 @@ def verify_app_release(path: str | Path, hashes: bool = True) -> Manifest:
     if sha256_file(package_dir / MANIFEST_NAME) != shipped["manifest_sha256"]:
         raise IdentityError(f"{where}: field 'shipped.manifest_sha256' is {shipped['manifest_sha256']}, but "
                             f"{package_dir / MANIFEST_NAME} hashes to {sha256_file(package_dir / MANIFEST_NAME)}")
-    check_copied(where, "shipped", shipped, {
-        "format": package.format, "kind": package["package"]["kind"],
-        "size_bytes": package_manifest.programs_bytes(package_dir, package.data),
-        **({"pieces_sha256": package_manifest.pieces_sha256(package.data)} if "pieces" in package["package"] else {})},
-        package_dir, keys=("format", "kind", "size_bytes", "pieces_sha256"))
+    check_package_entry(where, "shipped", shipped, package_dir, package.data)
     tokenizer = manifest.get("tokenizer")
     if tokenizer is not None:
         if sha256_file(path / TOKENIZER_DIR / package_manifest.TOKENIZER_JSON) != tokenizer["sha256"]:

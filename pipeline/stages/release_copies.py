@@ -12,17 +12,23 @@ from pipeline.stages import gates
 from pipeline.stages.backends import shipped_entry
 
 
+def check_package_entry(where, field: str, entry: dict, package_dir: Path, package: dict) -> None:
+    """A release's (or an app folder's) entry of a package says what the package's manifest and
+    files do: its format, kind, program bytes and, split, its pieces' sha256."""
+    check_copied(where, field, entry, {
+        "format": package["format"], "kind": package["package"]["kind"],
+        "size_bytes": package_manifest.programs_bytes(package_dir, package),
+        **({"pieces_sha256": package_manifest.pieces_sha256(package)} if "pieces" in package["package"] else {})},
+        package_dir, keys=("format", "kind", "size_bytes", "pieces_sha256"))
+
+
 def check_release_copies(path: Path, manifest: dict, survey: dict, record: dict) -> None:
     """Every value the release and its survey copy from a package or gate equals the original."""
     where, survey_where = path / MANIFEST_NAME, path / manifest["survey"]["path"]
     for index, entry in enumerate(manifest["packages"]):
         package_dir, gate_dir = path / entry["path"], path / entry["gate"]["path"]
         package, report = read_json(package_dir / MANIFEST_NAME), read_json(gate_dir / gates.REPORT_NAME)
-        check_copied(where, f"packages/{index}", entry, {
-            "format": package["format"], "kind": package["package"]["kind"],
-            "size_bytes": package_manifest.programs_bytes(package_dir, package),
-            **({"pieces_sha256": package_manifest.pieces_sha256(package)} if "pieces" in package["package"] else {})},
-            package_dir, keys=("format", "kind", "size_bytes", "pieces_sha256"))
+        check_package_entry(where, f"packages/{index}", entry, package_dir, package)
         check_copied(where, f"packages/{index}/gate", entry["gate"], {
             "recipe": report["recipe"], "backend": report["candidate_backend"], "passed": report["passed"],
             "tolerance": report["tolerance"], "summary": report["summary"]}, gate_dir / gates.REPORT_NAME,
