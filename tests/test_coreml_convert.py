@@ -6,6 +6,8 @@ One random-weight bundle (4 layers, GQA, tied head, context 128) is converted on
 module; each test reads the packages it needs.
 """
 
+import dataclasses
+import re
 import shutil
 import tempfile
 from collections import Counter
@@ -22,7 +24,8 @@ from coreml.convert import _kinds_in_workers, export_coreml
 from pipeline.ground.workers import WorkerFailed
 from coreml.crosscheck import BUNDLE_SHA_KEY
 from coreml.kinds import UnknownKind, package_kind
-from coreml.kinds.export import ScheduleMismatch, check_chunk_schedules, check_schedules, reference_for_export
+from coreml.kinds.export import ScheduleMismatch, check_chunk_schedules, reference_for_export
+from coreml.kinds.schedules import CheckSchedule, check_schedules
 from coreml.manifest import verify_package
 from coreml.mil.loader import load_program
 from coreml.package import open_package
@@ -168,7 +171,7 @@ def test_manifests_bind_the_package_to_its_bundle_code_and_program(built, statef
     assert [f["name"] for f in chunk["inputs"]] == ["input_ids", "position", "key_cache", "value_cache"]
     assert chunk["inputs"][2]["shape"] == [4, 1, 2, CONTEXT, 16]
     assert set(manifests["chunk_kv"]["checks"]["schedules_vs_reference_max_abs"]) == {
-        "[" + ",".join(map(str, s)) + "]" for s in check_schedules(reference_for_export(bundle).args, CONTEXT)}
+        s.name for s in check_schedules(reference_for_export(bundle).args, CONTEXT)}
     assert stateful["package"]["functions"] == {"prefill": {"dims": {"T": [1, CONTEXT]}},
                                                 "decode": {"dims": {"T": [1, 1]}}}
     assert sorted(stateful["op_histogram"]) == ["decode", "prefill"]
@@ -245,6 +248,77 @@ def test_schedule_check_refuses_a_graph_that_reads_slots_after_the_chunk(referen
 
     with pytest.raises(ScheduleMismatch, match=r"schedule \[1,3,124\]"):
         check_chunk_schedules(leaks_future_slots, reference)
+
+
+def test_check_schedules_reach_the_context_end_over_a_synthetic_prefix(reference):
+    """Past 128 slots one schedule starts over a synthetic cache and decodes into the last slot,
+    and no schedule runs more than 128 tokens past a sliding window: a check's attention grows
+    with the context, not its square (SmolLM2's chunk-KV check at 8192 ran 8191 real tokens)."""
+    plain = reference.args
+    for context in (100, 128, 2048, 8192):
+        schedules = check_schedules(plain, context)
+        assert all(s.start + s.tokens <= context and s.tokens <= 128 for s in schedules)
+        assert any(s.start + s.tokens == context and s.chunks[-1] == 1 for s in schedules)
+        assert any(s.start for s in schedules) == (context > 128)
+    window = 512
+    sliding = dataclasses.replace(plain, layer_types=("SlidingAttention",) * plain.num_layers, sliding_window=window)
+    (edge,) = [s for s in check_schedules(sliding, 8192) if s.tokens > 128]
+    decoded = {int(position) for position, size in zip(np.cumsum((0,) + edge.chunks), edge.chunks) if size == 1}
+    assert edge.start == 0 and {window - 1, window} <= decoded and edge.tokens <= window + 128
+
+
+def test_a_schedule_over_a_synthetic_prefix_catches_a_graph_that_forgets_it(reference):
+    """The reference reads the noise the graph's cache holds below the schedule's start (the right
+    graph passes), and a graph that reads zeros there instead is refused."""
+    graph = CachedStep(reference.model)
+    at_end = CheckSchedule((7, 1), -8)
+    errors = check_chunk_schedules(graph, reference, (at_end,))
+    assert list(errors) == [f"@{CONTEXT - 8}[7,1]"] and errors[f"@{CONTEXT - 8}[7,1]"] <= reference.tolerance
+
+    def forgets_the_prefix(ids, position, keys, values):
+        written = (torch.arange(keys.shape[3]) >= position)[:, None]
+        return graph(ids, position, keys * written, values * written)
+
+    # One chunk each: only what the cache held before the schedule can tell.
+    assert check_chunk_schedules(forgets_the_prefix, reference, (CheckSchedule((8,)),))
+    with pytest.raises(ScheduleMismatch, match=rf"schedule @{CONTEXT - 8}\[8\]"):
+        check_chunk_schedules(forgets_the_prefix, reference, (CheckSchedule((8,), -8),))
+
+
+class _ForgetsItsState:
+    """A stateful package stand-in whose prediction reads an emptied state."""
+
+    def __init__(self, package):
+        self.package, self.path = package, package.path
+
+    def function(self, name):
+        return _ForgetsItsState(self.package.function(name))
+
+    def make_state(self):
+        return self.package.make_state()
+
+    def predict(self, inputs, state):
+        for name in ("key_cache", "value_cache"):
+            state.write_state(name, np.zeros_like(state.read_state(name)))
+        return self.package.predict(inputs, state)
+
+
+def test_the_stateful_measure_starts_from_noise_in_the_state(stateful, reference):
+    """The saved stateful package (on the executor) from a state holding noise below the schedule's
+    start agrees with the fp16-cache graph within FP32's tolerance; the fp16-cache error it records
+    is within its bound; a package that reads an emptied state passes from slot 0 and is refused
+    from the prefix."""
+    kind = package_kind("stateful")
+    prefill = open_package(stateful.path, backend="executor", function_name="prefill")
+    at_end, name = CheckSchedule((7, 1), -8), f"@{CONTEXT - 8}[7,1]"
+    checks = kind.measure(prefill, reference, stateful["package"], (at_end,))
+    assert checks["executor_vs_fp16_cache_graph_max_abs"][name] <= checks["tolerance"]
+    fp16_bound = model_logits_bound(reference.model, CONTEXT, fp16_cache=True)
+    assert 0 < checks["fp16_cache_error_vs_float32_reference_max_abs"][name] <= fp16_bound
+    # One chunk each: only what the state held before the schedule can tell.
+    assert kind.measure(_ForgetsItsState(prefill), reference, stateful["package"], (CheckSchedule((8,)),))
+    with pytest.raises(ScheduleMismatch, match=rf"schedule @{CONTEXT - 8}\[8\] differs"):
+        kind.measure(_ForgetsItsState(prefill), reference, stateful["package"], (CheckSchedule((8,), -8),))
 
 
 def test_export_refuses_a_broken_chunk_graph_and_leaves_no_output(built, tmp_path, monkeypatch):

@@ -5,6 +5,7 @@ reference. Their numerics against the fp16 reference are the gates' (not here).
 """
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -15,6 +16,7 @@ from coreml.convert import export_coreml
 from coreml.crosscheck import STORAGE_OPS
 from coreml.kinds import KINDS
 from coreml.kinds.export import Conversion, ScheduleMismatch, reference_for_export
+from coreml.kinds.schedules import CheckSchedule
 from coreml.manifest import verify_package
 from coreml.mil.loader import load_program
 from coreml.precisions import FP16, FP32, POSITIONAL_REASON, UnknownPrecision, precision
@@ -214,11 +216,11 @@ def test_the_stateful_trace_check_refuses_a_function_that_ignores_position_or_co
         def forward(self, ids, position):
             return self.inner(ids, torch.zeros_like(position))
 
-    errors = kind.check_traced(graph, ref, "prefill", ((0, (1, 3, 4)),))
-    assert list(errors) == ["prefill@0[1,3,4]"] and errors["prefill@0[1,3,4]"] <= ref.tolerance
-    with pytest.raises(ScheduleMismatch, match=r"traced stateful prefill on prefill@0\[1,3,4\] differs from the "
+    errors = kind.check_traced(graph, ref, "prefill", (CheckSchedule((1, 3, 4)),))
+    assert list(errors) == ["prefill[1,3,4]"] and errors["prefill[1,3,4]"] <= ref.tolerance
+    with pytest.raises(ScheduleMismatch, match=r"traced stateful prefill on prefill\[1,3,4\] differs from the "
                                                r"fp16-cache torch graph by max \|Δ logit\| "):
-        kind.check_traced(ForgetsPosition(), ref, "prefill", ((0, (1, 3, 4)),))
+        kind.check_traced(ForgetsPosition(), ref, "prefill", (CheckSchedule((1, 3, 4)),))
 
     class NaNInTheLastChunk(ForgetsPosition):
         def forward(self, ids, position):
@@ -227,7 +229,35 @@ def test_the_stateful_trace_check_refuses_a_function_that_ignores_position_or_co
 
     # A NaN after finite chunks: a running max (Python's) would keep the finite value over it.
     with pytest.raises(ScheduleMismatch, match=r"max \|Δ logit\| nan"):
-        kind.check_traced(NaNInTheLastChunk(), ref, "prefill", ((0, (1, 3, 4)),))
+        kind.check_traced(NaNInTheLastChunk(), ref, "prefill", (CheckSchedule((1, 3, 4)),))
+
+
+def test_the_stateful_trace_check_from_a_synthetic_prefix_refuses_a_function_that_forgets_it(fixture_bundle):
+    """A schedule near the context's end starts the traced function and the eager graph from the
+    same noise below it: the right function passes, and one that empties its state before each
+    call passes from slot 0 (a fresh state is empty) but is refused from the prefix."""
+    ref = reference_for_export(fixture_bundle, conversion=Conversion("fp16"))
+    kind = KINDS["stateful"]
+    graph = kind.graph(ref)
+    at_end = CheckSchedule((3, 1), -4)
+    name = f"prefill@{ref.context - 4}[3,1]"
+    assert kind.check_traced(graph, ref, "prefill", (at_end,))[name] <= ref.tolerance
+
+    class ForgetsItsState(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = graph
+            self.key_cache, self.value_cache = graph.key_cache, graph.value_cache  # the same tensors
+
+        def forward(self, ids, position):
+            self.key_cache.zero_()
+            self.value_cache.zero_()
+            return self.inner(ids, position)
+
+    # One chunk each: only what the state held before the schedule can tell.
+    assert kind.check_traced(ForgetsItsState(), ref, "prefill", (CheckSchedule((4,)),))
+    with pytest.raises(ScheduleMismatch, match=re.escape(f"on prefill@{ref.context - 4}[4] differs")):
+        kind.check_traced(ForgetsItsState(), ref, "prefill", (CheckSchedule((4,), -4),))
 
 
 @pytest.mark.parametrize("recipe, claims_ane", [("int4-b32", False), ("palette4-int8lut", True), ("palette6-gc32", True),

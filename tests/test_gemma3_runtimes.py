@@ -195,9 +195,10 @@ def test_the_gates_pass_on_the_cache_packages(packages, gate_inputs, kind, tmp_p
 
 
 def test_the_converters_checks_cross_the_window_and_reach_the_last_slot(packages):
-    """From the arch and the context: a schedule decoding at positions window-1 and window and
-    into the last slot, and the stateless graph replayed over the whole context."""
-    long = f"[{WINDOW - 1},1,1,{CONTEXT - WINDOW - 2},1]"
+    """From the arch and the context: a schedule decoding at positions window-1 and window, then
+    a chunk across the window's edge (the last slot is the short schedules' (127, 1) at this
+    context), and the stateless graph replayed over the whole context."""
+    long = f"[{WINDOW - 1},1,1,64,1]"
     for kind, key in (("chunk_kv", "schedules_vs_reference_max_abs"),
                       ("stateful", "executor_vs_fp16_cache_graph_max_abs")):
         assert long in load_manifest(packages / kind)["checks"][key]

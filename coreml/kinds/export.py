@@ -26,6 +26,7 @@ from coreml.layout import HEAD_SPLIT_REASON, head_rows
 from coreml.mil import blob_const_digests
 from coreml.precisions import FP32, POSITIONAL_REASON, Precision, precision
 from coreml.split import MB, Piece
+from coreml.kinds.schedules import CheckSchedule, check_schedules
 from manifests.identity import Manifest, artifact_source, load_manifest, relative_path, sha256_bytes, sha256_file
 from pipeline.ground.errors import CmfdeployError, UnsupportedModel
 from pipeline.ground.models import KVCache, ModelArgs, build_model
@@ -33,10 +34,6 @@ from pipeline.ground.models.numerics import model_cache_bound, model_logits_boun
 from pipeline.ground.reference import load_reference
 from pipeline.ground.workers import return_freed_memory
 
-# Chunk schedules (token counts per call) over the first 128 slots: a first call longer than
-# one token, single-token decode between long chunks, a chunk ending at the 128th slot
-# (`check_schedules` adds one over the whole context).
-SHORT_SCHEDULES = ((1, 3, 124), (128,), (3, 1, 124), (124, 3, 1), (127, 1))
 # The layer types a package's graph runs: the reference's cached step holds a SlidingAttention
 # layer's window in its mask.
 EXPORTED_LAYER_TYPES = ("FullAttention", "SlidingAttention")
@@ -115,7 +112,7 @@ class Reference:
     max_package_bytes: int | None = None  # the per-package limit a stateful package is split under
 
     @property
-    def check_schedules(self) -> tuple[tuple[int, ...], ...]:
+    def check_schedules(self) -> tuple[CheckSchedule, ...]:
         return check_schedules(self.args, self.context)
 
     @property
@@ -270,28 +267,6 @@ def trace_module(module: nn.Module, example: tuple) -> torch.jit.ScriptModule:
 # --- checks against the reference ------------------------------------------------------
 
 
-def check_schedules(args: ModelArgs, context: int) -> tuple[tuple[int, ...], ...]:
-    """The chunk schedules a graph is checked on: SHORT_SCHEDULES within the context, and one
-    over the whole context that decodes into its last slot. Where a sliding window is
-    shorter than the context, that one also decodes single tokens on each side of the
-    window's edge (positions window-1 and window, where the first key leaves the window)."""
-    n = context
-    schedules = [fit_schedule(s, n) for s in SHORT_SCHEDULES]
-    window = args.sliding_window if "SlidingAttention" in args.layer_types else None
-    if window is not None and window < n:
-        schedules.append(fit_schedule((window - 1, 1, 1, n - window - 2, 1), n))
-    elif n > 128:
-        schedules.append((n - 1, 1))
-    return tuple(dict.fromkeys(schedules))
-
-
-def fit_schedule(schedule: Iterable[int], context: int) -> tuple[int, ...]:
-    """The schedule's positive chunks, cut to fit `context` slots (a context under 5 tokens)."""
-    ends = np.minimum(np.cumsum([s for s in schedule if s > 0]), context)
-    sizes = np.diff(ends, prepend=0)
-    return tuple(int(s) for s in sizes if s > 0)
-
-
 def stateless_check_lengths(args: ModelArgs, context: int) -> tuple[int, ...]:
     """Lengths at which the stateless trace is replayed against the reference: a baked-in T
     shows up at 1, 7 and 128 tokens; a model whose sliding window is shorter than the
@@ -334,41 +309,44 @@ def worst(*deltas: float) -> float:
 def check_chunk_schedules(
     graph: Callable,
     ref: Reference,
-    schedules: Iterable[tuple[int, ...]] | None = None,
+    schedules: Iterable[CheckSchedule] | None = None,
     tolerance: float | None = None,
 ) -> dict[str, float]:
     """Run `graph(ids, position, k, v)` chunk by chunk and compare with the reference.
 
     The caches start as noise, so a graph that reads a slot at or after position+T (or
-    writes the wrong slots) shows up as a logit error. Each schedule (default: the model's
-    `check_schedules`) is compared with the plain forward over all tokens and with
-    `forward_cached` fed the same chunks, chunk by chunk (the hidden states of both held, and
-    their logits made for a block of rows at a time). Returns max |Δ| per schedule;
-    raises `ScheduleMismatch` naming the first that fails.
+    writes the wrong slots) shows up as a logit error; the reference's cache holds the same
+    noise below the schedule's start and zeros from it. Each schedule (default: the model's
+    `check_schedules`) is compared with one forward over all its tokens (the plain forward from
+    slot 0) and with `forward_cached` fed the same chunks, chunk by chunk (the hidden states of
+    both held, and their logits made for a block of rows at a time). Returns max |Δ| per
+    schedule; raises `ScheduleMismatch` naming the first that fails.
     """
     tolerance = ref.tolerance if tolerance is None else tolerance
     schedules = ref.check_schedules if schedules is None else schedules
     errors = {}
     generator = torch.Generator().manual_seed(1)
     for schedule in schedules:
-        schedule = fit_schedule(schedule, ref.context)
-        ids = example_ids(ref.args.vocab_size, sum(schedule), seed=len(errors) + 2)
+        schedule = schedule.fit(ref.context)
+        ids = example_ids(ref.args.vocab_size, schedule.tokens, seed=len(errors) + 2)
         key_cache = torch.randn(ref.cache_shape, generator=generator)
         value_cache = torch.randn(ref.cache_shape, generator=generator)
-        cache = KVCache.empty(ref.args, ref.context)
-        delta, position = 0.0, 0
+        cache = KVCache(*schedule.prefix(key_cache, value_cache), schedule.start)
+        delta, offset = 0.0, 0
         with torch.no_grad():
-            full = ref.model.hidden(ids)  # the plain forward short of its head: [T, hidden]
-            for size in schedule:
-                chunk = ids[:, position : position + size]
-                *logits, key_cache, value_cache = graph(chunk, position_tensor(position), key_cache, value_cache)
+            # Short of the head: [T, hidden].
+            full = ref.model.hidden_cached(ids, cache.snapshot()) if schedule.start else ref.model.hidden(ids)
+            for size in schedule.chunks:
+                chunk = ids[:, offset : offset + size]
+                *logits, key_cache, value_cache = graph(chunk, position_tensor(schedule.start + offset),
+                                                        key_cache, value_cache)
                 logits = joined(logits).reshape(-1, ref.args.vocab_size)
                 cached = ref.model.hidden_cached(chunk, cache)
-                delta = worst(delta, max_abs_delta_to_reference(logits, ref.model, full[position : position + size]),
+                delta = worst(delta, max_abs_delta_to_reference(logits, ref.model, full[offset : offset + size]),
                               max_abs_delta_to_reference(logits, ref.model, cached))
                 del logits, cached
-                position += size
-        name = "[" + ",".join(map(str, schedule)) + "]"
+                offset += size
+        name = schedule.name
         errors[name] = delta
         if not delta <= tolerance:  # also catches NaN
             raise ScheduleMismatch(

@@ -25,6 +25,7 @@ from coreml.kinds.base import (CACHE_MEANING, PackageKind, chunked_prompt_lines,
 from coreml.layout import enumerated_lengths
 from coreml.split import MB
 from coreml.kinds.cache_runner import KVSnapshot, CacheRunner, package_features, input_ids_array
+from coreml.kinds.schedules import CheckSchedule
 from coreml.package import open_package
 
 if TYPE_CHECKING:
@@ -104,9 +105,9 @@ class Stateful(PackageKind):
     # A single-function interface's package takes one step fewer: no second function to trace.
     steps = 4
     runner = StatefulRunner
-    # Schedules the traced decode function (T=1) is checked on, as (first position, chunks): from
-    # the start and up to the last slot.
-    DECODE_CHECKS = ((0, (1, 1, 1, 1)), (-3, (1, 1, 1)))
+    # Schedules the traced decode function (T=1) is checked on: from the start, and up to the last
+    # slot (`CheckSchedule`: its start counted from the context's end).
+    DECODE_CHECKS = (CheckSchedule((1, 1, 1, 1)), CheckSchedule((1, 1, 1), -3))
 
     def cache_dtype(self, precision: Precision) -> type[np.floating]:
         return np.float16  # Core ML states are fp16 at every precision
@@ -246,7 +247,7 @@ class Stateful(PackageKind):
         traced = trace_module(self.graph(ref), graph_inputs(ref.interface, example_ids(ref.args.vocab_size, length, 0), 3))
         errors = None
         if ref.precision.compute_precision != "float32":
-            checks = self.DECODE_CHECKS if dims["T"][1] == 1 else tuple((0, s) for s in ref.check_schedules)
+            checks = self.DECODE_CHECKS if dims["T"][1] == 1 else ref.check_schedules
             errors = self.check_traced(traced, ref, name, checks)
         mlmodel = convert_traced(traced, block, function, ref.precision, path)
         describe_model(mlmodel, block, ref, self.description_for(ref))
@@ -255,29 +256,30 @@ class Stateful(PackageKind):
         return_freed_memory()  # this function's program and graph, before the next is traced
         return errors
 
-    def check_traced(self, traced, ref: Reference, name: str, checks) -> dict[str, float]:
+    def check_traced(self, traced, ref: Reference, name: str, checks: tuple[CheckSchedule, ...]) -> dict[str, float]:
         """Run traced function `name` chunk by chunk beside the eager fp16-cache graph, both in
-        torch float32 arithmetic and each chunk starting from the eager graph's caches; `checks`
-        are (first position, chunk sizes), a negative first position counted from the context's end.
+        torch float32 arithmetic and each chunk starting from the eager graph's caches (noise
+        below each schedule's start: `CheckSchedule`).
 
         Logits must agree within FP32's tolerance and the caches each wrote within FP32's cache
         tolerance once one fp16 step is forgiven (an entry the two summation orders rounded to
         neighbouring fp16 values), else `ScheduleMismatch`. Returns max |Δ logit| per check."""
         import torch
 
-        from coreml.kinds.export import ScheduleMismatch, example_ids, fit_schedule, joined, max_abs_delta, worst
+        from coreml.kinds.export import ScheduleMismatch, example_ids, joined, max_abs_delta, worst
 
         buffers = (ref.interface.key_cache, ref.interface.value_cache)
         errors = {}
-        for index, (first, schedule) in enumerate(checks):
-            first = first % ref.context
-            schedule = fit_schedule(schedule, ref.context - first)
-            ids = example_ids(ref.args.vocab_size, sum(schedule), seed=300 + index)
+        for index, schedule in enumerate(checks):
+            schedule = schedule.fit(ref.context)
+            ids = example_ids(ref.args.vocab_size, schedule.tokens, seed=300 + index)
             eager = self.graph(ref)
+            for buffer, noise in zip(buffers, noise_prefix(schedule, ref.cache_shape, seed=300 + index)):
+                getattr(eager, buffer).copy_(noise)
             logit_delta, cache_delta, offset = 0.0, 0.0, 0
             with torch.no_grad():
-                for size in schedule:
-                    inputs = graph_inputs(ref.interface, ids[:, offset:offset + size], first + offset)
+                for size in schedule.chunks:
+                    inputs = graph_inputs(ref.interface, ids[:, offset:offset + size], schedule.start + offset)
                     for buffer in buffers:
                         getattr(traced, buffer).copy_(getattr(eager, buffer))
                     got, want = joined(traced(*inputs)), joined(eager(*inputs))
@@ -289,7 +291,7 @@ class Stateful(PackageKind):
                         cache_delta = worst(cache_delta, _beyond_one_fp16_step(getattr(traced, buffer).numpy(),
                                                                                getattr(eager, buffer).numpy()))
                     offset += size
-            label = f"{name}@{first}[" + ",".join(map(str, schedule)) + "]"
+            label = f"{name}{schedule.name}"
             errors[label] = logit_delta
             if not (logit_delta <= ref.tolerance and cache_delta <= ref.cache_tolerance):
                 raise ScheduleMismatch(
@@ -298,8 +300,9 @@ class Stateful(PackageKind):
                     f"(tolerances {ref.tolerance:.3g}, {ref.cache_tolerance:.3g}); refusing to export")
         return errors
 
-    def measure(self, prefill, ref: Reference, block: dict) -> dict:
-        """Run the saved package through the MIL executor on the check schedules, each chunk with
+    def measure(self, prefill, ref: Reference, block: dict, schedules: tuple[CheckSchedule, ...] | None = None) -> dict:
+        """Run the saved package through the MIL executor on `schedules` (default: the model's
+        check schedules, `CheckSchedule`: noise in the state below each one's start), each chunk with
         the inputs of its interface (`step_inputs`; `block` is its manifest's `package`; `prefill`
         the package's function that runs a chunk, opened on the executor: the package's own, or
         the pieces of a split one, `coreml.package.ChainedPackage`).
@@ -315,8 +318,8 @@ class Stateful(PackageKind):
         """
         import torch
 
-        from coreml.kinds.export import (ScheduleMismatch, example_ids, fit_schedule, max_abs_delta,
-                                         max_abs_delta_to_reference, worst)
+        from coreml.kinds.export import ScheduleMismatch, example_ids, max_abs_delta, max_abs_delta_to_reference, worst
+        from pipeline.ground.models import KVCache
 
         unit = ref.interface
         buffers = (unit.key_cache, unit.value_cache)
@@ -326,19 +329,26 @@ class Stateful(PackageKind):
                      for role, name in roles.items()}
         conversion, cache, fp16_cache = {}, {}, {}
         tolerance, cache_tolerance = ref.tolerance, ref.cache_tolerance
-        for index, schedule in enumerate(ref.check_schedules):
-            schedule = fit_schedule(schedule, ref.context)
-            ids = example_ids(ref.args.vocab_size, sum(schedule), seed=200 + index)
+        for index, schedule in enumerate(ref.check_schedules if schedules is None else schedules):
+            schedule = schedule.fit(ref.context)
+            ids = example_ids(ref.args.vocab_size, schedule.tokens, seed=200 + index)
             eager = self.graph(ref)
             state = functions["prefill"].make_state()
-            logit_delta, reference_delta, cache_delta, position = 0.0, 0.0, 0.0, 0
+            prefix = noise_prefix(schedule, ref.cache_shape, seed=200 + index)
+            for buffer, noise in zip(buffers, prefix):
+                state.write_state(buffer, noise.numpy())
+            logit_delta, reference_delta, cache_delta, offset = 0.0, 0.0, 0.0, 0
             with torch.no_grad():
                 # Compared chunk by chunk, a block of rows at a time, against the reference's final
                 # hidden states (its logits made per block): a 262k vocabulary's logits are 1 GB over
-                # 1024 positions, and the whole-array comparisons held 3.7 GB on Gemma 3.
-                full = ref.model.hidden(ids)
-                for size in schedule:
-                    chunk = ids[:, position : position + size]
+                # 1024 positions, and the whole-array comparisons held 3.7 GB on Gemma 3. The float32
+                # reference reads the prefix's fp16 values, so only the schedule's own writes carry
+                # the fp16 cache's rounding.
+                full = (ref.model.hidden_cached(ids, KVCache(*(c.float() for c in prefix), schedule.start))
+                        if prefix else ref.model.hidden(ids))
+                for size in schedule.chunks:
+                    chunk = ids[:, offset : offset + size]
+                    position = schedule.start + offset
                     function = functions["decode" if size == 1 else "prefill"]
                     for buffer in buffers:
                         getattr(eager, buffer).copy_(torch.from_numpy(state.read_state(buffer)))
@@ -346,14 +356,14 @@ class Stateful(PackageKind):
                     simulated = eager(*graph_inputs(unit, chunk, position))[0]
                     logit_delta = worst(logit_delta, max_abs_delta(got, simulated))
                     reference_delta = worst(reference_delta, max_abs_delta_to_reference(
-                        got, ref.model, full[position : position + size]))
+                        got, ref.model, full[offset : offset + size]))
                     del got, simulated
                     for buffer in buffers:
                         written = _beyond_one_fp16_step(state.read_state(buffer), getattr(eager, buffer).numpy())
                         cache_delta = worst(cache_delta, written)
-                    position += size
-            del full
-            name = "[" + ",".join(map(str, schedule)) + "]"
+                    offset += size
+            del full, prefix
+            name = schedule.name
             conversion[name] = logit_delta
             cache[name] = cache_delta
             fp16_cache[name] = reference_delta
@@ -395,6 +405,18 @@ class Stateful(PackageKind):
                     "out = model.predict(inputs, state=state)"]
         return [state, *chunked_prompt_lines(
             lengths, 'model.predict({"input_ids": chunk, "position": np.array([position], dtype=np.int32)}, state=state)')]
+
+
+def noise_prefix(schedule: CheckSchedule, cache_shape: tuple[int, ...], seed: int) -> list:
+    """The fp16 keys and values a stateful check starts from: standard normal noise in the slots
+    below the schedule's start (`CheckSchedule.prefix`); none where it starts at slot 0, whose
+    state starts as zeros, as a fresh one does."""
+    import torch
+
+    if not schedule.start:
+        return []
+    noise = torch.randn((2, *cache_shape), generator=torch.Generator().manual_seed(seed))
+    return [c.half() for c in schedule.prefix(*noise)]
 
 
 def mask_feature(unit: Interface) -> dict:

@@ -153,7 +153,7 @@ def export_split(kind: PackageKind, ref: Reference, plan: tuple[Piece, ...], pac
             traced = [trace_module(PieceGraph(ref.model, piece, ref), piece_example(ref, piece, length))
                       for piece in plan]
             if ref.precision.compute_precision != "float32":
-                checks = kind.DECODE_CHECKS if function["dims"]["T"][1] == 1 else tuple((0, s) for s in ref.check_schedules)
+                checks = kind.DECODE_CHECKS if function["dims"]["T"][1] == 1 else ref.check_schedules
                 traced_errors[name] = kind.check_traced(ChainedGraphs(traced, plan, ref), ref, name, checks)
             for piece, graph, block in zip(plan, traced, blocks):
                 path = saved[piece.index][name] = Path(scratch) / f"{piece.index}-{name}.mlpackage"
