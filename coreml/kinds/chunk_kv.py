@@ -150,12 +150,15 @@ class ChunkKV(PackageKind):
 
         from coreml.kinds.export import (TRACE_LENGTH, example_ids, position_tensor, save_single, trace_module,
                                          check_chunk_schedules, traced_check_record)
+        from pipeline.ground.workers import return_freed_memory
 
         start = time.perf_counter()
         step("chunk_kv: trace and check schedules")
         zeros = torch.zeros(ref.cache_shape)
-        example = (example_ids(ref.args.vocab_size, TRACE_LENGTH, 0), position_tensor(3), zeros, zeros)
-        traced = trace_module(self.graph(ref), example)
+        traced = trace_module(self.graph(ref), (example_ids(ref.args.vocab_size, TRACE_LENGTH, 0), position_tensor(3),
+                                                zeros, zeros))
+        del zeros
+        return_freed_memory()  # the example cache and the trace's copies of it: 0.9 GB at a context of 8192
         checks = {"schedules_vs_reference_max_abs": check_chunk_schedules(traced, ref), "tolerance": ref.tolerance,
                   **traced_check_record(ref.precision)}
         return save_single(ref, package_dir, step, traced, self.interface(ref), self.description_for(ref),

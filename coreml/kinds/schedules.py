@@ -51,13 +51,12 @@ class CheckSchedule:
         chunks = "[" + ",".join(map(str, self.chunks)) + "]"
         return f"@{self.start}{chunks}" if self.start else chunks
 
-    def prefix(self, *caches: torch.Tensor) -> list[torch.Tensor]:
-        """Copies of `caches` [layers, 1, kv_heads, slots, head_dim] holding their slots below
-        `start` and zeros from it: what the tokens before the schedule left."""
-        copies = [c.clone() for c in caches]
-        for c in copies:
-            c[..., self.start:, :] = 0
-        return copies
+    def prefix(self, *caches: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`caches` [layers, 1, kv_heads, slots, head_dim] with their slots from `start` zeroed in
+        place: what the tokens before the schedule left."""
+        for cache in caches:
+            cache[..., self.start:, :] = 0
+        return caches
 
 
 def check_schedules(args: ModelArgs, context: int) -> tuple[CheckSchedule, ...]:
