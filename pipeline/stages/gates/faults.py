@@ -144,9 +144,24 @@ def _matrix_scale(mlpackage: Path, bundle: Path, arch: dict) -> str:
     return name
 
 
+# A layer's norms, in the order a fault picks the first one its program stores: an fp16 conversion
+# may move a norm's gain into the matrices that read the norm (Gemma 3's input norms).
+LAYER_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+
+
 @register_fault("norm_rows_swapped", "two entries of a norm's weight swapped (the largest and the smallest)")
 def _norm_rows_swapped(mlpackage: Path, bundle: Path, arch: dict) -> str:
-    name = f"model.layers.{_middle_layer(arch)}.input_layernorm.weight"
+    layer = _middle_layer(arch)
+    for norm in LAYER_NORMS:
+        name = f"model.layers.{layer}.{norm}.weight"
+        try:
+            _stored_weights(mlpackage, name)
+            break
+        except FaultNotApplicable:
+            continue
+    else:
+        raise FaultNotApplicable(f"{mlpackage}: no const of the program stores a norm weight of layer {layer} "
+                                 f"uncompressed (tried {', '.join(LAYER_NORMS)})")
     right = _bundle_tensor(bundle, name)
     low, high = int(np.argmin(right)), int(np.argmax(right))
 
