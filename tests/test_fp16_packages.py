@@ -199,6 +199,16 @@ def test_the_conversion_traces_the_transform_it_is_handed(fixture_bundle, tmp_pa
     verify_package(manifest.path)
 
 
+class _StatefulStandIn(torch.nn.Module):
+    """A traced stateful function's stand-in: a subclass's forward over `graph`, holding the graph's
+    own buffers (the check copies the eager graph's caches into them)."""
+
+    def __init__(self, graph):
+        super().__init__()
+        self.inner = graph
+        self.key_cache, self.value_cache = graph.key_cache, graph.value_cache  # the same tensors
+
+
 def test_the_stateful_trace_check_refuses_a_function_that_ignores_position_or_computes_nan(fixture_bundle):
     """Below float32 the stateful functions are checked as traced, before conversion
     (`Stateful.check_traced`); one that writes every chunk at position 0 is refused, and so is one
@@ -207,12 +217,7 @@ def test_the_stateful_trace_check_refuses_a_function_that_ignores_position_or_co
     kind = KINDS["stateful"]
     graph = kind.graph(ref)
 
-    class ForgetsPosition(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inner = graph
-            self.key_cache, self.value_cache = graph.key_cache, graph.value_cache  # the same tensors
-
+    class ForgetsPosition(_StatefulStandIn):
         def forward(self, ids, position):
             return self.inner(ids, torch.zeros_like(position))
 
@@ -220,7 +225,7 @@ def test_the_stateful_trace_check_refuses_a_function_that_ignores_position_or_co
     assert list(errors) == ["prefill[1,3,4]"] and errors["prefill[1,3,4]"] <= ref.tolerance
     with pytest.raises(ScheduleMismatch, match=r"traced stateful prefill on prefill\[1,3,4\] differs from the "
                                                r"fp16-cache torch graph by max \|Δ logit\| "):
-        kind.check_traced(ForgetsPosition(), ref, "prefill", (CheckSchedule((1, 3, 4)),))
+        kind.check_traced(ForgetsPosition(graph), ref, "prefill", (CheckSchedule((1, 3, 4)),))
 
     class NaNInTheLastChunk(ForgetsPosition):
         def forward(self, ids, position):
@@ -229,7 +234,7 @@ def test_the_stateful_trace_check_refuses_a_function_that_ignores_position_or_co
 
     # A NaN after finite chunks: a running max (Python's) would keep the finite value over it.
     with pytest.raises(ScheduleMismatch, match=r"max \|Δ logit\| nan"):
-        kind.check_traced(NaNInTheLastChunk(), ref, "prefill", (CheckSchedule((1, 3, 4)),))
+        kind.check_traced(NaNInTheLastChunk(graph), ref, "prefill", (CheckSchedule((1, 3, 4)),))
 
 
 def test_the_stateful_trace_check_from_a_synthetic_prefix_refuses_a_function_that_forgets_it(fixture_bundle):
@@ -243,21 +248,16 @@ def test_the_stateful_trace_check_from_a_synthetic_prefix_refuses_a_function_tha
     name = f"prefill@{ref.context - 4}[3,1]"
     assert kind.check_traced(graph, ref, "prefill", (at_end,))[name] <= ref.tolerance
 
-    class ForgetsItsState(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inner = graph
-            self.key_cache, self.value_cache = graph.key_cache, graph.value_cache  # the same tensors
-
+    class ForgetsItsState(_StatefulStandIn):
         def forward(self, ids, position):
             self.key_cache.zero_()
             self.value_cache.zero_()
             return self.inner(ids, position)
 
     # One chunk each: only what the state held before the schedule can tell.
-    assert kind.check_traced(ForgetsItsState(), ref, "prefill", (CheckSchedule((4,)),))
+    assert kind.check_traced(ForgetsItsState(graph), ref, "prefill", (CheckSchedule((4,)),))
     with pytest.raises(ScheduleMismatch, match=re.escape(f"on prefill@{ref.context - 4}[4] differs")):
-        kind.check_traced(ForgetsItsState(), ref, "prefill", (CheckSchedule((4,), -4),))
+        kind.check_traced(ForgetsItsState(graph), ref, "prefill", (CheckSchedule((4,), -4),))
 
 
 @pytest.mark.parametrize("recipe, claims_ane", [("int4-b32", False), ("palette4-int8lut", True), ("palette6-gc32", True),
