@@ -27,7 +27,7 @@ from coreml.layout import HEAD_SPLIT_REASON, head_rows
 from coreml.mil import blob_const_digests
 from coreml.precisions import FP32, POSITIONAL_REASON, Precision, precision
 from coreml.split import MB, Piece
-from coreml.kinds.schedules import CheckSchedule, check_schedules
+from coreml.kinds.schedules import CheckSchedule, check_schedules, noise_caches
 from manifests.identity import Manifest, artifact_source, load_manifest, relative_path, sha256_bytes, sha256_file
 from pipeline.ground.errors import CmfdeployError, UnsupportedModel
 from pipeline.ground.models import KVCache, ModelArgs, build_model
@@ -348,19 +348,14 @@ def check_chunk_schedules(
         ids = example_ids(ref.args.vocab_size, schedule.tokens, seed=index + 2)
         ends = np.cumsum((0,) + schedule.chunks)
         chunks = [ids[:, start:stop] for start, stop in zip(ends, ends[1:])]
-
-        def noise():
-            generator = torch.Generator().manual_seed(1000 + index)
-            return tuple(torch.randn(ref.cache_shape, generator=generator) for _ in range(2))
-
         with torch.no_grad():
-            cache = KVCache(*schedule.prefix(*noise()), schedule.start)
+            cache = KVCache(*schedule.prefix(*noise_caches(ref.cache_shape, 1000 + index)), schedule.start)
             # Short of the head: [T, hidden].
             full = ref.model.hidden_cached(ids, cache.snapshot()) if schedule.start else ref.model.hidden(ids)
             cached = [ref.model.hidden_cached(chunk, cache) for chunk in chunks]
             del cache
             return_freed_memory()  # the reference's caches, before the graph's are drawn
-            key_cache, value_cache = noise()
+            key_cache, value_cache = noise_caches(ref.cache_shape, 1000 + index)
             delta = 0.0
             for chunk, start, want in zip(chunks, ends, cached):
                 with unprofiled_runs():

@@ -81,3 +81,12 @@ def fit_schedule(schedule: Iterable[int], context: int) -> tuple[int, ...]:
     ends = np.minimum(np.cumsum([s for s in schedule if s > 0]), context)
     sizes = np.diff(ends, prepend=0)
     return tuple(int(s) for s in sizes if s > 0)
+
+
+def noise_caches(cache_shape: tuple[int, ...], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values [layers, 1, kv_heads, slots, head_dim] of standard normal noise, float32,
+    the same for the same seed: what a check's caches start as, on either side of it."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(cache_shape, generator=generator), torch.randn(cache_shape, generator=generator)

@@ -25,7 +25,7 @@ from coreml.kinds.base import (CACHE_MEANING, PackageKind, chunked_prompt_lines,
 from coreml.layout import enumerated_lengths
 from coreml.split import MB
 from coreml.kinds.cache_runner import KVSnapshot, CacheRunner, package_features, input_ids_array
-from coreml.kinds.schedules import CheckSchedule
+from coreml.kinds.schedules import CheckSchedule, noise_caches
 from coreml.package import open_package
 
 if TYPE_CHECKING:
@@ -416,12 +416,9 @@ def noise_prefix(schedule: CheckSchedule, cache_shape: tuple[int, ...], seed: in
     """The fp16 keys and values a stateful check starts from: standard normal noise in the slots
     below the schedule's start (`CheckSchedule.prefix`); none where it starts at slot 0, whose
     state starts as zeros, as a fresh one does."""
-    import torch
-
     if not schedule.start:
         return []
-    noise = torch.randn((2, *cache_shape), generator=torch.Generator().manual_seed(seed))
-    return [c.half() for c in schedule.prefix(*noise)]
+    return [c.half() for c in schedule.prefix(*noise_caches(cache_shape, seed))]
 
 
 def mask_feature(unit: Interface) -> dict:
