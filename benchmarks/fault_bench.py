@@ -1,6 +1,7 @@
 """The catch table: every seeded converter fault (`pipeline.stages.gates.faults`) in a correct
 package, FP32 or fp16, gated, and what the gate said: which part failed, the largest |Δ logit| of
-the exactness part against its bound. The correct package's own gate first, as the baseline of the
+the exactness part against its bound, and the worst position's |Δ| against that position's own
+bound (what the gate fails on). The correct package's own gate first, as the baseline of the
 same run. (A package's quality part measures its intended numerics, the torch reference of its
 precision, not the package: a fault never moves it.) A fault the package has nothing to seed into
 (`norm_unscaled` where the norms are plain) says so. Printed, never asserted
@@ -33,8 +34,13 @@ def row(name: str, where: str, report: dict, seconds: float) -> str:
                                    ("invariants", summary["invariants_passed"])) if ok is False]
     delta = summary.get("max_abs")
     ratio = "" if delta is None else f"{delta / tolerance['atol']:,.1f}x"
+    # What the gate decides on: each position's |Δ| against that position's own bound (the bound
+    # follows the reference's noise position by position), the worst of every comparison. The
+    # largest |Δ| over the largest bound understates a catch whose Δ sits at a quiet position.
+    worst = max((r["max_of_bound"] for r in report["records"] if r.get("max_of_bound") is not None), default=None)
     return (f"| {name} | {where} | {'caught: ' + ', '.join(parts) if parts else 'PASSED'} | "
             f"{'' if delta is None else f'{delta:.3g}'} | {tolerance['atol']:.3g} | {ratio} | "
+            f"{'' if worst is None else f'{worst:,.2f}x'} | "
             f"{100 * (report['quality']['ppl_change'] or 0):+.3f}% | {seconds:.0f} s |")
 
 
@@ -48,8 +54,9 @@ def main() -> None:
     parser.add_argument("--work", type=Path, help="where seeded copies and gates go (default: a temporary folder)")
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="fault-bench-"))
-    print("| fault | where | verdict | max |Δ logit| | bound | Δ / bound | ppl change | gate |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| fault | where | verdict | max |Δ logit| | largest bound | max Δ / largest bound "
+          "| worst position's Δ / its bound | ppl change | gate |")
+    print("|---|---|---|---|---|---|---|---|---|")
     start = time.perf_counter()
     correct = align_package(args.package, args.fixtures, work / "correct", items=args.items, force=True)
     print(row("none (the correct package)", "", correct.report, time.perf_counter() - start), flush=True)
