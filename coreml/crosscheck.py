@@ -23,6 +23,7 @@ import numpy as np
 
 from coreml.interfaces import DEFAULT_INTERFACE, MASK_DTYPE, package_interface
 from coreml.mil.errors import MilError
+from coreml.mil.ops import OPS
 from coreml.layout import logit_outputs
 from coreml.precisions import POSITION_INPUT, package_precision, positional_values
 from coreml.split import HIDDEN_INPUT, HIDDEN_OUTPUT, Piece, chained_histogram, program_views
@@ -323,6 +324,13 @@ def _arithmetic(function: ProgramFunction, dtype: str) -> dict[str, str]:
             and not op.startswith("constexpr_")}
 
 
+def _fp16_arithmetic(function: ProgramFunction) -> set[str]:
+    """The op types that compute an fp16 result: not those that only move values (`OpDef.moves`),
+    which an FP32 program may apply to its fp16 state's layers (each cast to fp16 as its layer is
+    done and stacked there, `Decoder.layers_with_cache_tensors`) without rounding anything."""
+    return {op for op in _arithmetic(function, "fp16").values() if op not in OPS or not OPS[op].moves}
+
+
 def _positional(function: ProgramFunction) -> set[str]:
     constants = {var for var, (op, _) in function.producers.items() if op == "const"}
     return positional_values(function.graph, constants)
@@ -331,7 +339,7 @@ def _positional(function: ProgramFunction) -> set[str]:
 def kept_fp32_ops(program: Program) -> dict[str, dict[str, int]]:
     """Per function, op type -> count of the float32 arithmetic ops of a program that computes in
     fp16 (none for a program without fp16 arithmetic, where float32 is simply its precision)."""
-    if not any(_arithmetic(f, "fp16") for f in program.functions.values()):
+    if not any(_fp16_arithmetic(f) for f in program.functions.values()):
         return {}
     return {name: dict(sorted(Counter(_arithmetic(f, "fp32").values()).items()))
             for name, f in program.functions.items()}
@@ -339,7 +347,7 @@ def kept_fp32_ops(program: Program) -> dict[str, dict[str, int]]:
 
 def _precision(claims: _Claims, block: dict) -> None:
     functions = claims.program.functions
-    arithmetic = sorted({op for f in functions.values() for op in _arithmetic(f, "fp16").values()})
+    arithmetic = sorted({op for f in functions.values() for op in _fp16_arithmetic(f)})
     stated = "float16" if arithmetic else "float32"
     claims.same("package.compute_precision", block["compute_precision"], stated,
                 f"the program (fp16 results of {arithmetic})" if arithmetic else "the program (no fp16 arithmetic)")

@@ -340,3 +340,61 @@ def test_executor_is_built_per_function_from_a_loaded_program(paths):
     assert program.default_function == "prefill"
     decode = Executor(program, "decode")
     assert [f.name for f in decode.function.spec_outputs] == ["logits", "k_out", "v_out"]
+
+
+def _stateful_read_cast_slice_program(tmp_path):
+    """What coremltools' torch frontend makes of an FP32 stateful step over an fp16 cache of 2
+    layers: the state read through one float32 cast of the whole, sliced a layer at a time, and
+    written back by a slice_update over all of that cast (torch's `cache[:] = new`)."""
+    import coremltools as ct
+    from coremltools.converters.mil import Builder as mb
+    from coremltools.converters.mil.mil import types
+
+    from coreml.manifest import save_model
+
+    @mb.program(input_specs=[mb.StateTensorSpec((2, 3, 4), dtype=types.fp16), mb.TensorSpec((3, 4))],
+                opset_version=ct.target.iOS18)
+    def prog(cache, x):
+        wide = mb.cast(x=mb.read_state(input=cache), dtype="fp32")
+        layers = [mb.slice_by_index(x=wide, begin=[i, 0, 0], end=[i + 1, 3, 4], squeeze_mask=[True, False, False])
+                  for i in range(2)]
+        new = mb.stack(values=[mb.add(x=layers[0], y=x), mb.mul(x=layers[1], y=x)], axis=0)
+        whole = mb.slice_update(x=wide, update=new, begin=[0, 0, 0], end=[2, 3, 4])
+        mb.coreml_update_state(state=cache, value=mb.cast(x=whole, dtype="fp16"))
+        return mb.reduce_sum(x=new, axes=[0])
+
+    model = ct.convert(prog, convert_to="mlprogram", minimum_deployment_target=ct.target.iOS18,
+                       compute_precision=ct.precision.FLOAT32)
+    path = tmp_path / "state.mlpackage"
+    save_model(model, path)
+    return path
+
+
+def test_a_cast_state_read_by_slices_alone_is_cast_a_slice_at_a_time(tmp_path, monkeypatch):
+    """The executor slices the fp16 state and casts each slice (`_slice_before_casts`) and takes a
+    slice_update over all of its x as the update (`_whole_updates`): the same values as the
+    program's whole-state cast, which an FP32 stateful package at context 8192 held as 378 MB of
+    float32 K/V for SmolLM2. That cast is never made."""
+    path = _stateful_read_cast_slice_program(tmp_path)
+    program = load_program(path)
+    operations = program.functions["main"].block.operations
+    read = next(name for op in operations if op.type == "read_state" for name, _ in op.outputs)
+    whole_cast = next(name for op in operations if op.type == "cast" and op.inputs["x"][0].name == read
+                      for name, _ in op.outputs)
+    executor = Executor(program)
+    made = []
+    store = Executor._store
+    monkeypatch.setattr(Executor, "_store", staticmethod(
+        lambda step, result, env, rows_cut=False: (store(step, result, env, rows_cut),
+                                                   made.extend(name for name, _ in step.op.outputs))))
+    rng = np.random.default_rng(0)
+    start = rng.standard_normal((2, 3, 4)).astype(np.float16)
+    x = rng.standard_normal((3, 4)).astype(np.float32)
+    state = executor.make_state()
+    state.write_state("cache", start)
+    (out,) = executor.run({"x": x}, state).values()
+    wide = start.astype(np.float32)
+    new = np.stack([wide[0] + x, wide[1] * x])
+    np.testing.assert_array_equal(out, new.sum(0))
+    np.testing.assert_array_equal(state.read_state("cache"), new.astype(np.float16))
+    assert read in made and whole_cast not in made

@@ -215,11 +215,13 @@ class SplitHeadModel(nn.Module):
         super().__init__()
         self.model, self.head = model, HeadParts(model, rows)
 
-    def forward_with_cache_tensors(self, ids, position, key_cache, value_cache, attention_bias=None):
+    def forward_with_cache_tensors(self, ids, position, key_cache, value_cache, attention_bias=None,
+                                   compute_dtype=None):
         token_rows = self.head.token_rows if self.model.lm_head is None else None
         hidden, keys, values = self.model.hidden_with_cache_tensors(ids, position, key_cache, value_cache,
                                                                     attention_bias=attention_bias,
-                                                                    token_rows=token_rows)
+                                                                    token_rows=token_rows,
+                                                                    compute_dtype=compute_dtype)
         return self.head(hidden), torch.stack(keys), torch.stack(values)
 
     def forward(self, ids):

@@ -161,15 +161,17 @@ class Stateful(PackageKind):
 
             def forward(self, input_ids, where):
                 key_cache, value_cache = getattr(self, self.unit.key_cache), getattr(self, self.unit.value_cache)
-                keys, values = key_cache.float(), value_cache.float()
+                # The fp16 state is read into float32 and written back a layer at a time
+                # (`compute_dtype`): no float32 copy of the whole cache in the program.
                 if self.unit.mask_input is None:
-                    logits, new_k, new_v = self.model.forward_with_cache_tensors(input_ids, where, keys, values)
+                    logits, new_k, new_v = self.model.forward_with_cache_tensors(input_ids, where, key_cache, value_cache,
+                                                                                 compute_dtype=torch.float32)
                 else:
                     position, bias = mask_step(input_ids, where, self.unit.mask_extra_columns, self.slots)
-                    logits, new_k, new_v = self.model.forward_with_cache_tensors(input_ids, position, keys, values,
-                                                                                 attention_bias=bias)
-                key_cache[:] = new_k.half()
-                value_cache[:] = new_v.half()
+                    logits, new_k, new_v = self.model.forward_with_cache_tensors(
+                        input_ids, position, key_cache, value_cache, attention_bias=bias, compute_dtype=torch.float32)
+                key_cache[:] = new_k
+                value_cache[:] = new_v
                 return logits
 
         from coreml.kinds.export import traced_model
@@ -321,7 +323,6 @@ class Stateful(PackageKind):
         import torch
 
         from coreml.kinds.export import ScheduleMismatch, example_ids, max_abs_delta, max_abs_delta_to_reference, worst
-        from pipeline.ground.models import KVCache
         from pipeline.ground.workers import return_freed_memory
 
         unit = ref.interface
@@ -346,8 +347,11 @@ class Stateful(PackageKind):
                 # hidden states (its logits made per block): a 262k vocabulary's logits are 1 GB over
                 # 1024 positions, and the whole-array comparisons held 3.7 GB on Gemma 3. The float32
                 # reference reads the prefix's fp16 values, so only the schedule's own writes carry
-                # the fp16 cache's rounding.
-                full = (ref.model.hidden_cached(ids, KVCache(*(c.float() for c in prefix), schedule.start))
+                # the fp16 cache's rounding: a layer at a time (`compute_dtype`), as a float32 copy
+                # of the whole prefix, the layers' written caches and their stack were 1.1 GB at
+                # SmolLM2's context 8192, the stage's peak.
+                full = (ref.model.hidden_with_cache_tensors(ids, torch.tensor([schedule.start]), *prefix,
+                                                            compute_dtype=torch.float32)[0][0]
                         if prefix else ref.model.hidden(ids))
                 del prefix
                 for size in schedule.chunks:

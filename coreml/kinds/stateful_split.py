@@ -87,10 +87,10 @@ class PieceGraph(nn.Module):
         h = x
         if self.piece.layer_count:
             key_cache, value_cache = getattr(self, self.unit.key_cache), getattr(self, self.unit.value_cache)
-            h, keys, values = self.model.layers_with_cache_tensors(x, position, key_cache.float(), value_cache.float(),
-                                                                   self.piece.layers)
-            key_cache[:] = torch.stack(keys).half()
-            value_cache[:] = torch.stack(values).half()
+            h, keys, values = self.model.layers_with_cache_tensors(x, position, key_cache, value_cache, self.piece.layers,
+                                                                   compute_dtype=torch.float32)
+            key_cache[:] = torch.stack(keys)
+            value_cache[:] = torch.stack(values)
         if not self.piece.head:
             return h
         hidden = self.model.model.norm(h)

@@ -41,11 +41,14 @@ import numpy as np
 
 from coreml.mil.errors import MilError, UnsupportedOp
 from coreml.mil.loader import FeatureSpec, Function, Operation, Program, TensorSpec
-from coreml.mil.ops import OPS
+from coreml.mil.ops import OPS, SLICE_KEYS, index_slices
 from pipeline.ground.halves import as_dtype
 from pipeline.ground.pages import is_mapped, release_pages
 from pipeline.ground.scratch import ScratchFile
 
+# Ops that take a part of their `x` as it is: one reading a cast's result may read what was cast
+# (`Executor._slice_before_casts`).
+SLICES = frozenset({"slice_by_index", "slice_by_size"})
 # A value the executor makes once and at least this large goes to its scratch file.
 SCRATCH_BYTES = 1 << 20
 # A single-token step reads every weight for one token, and dropping each weight's pages after
@@ -111,6 +114,11 @@ class _Known:
     value: object
 
 
+def _update_as_whole(update, shape):
+    """A slice_update over all of its x (`Executor._whole_updates`)."""
+    return np.reshape(update, shape)
+
+
 def _op_label(op: Operation) -> str:
     if op.outputs:
         return ", ".join(name for name, _ in op.outputs)
@@ -154,6 +162,8 @@ class Executor:
         self._scratch: ScratchFile | None = None
         self._steps: list[_Step] = []
         self._plan()
+        self._whole_updates()
+        self._slice_before_casts()
         del self._wide_constants  # each is held by the steps that read it
         self._mapped_constants()
         self._dead_after = self._liveness()
@@ -191,6 +201,54 @@ class Executor:
                 f"{self.where}: the spec describes {len(self.function.spec_outputs)} outputs, "
                 f"the program returns {len(self.function.block.outputs)}"
             )
+
+    def _whole_updates(self) -> None:
+        """A `slice_update` whose slices cover all of its x, in order, is its update in x's shape
+        (converted to the dtype the program declares, as every result is): the step no longer
+        reads x. coremltools converts torch's `cache[:] = new` on a state to such an update of
+        the state's float32 read, which otherwise keeps that read alive to the program's end."""
+        for index, step in enumerate(self._steps):
+            spec = step.op.outputs[0][1] if step.op.type == "slice_update" else None
+            if (spec is None or not spec.rank_known or None in spec.shape
+                    or sorted(key for key, _, _ in step.dynamic) != ["update", "x"]):
+                continue
+            slices, _ = index_slices(spec.shape, **{k: step.static.get(k) for k in SLICE_KEYS})
+            if all(range(size)[part] == range(size) for size, part in zip(spec.shape, slices)):
+                self._steps[index] = replace(step, fn=_update_as_whole, static={"shape": spec.shape},
+                                             dynamic=tuple(d for d in step.dynamic if d[0] == "update"))
+
+    def _slice_before_casts(self) -> None:
+        """Drop a cast that only slices read, and have them slice its input: `_store` conforms
+        each slice's result to the dtype the program declares for it, the cast's, and a cast is
+        elementwise, so every value is the one the program defines. Only the slices are cast.
+        coremltools' torch frontend reads an fp16 state through one cast of the whole state to
+        float32 (its `read_state` then `cast`), which an FP32 stateful program slices a layer at
+        a time: at SmolLM2's context 8192, 378 MB of float32 K/V held through the step."""
+        readers: dict[str, list[tuple[int, str]]] = {}
+        for index, step in enumerate(self._steps):
+            for key, operands, _ in step.dynamic:
+                for operand in operands:
+                    if not isinstance(operand, _Known):
+                        readers.setdefault(operand, []).append((index, key))
+        returned, dropped = set(self.function.block.outputs), set()
+        for index, step in enumerate(self._steps):
+            if step.op.type != "cast" or len(step.dynamic) != 1:
+                continue
+            (_, (source,), _), = step.dynamic
+            (name, spec), = step.op.outputs
+            reads = readers.get(name, [])
+            if (isinstance(source, _Known) or spec is None or name in returned or not reads
+                    or any(self._steps[i].op.type not in SLICES or key != "x"
+                           or getattr(self._steps[i].op.outputs[0][1], "dtype", None) != spec.dtype
+                           for i, key in reads)):
+                continue
+            for i, _ in reads:
+                reader = self._steps[i]
+                self._steps[i] = replace(reader, dynamic=tuple(
+                    (key, (source,), lists) if key == "x" else (key, operands, lists)
+                    for key, operands, lists in reader.dynamic))
+            dropped.add(index)
+        self._steps = [step for index, step in enumerate(self._steps) if index not in dropped]
 
     def _liveness(self) -> tuple[tuple[str, ...], ...]:
         """Per step, the values nothing reads after it: a run drops them, so it holds only live

@@ -402,7 +402,11 @@ def split(x, axis, num_splits=None, split_sizes=None):
     return tuple(np.split(x, np.cumsum(split_sizes)[:-1], axis=axis))
 
 
-def _index_slices(shape, begin, end, stride, begin_mask, end_mask, squeeze_mask):
+# slice_by_index's and slice_update's operands that say which part (`index_slices`).
+SLICE_KEYS = ("begin", "end", "stride", "begin_mask", "end_mask", "squeeze_mask")
+
+
+def index_slices(shape, begin, end, stride, begin_mask, end_mask, squeeze_mask):
     """MIL slice_by_index as Python slices (coremltools solve_slice_by_index_slice): masked
     begin/end become open ends; a squeezed axis takes the single element at `begin`."""
     rank = len(shape)
@@ -424,13 +428,13 @@ def _index_slices(shape, begin, end, stride, begin_mask, end_mask, squeeze_mask)
 
 @op("slice_by_index", moves=True)
 def slice_by_index(x, begin, end, stride=None, begin_mask=None, end_mask=None, squeeze_mask=None):
-    slices, squeeze_axes = _index_slices(x.shape, begin, end, stride, begin_mask, end_mask, squeeze_mask)
+    slices, squeeze_axes = index_slices(x.shape, begin, end, stride, begin_mask, end_mask, squeeze_mask)
     return np.squeeze(x[slices], axis=squeeze_axes)
 
 
 @op("slice_update", moves=True)
 def slice_update(x, update, begin, end, stride=None, begin_mask=None, end_mask=None, squeeze_mask=None):
-    slices, _ = _index_slices(x.shape, begin, end, stride, begin_mask, end_mask, squeeze_mask)
+    slices, _ = index_slices(x.shape, begin, end, stride, begin_mask, end_mask, squeeze_mask)
     out = x.copy()
     target = out[slices]
     out[slices] = np.reshape(update, target.shape)

@@ -364,27 +364,30 @@ class Decoder(nn.Module):
     def make_ffn(self, args: ModelArgs, weights: Weights, prefix: str, index: int, masks: TaskMask | None):
         return GatedMLP(args, weights, prefix, None if masks is None else masks.ffn[index])
 
-    def forward_with_cache_tensors(self, ids, position, key_cache, value_cache, attention_bias=None):
+    def forward_with_cache_tensors(self, ids, position, key_cache, value_cache, attention_bias=None,
+                                   compute_dtype=None):
         """One chunk through the model with explicit cache tensors (the Core ML converter's entry).
 
         ids [1, T] int; position: int tensor of one element, the absolute position of ids[0, 0];
         key_cache / value_cache [layers, 1, kv_heads, context, head_dim]; `attention_bias`: an
-        additive [1, 1, T, context] on the scores (`CacheStep`). Returns logits [1, T, vocab] and
-        the caches with slots position..position+T-1 written. The inputs are never modified.
+        additive [1, 1, T, context] on the scores (`CacheStep`); `compute_dtype`: as
+        `layers_with_cache_tensors`. Returns logits [1, T, vocab] and the caches with slots
+        position..position+T-1 written, in the caches' dtype. The inputs are never modified.
         """
         hidden, keys, values = self.hidden_with_cache_tensors(ids, position, key_cache, value_cache,
-                                                              attention_bias=attention_bias)
+                                                              attention_bias=attention_bias,
+                                                              compute_dtype=compute_dtype)
         return self.logits_of(hidden), torch.stack(keys), torch.stack(values)
 
     def hidden_with_cache_tensors(self, ids, position, key_cache, value_cache, rows_apart: bool = False,
-                                  attention_bias=None, token_rows=None):
+                                  attention_bias=None, token_rows=None, compute_dtype=None):
         """`forward_with_cache_tensors` short of the head: the final-normed hidden states, and
         each layer's written caches as lists (stacked after the head, the converted program's
         op order stays what it was). `rows_apart`: each token a chunk of its own (`CacheStep`).
         `token_rows`: what reads the ids' table rows in place of `self.token_rows` (a head in parts)."""
         hidden, keys, values = self.layers_with_cache_tensors(ids, position, key_cache, value_cache,
                                                               (0, self.args.num_layers), rows_apart, attention_bias,
-                                                              token_rows)
+                                                              token_rows, compute_dtype)
         return self.model.norm(hidden), keys, values
 
     def token_rows(self, ids):
@@ -392,20 +395,45 @@ class Decoder(nn.Module):
         return F.embedding(ids, self.model.embed_tokens.weight)
 
     def layers_with_cache_tensors(self, x, position, key_cache, value_cache, layers: tuple[int, int],
-                                  rows_apart: bool = False, attention_bias=None, token_rows=None):
+                                  rows_apart: bool = False, attention_bias=None, token_rows=None,
+                                  compute_dtype=None):
         """Layers start..stop-1 of `hidden_with_cache_tensors`, before the final norm: what one piece
         of a model cut at layer boundaries computes (`coreml.split`). `x` is the token ids [1, T]
         where start is 0 (embedded here, by `token_rows` if given), else the hidden states [1, T, hidden]
         layer start - 1 gave; the caches hold these layers' alone [stop - start, 1, kv_heads,
-        context, head_dim]. Pieces run in turn compute what the whole does, op for op."""
+        context, head_dim]. Pieces run in turn compute what the whole does, op for op.
+
+        `compute_dtype`: caches held in another dtype than the arithmetic's (a stateful package's
+        fp16 state under float32 layers, a check's fp16 noise prefix) are read into it a layer at
+        a time, and each layer's written caches go back to the caches' dtype as the layer is
+        done. The values are those of casting the whole cache in and the stacked result back,
+        without a float32 copy of the whole cache, of every layer's written cache and of their
+        stack at once: 1.1 GB at SmolLM2's context 8192 (docs/MEMORY.md). A converted FP32
+        program still reads a state through one cast of the whole (coremltools' torch frontend;
+        the MIL executor slices before it casts, `Executor._slice_before_casts`); an fp16 one
+        has no cast."""
         start, stop = layers
+        held = key_cache.dtype
+        if compute_dtype is None or compute_dtype == held:
+            def read(cache):
+                return cache
+
+            def kept(cache):
+                return cache
+        else:
+            def read(cache):
+                return cache.to(compute_dtype)
+
+            def kept(cache):
+                return cache.to(held)
         tokens = x if start == 0 else x[:, :, 0]  # [1, T]: the step counts the chunk's positions from it
-        step = CacheStep(tokens, position, key_cache[0, 0, 0, :, 0], self.sliding_window, rows_apart, attention_bias)
+        slots_axis = read(key_cache[0, 0, 0, :, 0])
+        step = CacheStep(tokens, position, slots_axis, self.sliding_window, rows_apart, attention_bias)
         full = _cos_sin(step, self.inv_freq)
         rope = {"FullAttention": full,
                 "SlidingAttention": full if self.sliding_inv_freq is None else _cos_sin(step, self.sliding_inv_freq)}
         h = (token_rows or self.token_rows)(x) if start == 0 else x
-        if key_cache.dtype == torch.float64:
+        if slots_axis.dtype == torch.float64:
             h = h.double()  # the float64 side of `noise.rounding_noise`: its layers are widened as they run
         elif h.dtype != torch.float32:
             # fp16 weights (pipeline.ground.models.fp16): positions and RoPE angles stay float32,
@@ -417,10 +445,10 @@ class Decoder(nn.Module):
             h = h * scale
         new_keys, new_values = [], []
         for i in range(start, stop):
-            h, keys, values = self.model.layers[i](h, *rope[self.args.layer_types[i]], step, key_cache[i - start],
-                                                   value_cache[i - start])
-            new_keys.append(keys)
-            new_values.append(values)
+            h, keys, values = self.model.layers[i](h, *rope[self.args.layer_types[i]], step,
+                                                   read(key_cache[i - start]), read(value_cache[i - start]))
+            new_keys.append(kept(keys))
+            new_values.append(kept(values))
         return h, new_keys, new_values
 
     @property
