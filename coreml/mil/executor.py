@@ -224,12 +224,7 @@ class Executor:
         coremltools' torch frontend reads an fp16 state through one cast of the whole state to
         float32 (its `read_state` then `cast`), which an FP32 stateful program slices a layer at
         a time: at SmolLM2's context 8192, 378 MB of float32 K/V held through the step."""
-        readers: dict[str, list[tuple[int, str]]] = {}
-        for index, step in enumerate(self._steps):
-            for key, operands, _ in step.dynamic:
-                for operand in operands:
-                    if not isinstance(operand, _Known):
-                        readers.setdefault(operand, []).append((index, key))
+        readers = self._readers()
         returned, dropped = set(self.function.block.outputs), set()
         for index, step in enumerate(self._steps):
             if step.op.type != "cast" or len(step.dynamic) != 1:
@@ -249,6 +244,16 @@ class Executor:
                     for key, operands, lists in reader.dynamic))
             dropped.add(index)
         self._steps = [step for index, step in enumerate(self._steps) if index not in dropped]
+
+    def _readers(self) -> dict[str, list[tuple[int, str]]]:
+        """Value name -> (step index, input key) of each step that reads it, in program order."""
+        readers: dict[str, list[tuple[int, str]]] = {}
+        for index, step in enumerate(self._steps):
+            for key, operands, _ in step.dynamic:
+                for operand in operands:
+                    if not isinstance(operand, _Known):
+                        readers.setdefault(operand, []).append((index, key))
+        return readers
 
     def _liveness(self) -> tuple[tuple[str, ...], ...]:
         """Per step, the values nothing reads after it: a run drops them, so it holds only live
@@ -274,15 +279,8 @@ class Executor:
         result read by the next step only. `run_batch(rows=...)` gives such an output's wanted
         rows by feeding the linear only those: a chunk-KV package's head over a 262k vocabulary
         is 63% of Gemma 3's multiply-adds a token, and scoring reads one row of a prefix's 64."""
-        readers: dict[str, list[int]] = {}
-        made_by: dict[str, int] = {}
-        for index, step in enumerate(self._steps):
-            for _, operands, _ in step.dynamic:
-                for operand in operands:
-                    if not isinstance(operand, _Known):
-                        readers.setdefault(operand, []).append(index)
-            for name, _ in step.op.outputs:
-                made_by[name] = index
+        readers = {name: [index for index, _ in reads] for name, reads in self._readers().items()}
+        made_by = {name: index for index, step in enumerate(self._steps) for name, _ in step.op.outputs}
         tails = {}
         for feature, var in zip(self.function.spec_outputs, self.function.block.outputs):
             if readers.get(var):
