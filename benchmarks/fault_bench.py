@@ -30,8 +30,9 @@ from pipeline.stages.gates.stage import align_package  # noqa: E402
 
 def row(name: str, where: str, report: dict, seconds: float) -> str:
     summary, tolerance = report["summary"], report["tolerance"]
+    failed = ", ".join(i["name"] for i in report["invariants"] if i["passed"] is False)
     parts = [part for part, ok in (("exactness", summary["exact"]), ("quality", report["quality"]["within_budget"]),
-                                   ("invariants", summary["invariants_passed"])) if ok is False]
+                                   (f"invariants ({failed})", summary["invariants_passed"])) if ok is False]
     delta = summary.get("max_abs")
     ratio = "" if delta is None else f"{delta / tolerance['atol']:,.1f}x"
     # What the gate decides on: each position's |Δ| against that position's own bound (the bound

@@ -28,9 +28,11 @@ from coreml.layout import logit_outputs
 from coreml.precisions import POSITION_INPUT, package_precision, positional_values
 from coreml.split import HIDDEN_INPUT, HIDDEN_OUTPUT, Piece, chained_histogram, program_views
 from coreml.mil.loader import (
+    BlobConst,
     BlobStorage,
     FeatureSpec,
     TensorSpec,
+    blob_consts,
     blob_file,
     feature_spec,
     program_spec,
@@ -304,17 +306,66 @@ def _head_split(claims: _Claims, block: dict, architecture: dict) -> None:
     for name, function in claims.program.functions.items():
         gathered = {var for op, reads, *_ in function.graph if op == "gather" for var in reads}
         for part, (start, stop) in zip(split["parts"], rows):
-            var = function.returned[part["output"]]
-            op, reads = next(((o, keyed) for o, _, writes, keyed, _ in function.graph if var in writes), (None, {}))
-            weight = (reads.get("weight") or [None])[0]
+            op, weight = _part_weight(function, part["output"])
             producer, spec = function.producers.get(weight, (None, None))
             stated = (op, producer == "const" or str(producer).startswith("constexpr_"),
                       list(spec.shape) if spec is not None else None)
             claims.same(f"package.head_split.parts[{part['output']}] (function {name})",
                         ("linear", True, [stop - start, hidden]), stated,
-                        f"the program's producer of {var} (op, weight constant, weight shape)")
+                        f"the program's producer of {function.returned[part['output']]} (op, weight constant, "
+                        "weight shape)")
             claims.same(f"package.head_split.token_lookup (function {name}, {part['output']})",
                         split.get("token_lookup", False), weight in gathered, f"whether a gather reads {weight}")
+
+
+def _part_weight(function: ProgramFunction, output: str) -> tuple[str | None, str | None]:
+    """(the type of the op that makes a head part's `output`, the variable it reads as its weight)."""
+    var = function.returned[output]
+    op, reads = next(((o, keyed) for o, _, writes, keyed, _ in function.graph if var in writes), (None, {}))
+    return op, (reads.get("weight") or [None])[0]
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """A bundle tensor (or the rows of the head a part holds: `rows`) as a program of the package
+    stores it, a plain constant, named by the manifest's `package.weights` or `head_split`."""
+    program: str  # the .mlpackage: the package's, or its piece's in a split package
+    tensor: str  # the HF name
+    rows: tuple[int, int] | None
+    const: BlobConst
+
+
+@dataclass(frozen=True)
+class StoredWeights:
+    """What a package holds of the bundle's tensors: as plain constants (`plain`), and the HF
+    names of those a recipe stores compressed (decoded only from the package itself)."""
+    plain: list[StoredTensor]
+    compressed: frozenset[str]
+
+
+def stored_weights(package_dir: Path, manifest: dict) -> StoredWeights:
+    """Every bundle tensor the package's programs hold, in every function: the constants its
+    manifest records (`package.weights`, each piece's in a split package) and the head's parts
+    (`package.head_split`), each found in the program by the name the manifest gives it."""
+    plain, compressed = [], set()
+    for name, view in program_views(manifest):
+        block, mlpackage = view["package"], Path(package_dir) / view["package"]["name"]
+        selection = view.get("selection", {}).get("weights", {})
+        recorded = {const: [(tensor, None) for tensor in tensors] for const, tensors in block.get("weights", {}).items()
+                    if not (const in selection and selection[const]["compressed"])}
+        compressed |= {tensor for entry in selection.values() if entry["compressed"] for tensor in entry["hf_names"]}
+        split = block.get("head_split")
+        if split is not None:
+            for function in read_program(mlpackage).functions.values():
+                for part in split["parts"]:
+                    weight = _part_weight(function, part["output"])[1]
+                    if str(function.producers.get(weight, (None,))[0]).startswith("constexpr_"):
+                        compressed.add(split["weight"])
+                    else:
+                        recorded[weight] = [(split["weight"], tuple(part["rows"]))]
+        for const in blob_consts(mlpackage):
+            plain += [StoredTensor(name, tensor, rows, const) for tensor, rows in recorded.get(const.name, ())]
+    return StoredWeights(plain, frozenset(compressed))
 
 
 def _arithmetic(function: ProgramFunction, dtype: str) -> dict[str, str]:

@@ -15,15 +15,18 @@ from pipeline.stages.gates.faults import FAULTS, FaultNotApplicable, seeded_copy
 # Faults that need what the fixture's packages do not have: its norms are plain in FP32, and its
 # fp16 preflight found nothing near 65504, so its fp16 norms are plain too.
 NOT_IN_THE_FIXTURE = {"norm_unscaled": "no max-scaled RMSNorm"}
-# What an fp16 gate cannot see on the fixture: faults that move its logits less than 8x the fp16
-# reference's own rounding noise (`exactness.NOISE_FACTOR`), the bound's floor. Measured:
-# down_proj x (1 + 1e-3) is about one fp16 step of each weight, and moves the logits by 0.018
-# against a bound of 0.098; the attention scale x 1.01 moves them by 0.039. Strict: a gate that
-# comes to catch them says so.
+# What an fp16 gate cannot see on the fixture: a program constant that moves its logits less than
+# 8x the fp16 reference's own rounding noise (`exactness.NOISE_FACTOR`), the bound's floor. Measured:
+# the attention scale x 1.01 moves them by 0.039 against a bound of 0.098. (A weight is another
+# matter: down_proj x (1 + 1e-3), about one fp16 step of each weight, moves the logits by only
+# 0.018, but its bytes are not the reference's: `invariants.WeightsAsIntended`.) Strict: a gate
+# that comes to catch it says so.
 UNDER_THE_FP16_NOISE = {
-    "matrix_scale": "fp16 stores down_proj x (1 + 1e-3) about one step off; |dlogit| 0.018 < bound 0.098",
     "attention_scale": "the attention scale x 1.01 moves the logits 0.039 < bound 0.098 in fp16",
 }
+# Faults that edit a weight, and the tensors each edits: the stored-weights invariant names them.
+WEIGHT_FAULTS = {"matrix_scale": ("mlp.down_proj.weight",), "norm_rows_swapped": ("layernorm.weight",),
+                 "kv_heads_swapped": ("self_attn.k_proj.weight", "self_attn.v_proj.weight")}
 PROGRAM_EDITS = ("cache_slot_off", "mask_leak", "rope_shifted")
 
 
@@ -62,6 +65,12 @@ def _seeded_gate_fails(package_dir, bundle, fault, tmp_path, items, capsys) -> d
         failed = [r for r in report["records"] if not r["passed"]]
         assert failed and all(r["case"] and r["pattern"] for r in failed)
     assert "GateFailed" in capsys.readouterr().err
+    weights = next(i for i in report["invariants"] if i["name"] == "weights_as_intended")
+    if fault in WEIGHT_FAULTS:  # caught by its bytes, whatever the logits show, and named
+        assert not weights["passed"] and weights["differing"], weights
+        assert all(d["tensor"].endswith(WEIGHT_FAULTS[fault]) and d["elements"] > 0 for d in weights["differing"])
+    else:  # a program's constant or op: every weight is still the reference's
+        assert weights["passed"] and not weights["not_held"], weights
     return report
 
 

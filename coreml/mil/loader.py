@@ -422,15 +422,37 @@ class ConstDigest:
     sha256: str  # of the const's data bytes, as numpy holds them (little-endian, C order)
 
 
-def blob_const_digests(package: str | Path) -> dict[str, ConstDigest]:
-    """Every weight-file const of each function's top-level block, by output name: its dtype, shape
-    and the sha256 of its data, streamed through the map (`BlobStorage.stream`), so a weight file as
-    large as the model is never resident while another copy is (the converter's reference model,
-    a map of the bundle, is). Packed sub-byte consts are left out: no float weight is one."""
+@dataclass(frozen=True)
+class BlobConst:
+    """A weight-file const of one function's top-level block, read on demand from its file's map."""
+    function: str
+    name: str
+    storage: BlobStorage
+    offset: int
+    dtype: MilDType
+    shape: tuple[int, ...]
+
+    def digest(self) -> ConstDigest:
+        """Its dtype, shape and the sha256 of its data, streamed through the map
+        (`BlobStorage.stream`), so a weight file as large as the model is never resident while
+        another copy is (the converter's reference model, a map of the bundle, is)."""
+        digest = hashlib.sha256()
+        for chunk in self.storage.stream(self.storage.entry(self.offset, self.dtype)):
+            digest.update(chunk)
+        return ConstDigest(self.dtype.numpy, self.shape, digest.hexdigest())
+
+    def values(self) -> np.ndarray:
+        """Its data as an array viewing the map (no copy)."""
+        return self.storage.read(self.offset, self.dtype, self.shape)
+
+
+def blob_consts(package: str | Path) -> list[BlobConst]:
+    """Every weight-file const of each function's top-level block, in program order. Packed
+    sub-byte consts are left out: no float weight is one."""
     package = Path(package)
     spec_path, model = program_spec(package)
     storages: dict[str, BlobStorage] = {}
-    digests = {}
+    consts = []
     for name, fn in model.mlProgram.functions.items():
         where = f"{spec_path}: function {name}"
         for op in fn.block_specializations[fn.opset].operations if fn.opset in fn.block_specializations else ():
@@ -443,12 +465,14 @@ def blob_const_digests(package: str | Path) -> dict[str, ConstDigest]:
             blob = value.blobFileValue
             if blob.fileName not in storages:
                 storages[blob.fileName] = BlobStorage(blob_file(spec_path.parent, blob.fileName, where))
-            storage = storages[blob.fileName]
-            digest = hashlib.sha256()
-            for chunk in storage.stream(storage.entry(blob.offset, spec.dtype)):
-                digest.update(chunk)
-            digests[op.outputs[0].name] = ConstDigest(spec.dtype.numpy, spec.shape, digest.hexdigest())
-    return digests
+            consts.append(BlobConst(name, op.outputs[0].name, storages[blob.fileName], blob.offset, spec.dtype,
+                                    tuple(spec.shape)))
+    return consts
+
+
+def blob_const_digests(package: str | Path) -> dict[str, ConstDigest]:
+    """Every weight-file const (`blob_consts`) by output name: its dtype, shape and data's sha256."""
+    return {const.name: const.digest() for const in blob_consts(package)}
 
 
 def load_program(package: str | Path) -> Program:

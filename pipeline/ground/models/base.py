@@ -461,6 +461,11 @@ class Decoder(nn.Module):
         """The HF name of the head's weight."""
         return "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
 
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """HF name -> weight, as this model computes with it (a package converted from it stores
+        these values, each rounded once to the package's float dtype)."""
+        return {name: parameter.detach() for name, parameter in self.named_parameters()}
+
     def logits_of(self, hidden):
         return self.head(hidden)
 

@@ -415,6 +415,10 @@ class Fp16Reference(nn.Module):
     def logits_of(self, hidden):
         return self._checked(self.decoder.logits_of(hidden))
 
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """The decoder's weights in fp16, as this reference computes with them."""
+        return self.decoder.named_weights()
+
 
 def fp16_reference(model: Decoder) -> Fp16Reference:
     """The fp16 numerics an fp16 package intends for `model` (apply the same mitigations first)."""

@@ -12,10 +12,13 @@ order registered, and the page renders each one's records; adding an invariant i
 one class here.
 """
 
+import hashlib
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from pipeline.stages.gates.exactness import Tolerance, bitwise, compare, sliding_window
 from pipeline.stages.gates.fixtures import ReferenceFixtures
@@ -34,7 +37,8 @@ class GateRun:
     """What the invariants read of a gate run: the candidate, its one-shot logits per case,
     its chunk-pattern runs (`exactness_chunks`, each pattern but one_shot reduced by
     `PatternsEqualOneShot.reduce`; None where it has no `chunks`), FP32's bound, whether the
-    intended cache is fp16, and the model's arch (`ModelArgs`: its sliding window)."""
+    intended cache is fp16, the model's arch (`ModelArgs`: its sliding window), and the weights
+    the intended reference computes with."""
     candidate: object
     fixtures: ReferenceFixtures
     one_shot: dict[str, np.ndarray]
@@ -42,6 +46,7 @@ class GateRun:
     tolerance: Tolerance
     fp16_cache: bool
     args: object
+    weights: Mapping[str, torch.Tensor]  # the intended reference's (`named_weights`)
 
 
 class Invariant(ABC):
@@ -86,6 +91,68 @@ def run_invariants(gate: GateRun) -> list[dict]:
 def invariant_rows(records: list[dict]) -> list[list]:
     """The page's rows of a report's invariant records, each rendered by its own invariant."""
     return [check.row(record) for check in INVARIANTS for record in records if check.owns(record)]
+
+
+@register_invariant
+class WeightsAsIntended(Invariant):
+    """Every bundle tensor a package stores as a plain constant holds the intended reference's
+    values bit for bit, in every function and piece, and every matrix of the reference is
+    stored. No bound: a package's weight is the reference's, rounded once to the package's
+    float dtype by a correctly rounded cast (`coreml.kinds.export.weight_names` records it so),
+    the same on every CPU.
+
+    Why the logits cannot do this alone: a weight one fp16 step off moves an fp16 package's
+    logits less than the fp16 reference's own rounding noise (tests/test_gate_faults.py:
+    down_proj x (1 + 1e-3)); its bytes show it at once. Vectors may be held folded with a
+    constant of their op (Gemma's RMSNorm gain as 1 + w), so only matrices must be found; a
+    tensor a recipe compresses is decoded from the package itself (`references`), so nothing
+    independent says what its codes should be, and the record counts those apart."""
+
+    name = "weights_as_intended"
+
+    def offered(self, gate: GateRun) -> bool:
+        return hasattr(gate.candidate, "package")
+
+    def run(self, gate: GateRun) -> list[dict]:
+        from coreml.crosscheck import stored_weights
+
+        package = gate.candidate.package
+        stored = stored_weights(package.path, package.manifest)
+        differing, held = [], set(stored.compressed)
+        for entry in stored.plain:
+            want = gate.weights.get(entry.tensor)
+            if want is None:
+                differing.append({"tensor": entry.tensor, "program": entry.program, "const": entry.const.name,
+                                  "why": "the intended reference has no such tensor"})
+                continue
+            want = want if entry.rows is None else want[slice(*entry.rows)]
+            want = np.ascontiguousarray(want.float().numpy(), entry.const.dtype.numpy)
+            digest = entry.const.digest()
+            if digest.shape == want.shape and digest.sha256 == hashlib.sha256(want).hexdigest():
+                held.add(entry.tensor)
+                continue
+            got = entry.const.values()
+            delta = np.abs(got.astype(np.float32) - want.astype(np.float32)) if got.shape == want.shape else None
+            differing.append({"tensor": entry.tensor, "rows": entry.rows, "program": entry.program,
+                              "function": entry.const.function, "const": entry.const.name,
+                              **({"elements": int(np.count_nonzero(delta)), "max_abs": float(delta.max())}
+                                 if delta is not None else {"why": f"shape {list(got.shape)}, not {list(want.shape)}"})})
+        not_held = sorted(name for name, tensor in gate.weights.items() if tensor.dim() >= 2 and name not in held)
+        return [{"name": self.name, "passed": not differing and not not_held,
+                 "max_abs": max((d.get("max_abs", float("inf")) for d in differing), default=0.0),
+                 "plain": len(stored.plain), "compressed": sorted(stored.compressed),
+                 "differing": differing, "not_held": not_held}]
+
+    def owns(self, record: dict) -> bool:
+        return record["name"] == self.name
+
+    def row(self, record: dict) -> list:
+        held = f"{record['plain']} constants" + (f", {len(record['compressed'])} tensors compressed"
+                                                  if record["compressed"] else "")
+        wrong = [f"{d['tensor']} differs ({d['const']}: " + (f"{d['elements']} elements)" if "elements" in d
+                                                               else f"{d['why']})") for d in record["differing"][:3]] + [f"{name} not held" for name in record["not_held"][:3]]
+        return [f"{record['name']}: {held}" + ("; " + "; ".join(wrong) if wrong else ""), record["max_abs"],
+                record["passed"]]
 
 
 @register_invariant

@@ -138,7 +138,8 @@ def _exactness_and_invariants(candidate, intended, fixtures: ReferenceFixtures, 
     if frozen or chunks is None:
         records = exactness_one_shot(one_shot, intended, fixtures, frozen, samples, tolerance) + records
     clock.lap("one_shot")
-    invariants = run_invariants(GateRun(candidate, fixtures, one_shot, runs, tolerance, fp16_cache, intended.args))
+    invariants = run_invariants(GateRun(candidate, fixtures, one_shot, runs, tolerance, fp16_cache, intended.args,
+                                         intended.model.named_weights()))
     del one_shot, runs  # the cases' logits, both sides (2 GB for Gemma 3's long case)
     return_freed_memory()
     clock.lap("branching")
