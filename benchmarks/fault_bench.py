@@ -10,7 +10,7 @@ precision, not the package: a fault never moves it.) A fault the package has not
     python benchmarks/fault_bench.py PACKAGE --bundle BUNDLE --fixtures REFERENCE [--items ITEMS] [--work DIR]
 
 PACKAGE is a chunk-KV or stateful package (`cmfdeploy coreml BUNDLE -o OUT --kinds chunk_kv`,
-`--precision fp16` with its preflight), REFERENCE the model's reference fixtures
+`--precision fp16` with its preflight), or one compressed from it (`cmfdeploy compress`), REFERENCE the model's reference fixtures
 (`cmfdeploy reference-fixtures`).
 """
 
@@ -30,7 +30,8 @@ from pipeline.stages.gates.stage import align_package  # noqa: E402
 
 def row(name: str, where: str, report: dict, seconds: float) -> str:
     summary, tolerance = report["summary"], report["tolerance"]
-    failed = ", ".join(i["name"] for i in report["invariants"] if i["passed"] is False)
+    failed = [i["name"] for i in report["invariants"] if i["passed"] is False]
+    failed = ", ".join(failed[:2]) + (f" and {len(failed) - 2} more" if len(failed) > 2 else "")
     parts = [part for part, ok in (("exactness", summary["exact"]), ("quality", report["quality"]["within_budget"]),
                                    (f"invariants ({failed})", summary["invariants_passed"])) if ok is False]
     delta = summary.get("max_abs")
@@ -53,13 +54,17 @@ def main() -> None:
     parser.add_argument("--items", type=Path, default=ROOT / "fixtures" / "scoring" / "cloze.jsonl")
     parser.add_argument("--faults", nargs="*", default=sorted(FAULTS))
     parser.add_argument("--work", type=Path, help="where seeded copies and gates go (default: a temporary folder)")
+    parser.add_argument("--all-figures", action="store_true",
+                        help="measure every part of every gate (a package over its budget is otherwise failed "
+                             "by quality alone, its exactness and invariants not measured)")
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="fault-bench-"))
     print("| fault | where | verdict | max |Δ logit| | largest bound | max Δ / largest bound "
           "| worst position's Δ / its bound | ppl change | gate |")
     print("|---|---|---|---|---|---|---|---|---|")
     start = time.perf_counter()
-    correct = align_package(args.package, args.fixtures, work / "correct", items=args.items, force=True)
+    correct = align_package(args.package, args.fixtures, work / "correct", items=args.items, force=True,
+                            all_figures=args.all_figures)
     print(row("none (the correct package)", "", correct.report, time.perf_counter() - start), flush=True)
     for name in args.faults:
         folder = work / name
@@ -70,7 +75,8 @@ def main() -> None:
             print(f"| {name} | not applicable: {error} | | | | | | |", flush=True)
             continue
         start = time.perf_counter()
-        gate = align_package(package, args.fixtures, folder / "gate", items=args.items, force=True)
+        gate = align_package(package, args.fixtures, folder / "gate", items=args.items, force=True,
+                             all_figures=args.all_figures)
         print(row(name, where, gate.report, time.perf_counter() - start), flush=True)
         shutil.rmtree(folder / "coreml", ignore_errors=True)
     if args.work is None:

@@ -16,6 +16,7 @@ errors the fits minimise: activation second moments from calibration text turn t
 plain fits into sensitivity-weighted ones (SKM, AWQ-style weighted min/max).
 """
 
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -173,6 +174,28 @@ def code_from_arrays(arrays: dict[str, np.ndarray], record: dict) -> ShiftScale 
                                         record[part]) for part in ("table", "residual")}
         return HotRows(parts["table"], parts["residual"], arrays["slot"])
     return ShiftScale(arrays["data"], arrays["scale"], arrays.get("offset"), record["nbits"], record["signed"])
+
+
+def decoded_blocks(code) -> Iterator[np.ndarray]:
+    """`code.decode()` (float32) a block of whole rows at a time, each block's rows the whole
+    decoding's to the bit (each row decodes from its own parameters alone), its temporaries one
+    block's (`DECODE_BLOCK_BYTES`): a ShiftScale's rows, a Palette's whole groups of rows. Another
+    code decodes at once; a plain array is its own decoding."""
+    if isinstance(code, ShiftScale):
+        (rows, cols), unit = code.data.shape, 1
+        cut = lambda start, stop: replace(code, data=code.data[start:stop], scale=code.scale[start:stop],
+                                          offset=None if code.offset is None else code.offset[start:stop])
+    elif isinstance(code, Palette):
+        rows, cols = code.indices.shape
+        unit = rows // code.lut.shape[0]
+        cut = lambda start, stop: replace(code, indices=code.indices[start:stop], lut=code.lut[start // unit:stop // unit],
+                                          row_scale=None if code.row_scale is None else code.row_scale[start:stop])
+    else:
+        yield code.decode() if hasattr(code, "decode") else np.asarray(code, np.float32)
+        return
+    step = max(1, DECODE_BLOCK_BYTES // max(1, unit * 5 * 4 * cols)) * unit
+    for start in range(0, rows, step):
+        yield cut(start, min(rows, start + step)).decode()
 
 
 def rows_of(code: ShiftScale, ids: np.ndarray) -> ShiftScale:

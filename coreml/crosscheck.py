@@ -336,36 +336,50 @@ class StoredTensor:
 
 
 @dataclass(frozen=True)
+class CodedTensor:
+    """A bundle tensor (or a head part's rows) a recipe stores as a code, and the sha256 of what
+    the recipe computed its decoding to be (None where the recipe records none: hot rows,
+    coremltools' own quantizer)."""
+    program: str
+    tensor: str
+    rows: tuple[int, int] | None
+    decoded_sha256: str | None
+    dtype: np.dtype  # what the code decodes to: the program's float dtype
+
+
+@dataclass(frozen=True)
 class StoredWeights:
-    """What a package holds of the bundle's tensors: as plain constants (`plain`), and the HF
-    names of those a recipe stores compressed (decoded only from the package itself)."""
+    """What a package holds of the bundle's tensors: as plain constants, and as codes."""
     plain: list[StoredTensor]
-    compressed: frozenset[str]
+    coded: list[CodedTensor]
 
 
 def stored_weights(package_dir: Path, manifest: dict) -> StoredWeights:
     """Every bundle tensor the package's programs hold, in every function: the constants its
     manifest records (`package.weights`, each piece's in a split package) and the head's parts
-    (`package.head_split`), each found in the program by the name the manifest gives it."""
-    plain, compressed = [], set()
+    (`package.head_split`), each found in the program by the name the manifest gives it, and
+    the codes its recipe wrote (`selection.weights`)."""
+    plain, coded = [], []
     for name, view in program_views(manifest):
         block, mlpackage = view["package"], Path(package_dir) / view["package"]["name"]
-        selection = view.get("selection", {}).get("weights", {})
+        selection = {const: entry for const, entry in view.get("selection", {}).get("weights", {}).items()
+                     if entry["compressed"]}
+        dtype = np.dtype(package_precision(block, mlpackage).float_dtype)
+        coded += [CodedTensor(name, tensor, tuple(entry["rows"]) if "rows" in entry else None,
+                              entry.get("decoded_sha256"), dtype)
+                  for entry in selection.values() for tensor in entry["hf_names"]]
         recorded = {const: [(tensor, None) for tensor in tensors] for const, tensors in block.get("weights", {}).items()
-                    if not (const in selection and selection[const]["compressed"])}
-        compressed |= {tensor for entry in selection.values() if entry["compressed"] for tensor in entry["hf_names"]}
+                    if const not in selection}
         split = block.get("head_split")
         if split is not None:
             for function in read_program(mlpackage).functions.values():
                 for part in split["parts"]:
                     weight = _part_weight(function, part["output"])[1]
-                    if str(function.producers.get(weight, (None,))[0]).startswith("constexpr_"):
-                        compressed.add(split["weight"])
-                    else:
+                    if not str(function.producers.get(weight, (None,))[0]).startswith("constexpr_"):
                         recorded[weight] = [(split["weight"], tuple(part["rows"]))]
         for const in blob_consts(mlpackage):
             plain += [StoredTensor(name, tensor, rows, const) for tensor, rows in recorded.get(const.name, ())]
-    return StoredWeights(plain, frozenset(compressed))
+    return StoredWeights(plain, coded)
 
 
 def _arithmetic(function: ProgramFunction, dtype: str) -> dict[str, str]:

@@ -27,6 +27,8 @@ UNDER_THE_FP16_NOISE = {
 # Faults that edit a weight, and the tensors each edits: the stored-weights invariant names them.
 WEIGHT_FAULTS = {"matrix_scale": ("mlp.down_proj.weight",), "norm_rows_swapped": ("layernorm.weight",),
                  "kv_heads_swapped": ("self_attn.k_proj.weight", "self_attn.v_proj.weight")}
+# Faults in what a recipe writes: seeded into compressed packages alone.
+CODE_FAULTS = {"code_scale": "down_proj.weight uncompressed"}
 PROGRAM_EDITS = ("cache_slot_off", "mask_leak", "rope_shifted")
 
 
@@ -48,13 +50,15 @@ def fp16_packages(fixture_bundle, tmp_path_factory):
     return root / "coreml"
 
 
-def _seeded_gate_fails(package_dir, bundle, fault, tmp_path, items, capsys) -> dict:
+def _seeded_gate_fails(package_dir, bundle, fault, tmp_path, items, capsys, all_figures: bool = False) -> dict:
+    """`all_figures`: every part measured, where a package over its budget (a low-bit recipe on the
+    random-weight fixture) would leave exactness and the invariants unmeasured."""
     kind = package_dir.name
     package, where = seeded_copy(package_dir, bundle, tmp_path / "coreml" / kind, fault)
     assert main(["verify-artifact", str(package)]) == 0  # the identity chain holds: only numerics can tell
     out = tmp_path / "gate"
     assert main(["align", str(package), "--fixtures", str(FIXTURE_REFERENCE), "-o", str(out),
-                 "--items", str(items)]) == 1, where
+                 "--items", str(items), *(["--all-figures"] if all_figures else [])]) == 1, where
     report = read_json(out / "alignment.json")
     assert not report["passed"]
     failed_parts = [part for part, ok in (("exactness", report["summary"]["exact"]),
@@ -69,6 +73,10 @@ def _seeded_gate_fails(package_dir, bundle, fault, tmp_path, items, capsys) -> d
     if fault in WEIGHT_FAULTS:  # caught by its bytes, whatever the logits show, and named
         assert not weights["passed"] and weights["differing"], weights
         assert all(d["tensor"].endswith(WEIGHT_FAULTS[fault]) and d["elements"] > 0 for d in weights["differing"])
+    elif fault in CODE_FAULTS:  # the reference decodes the package's own codes: only the recipe's record tells
+        assert report["summary"]["exact"] and not weights["passed"], report["summary"]
+        layer = read_json(bundle / "config.json")["arch"]["num_layers"] // 2
+        assert [d["tensor"] for d in weights["differing"]] == [f"model.layers.{layer}.mlp.down_proj.weight"]
     else:  # a program's constant or op: every weight is still the reference's
         assert weights["passed"] and not weights["not_held"], weights
     return report
@@ -76,7 +84,7 @@ def _seeded_gate_fails(package_dir, bundle, fault, tmp_path, items, capsys) -> d
 
 def _cases(precision: str):
     for fault in sorted(FAULTS):
-        if fault in NOT_IN_THE_FIXTURE:
+        if fault in NOT_IN_THE_FIXTURE or fault in CODE_FAULTS:
             continue
         marks = ([pytest.mark.xfail(strict=True, reason=UNDER_THE_FP16_NOISE[fault])]
                  if precision == "fp16" and fault in UNDER_THE_FP16_NOISE else [])
@@ -104,8 +112,24 @@ def test_a_program_edit_goes_into_prefill_and_decode_and_fails_the_stateful_gate
 def test_a_fault_whose_target_the_package_lacks_is_refused_by_name(packages, fixture_packages, fp16_packages,
                                                                    fixture_bundle, tmp_path):
     package = (fixture_packages if packages == "fp32" else fp16_packages) / "chunk_kv"
-    for fault, lacking in NOT_IN_THE_FIXTURE.items():
+    for fault, lacking in {**NOT_IN_THE_FIXTURE, **CODE_FAULTS}.items():
         with pytest.raises(FaultNotApplicable, match=lacking):
             seeded_copy(package, fixture_bundle, tmp_path / fault, fault)
     with pytest.raises(FaultNotApplicable, match="not among"):
         seeded_copy(package, fixture_bundle, tmp_path / "x", "no_such_fault")
+
+
+@pytest.mark.parametrize("precision, recipe", [("fp32", "int8-pc"), ("fp32", "palette4-gc32"), ("fp16", "int8-pc")])
+def test_a_code_fault_fails_the_compressed_gate_by_the_recipes_record(precision, recipe, fixture_packages,
+                                                                     fp16_packages, fixture_bundle, items, tmp_path,
+                                                                     capsys):
+    from coreml.recipes import compress_package
+
+    source = (fixture_packages if precision == "fp32" else fp16_packages) / "chunk_kv"
+    compressed = tmp_path / "compressed" / recipe
+    compress_package(source, recipe, compressed)
+    for fault in CODE_FAULTS:
+        _seeded_gate_fails(compressed, fixture_bundle, fault, tmp_path / fault, items, capsys, all_figures=True)
+    for fault in ("matrix_scale", "kv_heads_swapped"):  # a compressed matrix is no constant to edit (norms stay plain)
+        with pytest.raises(FaultNotApplicable, match="uncompressed"):
+            seeded_copy(compressed, fixture_bundle, tmp_path / fault, fault)

@@ -29,6 +29,16 @@ def _records(package_dir, bundle, edit=lambda weights: weights) -> dict:
     return record
 
 
+def _one_step_up(name: str, at: tuple[int, int]):
+    """An edit of the reference's weights: `name`'s entry `at` the next value of its dtype up."""
+    def edit(weights):
+        wrong = weights[name].clone()
+        wrong[at] = torch.nextafter(wrong[at], torch.tensor(float("inf"), dtype=wrong.dtype))
+        return {**weights, name: wrong}
+
+    return edit
+
+
 @pytest.mark.parametrize("kind", ["chunk_kv", "stateless"])
 def test_every_matrix_of_a_correct_package_is_the_references_bit_for_bit(kind, fixture_packages, fixture_bundle):
     record = _records(fixture_packages / kind, fixture_bundle)
@@ -39,13 +49,7 @@ def test_every_matrix_of_a_correct_package_is_the_references_bit_for_bit(kind, f
 
 def test_one_ulp_in_one_element_of_one_matrix_fails_and_is_named(fixture_packages, fixture_bundle):
     name = "model.layers.1.self_attn.o_proj.weight"
-
-    def one_ulp(weights):
-        wrong = weights[name].clone()
-        wrong[3, 5] = torch.nextafter(wrong[3, 5], torch.tensor(float("inf")))
-        return {**weights, name: wrong}
-
-    record = _records(fixture_packages / "chunk_kv", fixture_bundle, one_ulp)
+    record = _records(fixture_packages / "chunk_kv", fixture_bundle, _one_step_up(name, (3, 5)))
     assert not record["passed"]
     assert [(d["tensor"], d["elements"]) for d in record["differing"]] == [(name, 1)]
     assert 0 < record["max_abs"] < 1e-6
@@ -58,12 +62,23 @@ def test_a_matrix_the_package_does_not_hold_fails_by_name(fixture_packages, fixt
     assert not record["differing"]
 
 
-def test_a_compressed_package_holds_its_plain_weights_and_counts_its_compressed_ones_apart(
-        fixture_packages, fixture_bundle, tmp_path):
-    compress_package(fixture_packages / "chunk_kv", "int8-pc", tmp_path / "int8-pc")
-    record = _records(tmp_path / "int8-pc", fixture_bundle)
-    assert record["passed"] and not record["not_held"], record
-    selection = read_json(tmp_path / "int8-pc" / "manifest.json")["selection"]["weights"]
-    assert record["compressed"] == sorted({tensor for entry in selection.values() if entry["compressed"]
-                                           for tensor in entry["hf_names"]}) != []
+@pytest.mark.parametrize("recipe", ["int8-pc", "palette4-gc32", "int4-b32"])
+def test_a_compressed_package_holds_its_codes_as_its_recipe_decoded_them(recipe, fixture_packages, fixture_bundle,
+                                                                        tmp_path):
+    compress_package(fixture_packages / "chunk_kv", recipe, tmp_path / recipe)
+    record = _records(tmp_path / recipe, fixture_bundle)
+    assert record["passed"] and not record["not_held"] and not record["coded_unrecorded"], record
+    selection = read_json(tmp_path / recipe / "manifest.json")["selection"]["weights"]
+    coded = [entry for entry in selection.values() if entry["compressed"]]
+    assert record["coded"] == sum(len(entry["hf_names"]) for entry in coded) > 0
+    assert all(len(entry["decoded_sha256"]) == 64 for entry in coded)
     assert record["plain"] > 0  # the norms stay plain constants, and are the bundle's
+
+
+def test_a_code_decoded_otherwise_than_its_recipe_recorded_fails_and_is_named(fixture_packages, fixture_bundle,
+                                                                            tmp_path):
+    compress_package(fixture_packages / "chunk_kv", "int8-pc", tmp_path / "int8-pc")
+    name = "model.layers.0.mlp.down_proj.weight"
+    record = _records(tmp_path / "int8-pc", fixture_bundle, _one_step_up(name, (0, 0)))
+    assert not record["passed"] and [d["tensor"] for d in record["differing"]] == [name]
+    assert "decoded_sha256" in record["differing"][0]["why"]

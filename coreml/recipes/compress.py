@@ -155,18 +155,18 @@ def plan_selection(weights: list[Weight], select: Callable[[Weight], Selected]) 
 
 
 def apply_recipe(mlmodel, program, recipe: Recipe, steps: dict[str, dict], encoders: Mapping[str, Encoder]):
-    """(the compressed model, the hot rows written by constant name): each step of
+    """(the compressed model, the records of the codes written, by constant name: `WriteCodes`): each step of
     `plan_selection`, on exactly the selected weights of `program` (`mlmodel`'s, from
     `load_program`; rewritten in place).
 
     `encoders` replaces a `code` step's own fit per weight (calibration-aware or carried codes).
     """
-    hot_rows = {}
+    written = {}
     if "code" in steps:
         writer = WriteCodes({name: encoders[name] if name in encoders else step.encode
                              for name, step in steps["code"].items()})
         writer.apply(program)
-        hot_rows = writer.hot_rows
+        written = writer.records
         recipe.after_codes(program)
     if "quantize" in steps:
         configs = {n: cto.OpLinearQuantizerConfig(**step.record()) for n, step in steps["quantize"].items()}
@@ -178,7 +178,7 @@ def apply_recipe(mlmodel, program, recipe: Recipe, steps: dict[str, dict], encod
     return mil_convert(program, convert_to="mlprogram", convert_from="milinternal",
                        specification_version=spec.specificationVersion, compute_units=mlmodel.compute_unit,
                        model_description=spec.description, skip_model_load=True,
-                       pass_pipeline=ct.PassPipeline.EMPTY), hot_rows
+                       pass_pipeline=ct.PassPipeline.EMPTY), written
 
 
 def _apply_per_function(functions: PackageFunctions, program, recipe: Recipe, steps: dict[str, dict],
@@ -188,21 +188,21 @@ def _apply_per_function(functions: PackageFunctions, program, recipe: Recipe, st
     stores each distinct blob once: the functions read one set of codes, made once."""
     code_steps = steps.get("code", {})
     once = _EncodedOnce({name: encoders.get(name, step.encode) for name, step in code_steps.items()})
-    hot_rows = {}
+    written = {}
     with tempfile.TemporaryDirectory(dir=scratch) as folder:
         paths = {}
         for name in [functions.default_function, *(n for n in functions.names if n != functions.default_function)]:
             model = functions.model(name)
-            compressed, hot = apply_recipe(model, program if program is not None else load_program(model),
+            compressed, records = apply_recipe(model, program if program is not None else load_program(model),
                                            recipe, steps, once)
             package_manifest.discard_model(model)
             paths[name] = Path(folder) / f"{name}.mlpackage"
             package_manifest.save_model(compressed, paths[name])
-            hot_rows.update(hot)
+            written.update(records)
             program = None  # the next function's is loaded from its own model
             del model, compressed
         ordered = {name: paths[name] for name in functions.names}
-        return merge_functions(ordered, functions.default_function, functions.metadata), hot_rows
+        return merge_functions(ordered, functions.default_function, functions.metadata), written
 
 
 class _EncodedOnce(dict):
@@ -361,15 +361,15 @@ def _compress_program(mlpackage: Path, view: dict, unit: Recipe, context: Contex
     plan = plan_selection(weights, prepared.select)
     with package_manifest.working_files_in(out.parent):
         if functions is None:
-            compressed, hot_rows = apply_recipe(mlmodel, program, unit, plan["steps"], prepared.encoders)
+            compressed, written = apply_recipe(mlmodel, program, unit, plan["steps"], prepared.encoders)
         else:
             package_manifest.discard_model(mlmodel)
             del mlmodel
-            compressed, hot_rows = _apply_per_function(functions, program, unit, plan["steps"],
+            compressed, written = _apply_per_function(functions, program, unit, plan["steps"],
                                                        prepared.encoders, out.parent)
         package_manifest.save_model(compressed, out)
-    for name, record in hot_rows.items():
-        plan["record"]["weights"][name]["hot_rows"] = record
+    for name, record in written.items():
+        plan["record"]["weights"][name].update(record)
     _bind_compressed(out, weights, plan["record"], unit.name)
     return _CompressedProgram({**plan["record"], **prepared.record}, package_manifest.package_bytes(out),
                               package_manifest.op_histogram(out))

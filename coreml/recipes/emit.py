@@ -75,6 +75,21 @@ def emit_code(code, before_op, dtype: np.dtype = np.dtype(np.float32)) -> "mb.Va
     return out
 
 
+def decoded_sha256(code, dtype: np.dtype) -> str:
+    """The sha256 of what `emit_code(code, dtype=dtype)`'s ops decode to (C order, in `dtype`),
+    by the code's own arithmetic (`decode`) on the parameters as they are written: the recipe's
+    record of its weight (`selection.weights[].decoded_sha256`), which the gates hold the
+    package's decoding by coremltools to (`pipeline.stages.gates.invariants.WeightsAsIntended`)."""
+    if dtype == np.float16:
+        code = _parameters_in_fp16(code)
+    elif not isinstance(code, (codes.ShiftScale, codes.Palette)):
+        code = np.asarray(code).astype(np.float16)  # a plain array is written at half size
+    digest = hashlib.sha256()
+    for block in codes.decoded_blocks(code):
+        digest.update(np.ascontiguousarray(block, dtype))
+    return digest.hexdigest()
+
+
 def emit_hot_rows(code: codes.HotRows, table: "mb.Var", before_op, dtype: np.dtype) -> dict:
     """Add `code`'s correction of its hot rows wherever `table` (its table code's output) is read:
     after a lookup `gather(table, ids)`, `+ gather(residual, gather(slot, ids))` (residual row 0
@@ -120,12 +135,13 @@ class WriteCodes(AbstractGraphPass):
     """Replace each named float constant by the constexpr ops of the code `encode(value)` gives
     (`value` widened to float32 exactly), decoding to the constant's own dtype. A code with
     hot rows writes its table so and its correction after each read (`emit_hot_rows`);
-    `hot_rows` gets the record of each, by constant name."""
+    `records` gets, by constant name, the sha256 of each code's decoding (`decoded_sha256`) or
+    the record of its hot rows."""
 
     def __init__(self, encoders: Mapping[str, Encoder]):
         super().__init__()
         self.encoders = encoders
-        self.hot_rows: dict[str, dict] = {}
+        self.records: dict[str, dict] = {}
 
     def apply(self, prog):
         for function in prog.functions.values():
@@ -139,6 +155,6 @@ class WriteCodes(AbstractGraphPass):
                         op.enclosing_block.replace_uses_of_var_after_op(
                             anchor_op=op, old_var=op.outputs[0], new_var=new, no_check_var_types=True)
                         new.set_name(op.name)
-                        if hot is not None:
-                            self.hot_rows[op.name] = emit_hot_rows(hot, new, op, dtype)
+                        self.records[op.name] = ({"decoded_sha256": decoded_sha256(code, dtype)} if hot is None
+                                                 else {"hot_rows": emit_hot_rows(hot, new, op, dtype)})
                         function.remove_ops([op])

@@ -10,7 +10,8 @@ FP32 and fp16 packages alike: a weight is edited where the program stores it (it
 in the package's dtype, as any fp16 mitigation scaled it), a constant in the program's dtype.
 Constants and program edits go into every function (a stateful package's prefill and decode
 alike); a constant at the first op of each function that reads it, one layer's where each layer
-has its own. A compressed package's weights are not consts, and are refused by name.
+has its own. A compressed package's weights are not consts, and are refused by name; its codes
+are where `code_scale` goes, and only there.
 """
 
 import os
@@ -60,10 +61,7 @@ def seeded_copy(package_dir: Path, bundle_dir: Path, out_dir: Path, fault: str) 
     package_dir, out_dir = Path(package_dir), Path(out_dir)
     manifest = read_json(package_dir / MANIFEST_NAME)
     shutil.copytree(package_dir, out_dir)
-    linked = Path(os.path.normpath(out_dir / manifest["source"]["relative_path"]))
-    # A copy beside the package (the same depth under the same folder) links to the bundle itself.
-    if not (linked.exists() and linked.samefile(bundle_dir)):
-        shutil.copytree(bundle_dir, linked, dirs_exist_ok=True)
+    _copy_lineage(package_dir, out_dir, Path(bundle_dir))
     arch = read_json(Path(bundle_dir) / "config.json")["arch"]
     # A split package's fault goes into the piece that holds the middle layer, the one each fault edits.
     middle, pieces = _middle_layer(arch), manifest["package"].get("pieces")
@@ -82,6 +80,21 @@ def seeded_copy(package_dir: Path, bundle_dir: Path, out_dir: Path, fault: str) 
     manifest["files"] = inventory(out_dir)
     write_json(out_dir / MANIFEST_NAME, manifest)
     return out_dir, where
+
+
+def _copy_lineage(package_dir: Path, copy: Path, bundle_dir: Path) -> None:
+    """What `copy`'s relative source link expects, copied there from `package_dir`'s: the bundle,
+    or a compressed package's source package and, in turn, its own. A copy beside the original
+    (the same depth under the same folder) links to the original's source itself."""
+    from manifests.identity import MANIFEST_NAME, read_json
+
+    relative = read_json(package_dir / MANIFEST_NAME)["source"]["relative_path"]
+    source, linked = (Path(os.path.normpath(folder / relative)) for folder in (package_dir, copy))
+    if linked.exists() and linked.samefile(source):
+        return
+    shutil.copytree(source, linked, dirs_exist_ok=True)
+    if not source.samefile(bundle_dir):
+        _copy_lineage(source, linked, bundle_dir)
 
 
 # ------------------------------------------------------------------ weights
@@ -183,6 +196,53 @@ def _kv_heads_swapped(mlpackage: Path, bundle: Path, arch: dict) -> str:
         _edit_weight(mlpackage, f"model.layers.{layer}.self_attn.{part}.weight",
                      lambda w: np.concatenate([w[dim:2 * dim], w[:dim], w[2 * dim:]]))
     return f"layer {layer}: K/V heads 0 and 1"
+
+
+@register_fault("code_scale", "one block's scale of a compressed weight one fp16 step off (one layer's "
+                              "down_proj: its code's first scale, or LUT entry where it has no scale)")
+def _code_scale(mlpackage: Path, bundle: Path, arch: dict) -> str:
+    """The first `scale` (else `lut`) constant the decompression ops of the middle layer's
+    down_proj read, walking from the op its consumers read inwards, with its first entry the
+    next value of its dtype up: every function reads the one blob."""
+    from coreml.mil.loader import BlobStorage, blob_file, program_spec, tensor_spec
+    from coreml.split import program_views
+    from manifests.identity import MANIFEST_NAME, read_json
+
+    name = f"model.layers.{_middle_layer(arch)}.mlp.down_proj.weight"
+    view = dict(program_views(read_json(mlpackage.parent / MANIFEST_NAME)))[mlpackage.name]
+    coded = [entry for entry in view.get("selection", {}).get("weights", {}).values()
+             if entry["compressed"] and name in entry["hf_names"]]
+    if not coded:
+        raise FaultNotApplicable(f"{mlpackage}: the package stores {name} uncompressed")
+    spec_path, model = program_spec(mlpackage)
+    function = next(iter(model.mlProgram.functions.values()))
+    producers = {out.name: op for op in function.block_specializations[function.opset].operations for out in op.outputs}
+    var, value, what = coded[0]["compressed_as"], None, None
+    while value is None and var in producers and producers[var].type.startswith("constexpr_"):
+        op = producers[var]
+        key = next((k for k in ("scale", "lut") if k in op.inputs), None)
+        if key is None:
+            var = next(a.name for k in ("data", "source_val", "indices") if k in op.inputs
+                       for a in op.inputs[k].arguments)
+            continue
+        argument, what = op.inputs[key].arguments[0], f"{op.type} {op.outputs[0].name}'s {key}"
+        # Bound in place (a value), or by a const op's name.
+        value = argument.value if argument.WhichOneof("binding") == "value" else producers[argument.name].attributes["val"]
+    if value is None or value.WhichOneof("value") != "blobFileValue":
+        raise FaultNotApplicable(f"{spec_path}: the code of {name} reads no scale or LUT from the weight file")
+    spec = tensor_spec(value.type, str(spec_path))
+    if spec.dtype.numpy.kind != "f":
+        raise FaultNotApplicable(f"{spec_path}: {what} is {spec.dtype.name}, not a float")
+    path = blob_file(spec_path.parent, value.blobFileValue.fileName, str(spec_path))
+    storage = BlobStorage(path)
+    entry = storage.entry(value.blobFileValue.offset, spec.dtype)
+    first = storage.read(value.blobFileValue.offset, spec.dtype, spec.shape).reshape(-1)[:1].copy()
+    del storage  # its read-only map, before the file is written
+    stepped = np.nextafter(first, np.array([np.inf], first.dtype))
+    with open(path, "r+b") as blob:
+        blob.seek(entry.data_offset)
+        blob.write(stepped.tobytes())
+    return f"{name}: {what}, entry 0 {first[0]} -> {stepped[0]}"
 
 
 # ------------------------------------------------------------------ program constants

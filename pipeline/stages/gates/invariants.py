@@ -95,18 +95,20 @@ def invariant_rows(records: list[dict]) -> list[list]:
 
 @register_invariant
 class WeightsAsIntended(Invariant):
-    """Every bundle tensor a package stores as a plain constant holds the intended reference's
-    values bit for bit, in every function and piece, and every matrix of the reference is
-    stored. No bound: a package's weight is the reference's, rounded once to the package's
-    float dtype by a correctly rounded cast (`coreml.kinds.export.weight_names` records it so),
-    the same on every CPU.
+    """Every bundle tensor a package stores holds the intended reference's values bit for bit,
+    in every function and piece, and every matrix of the reference is stored. A plain constant
+    is compared with the reference's tensor rounded once to the package's float dtype (a
+    correctly rounded cast, as `coreml.kinds.export.weight_names` records it), the same on every
+    CPU: no bound. A recipe's code is decoded for the reference from the package itself
+    (`references`), by coremltools; it is held to the sha256 of the decoding the recipe computed
+    itself as it wrote the code (`coreml.recipes.emit.decoded_sha256`), so a code written or read
+    otherwise than the recipe made it shows here.
 
     Why the logits cannot do this alone: a weight one fp16 step off moves an fp16 package's
     logits less than the fp16 reference's own rounding noise (tests/test_gate_faults.py:
-    down_proj x (1 + 1e-3)); its bytes show it at once. Vectors may be held folded with a
-    constant of their op (Gemma's RMSNorm gain as 1 + w), so only matrices must be found; a
-    tensor a recipe compresses is decoded from the package itself (`references`), so nothing
-    independent says what its codes should be, and the record counts those apart."""
+    down_proj x (1 + 1e-3)), and a compressed package's reference decodes the package's own
+    codes, so it moves with them. Vectors may be held folded with a constant of their op (Gemma's
+    RMSNorm gain as 1 + w), so only matrices must be found."""
 
     name = "weights_as_intended"
 
@@ -114,45 +116,57 @@ class WeightsAsIntended(Invariant):
         return hasattr(gate.candidate, "package")
 
     def run(self, gate: GateRun) -> list[dict]:
-        from coreml.crosscheck import stored_weights
+        from coreml.crosscheck import CodedTensor, stored_weights
 
         package = gate.candidate.package
         stored = stored_weights(package.path, package.manifest)
-        differing, held = [], set(stored.compressed)
-        for entry in stored.plain:
+        differing, held = [], set()
+        for entry in [*stored.plain, *stored.coded]:
             want = gate.weights.get(entry.tensor)
+            where = {"tensor": entry.tensor, "rows": entry.rows, "program": entry.program}
             if want is None:
-                differing.append({"tensor": entry.tensor, "program": entry.program, "const": entry.const.name,
-                                  "why": "the intended reference has no such tensor"})
+                differing.append({**where, "why": "the intended reference has no such tensor"})
                 continue
             want = want if entry.rows is None else want[slice(*entry.rows)]
-            want = np.ascontiguousarray(want.float().numpy(), entry.const.dtype.numpy)
-            digest = entry.const.digest()
-            if digest.shape == want.shape and digest.sha256 == hashlib.sha256(want).hexdigest():
+            coded = isinstance(entry, CodedTensor)
+            if coded and entry.decoded_sha256 is None:  # no record of the recipe's to hold it to
                 held.add(entry.tensor)
                 continue
-            got = entry.const.values()
-            delta = np.abs(got.astype(np.float32) - want.astype(np.float32)) if got.shape == want.shape else None
-            differing.append({"tensor": entry.tensor, "rows": entry.rows, "program": entry.program,
-                              "function": entry.const.function, "const": entry.const.name,
-                              **({"elements": int(np.count_nonzero(delta)), "max_abs": float(delta.max())}
-                                 if delta is not None else {"why": f"shape {list(got.shape)}, not {list(want.shape)}"})})
+            want = np.ascontiguousarray(want.float().numpy(), entry.dtype if coded else entry.const.dtype.numpy)
+            recorded = entry.decoded_sha256 if coded else entry.const.digest().sha256
+            if recorded == hashlib.sha256(want).hexdigest() and (coded or entry.const.shape == want.shape):
+                held.add(entry.tensor)
+            elif coded:
+                differing.append({**where, "why": "the package decodes it otherwise than its recipe's record "
+                                                  "(selection.weights[].decoded_sha256)"})
+            else:
+                differing.append({**where, "function": entry.const.function, "const": entry.const.name,
+                                  **_differences(entry.const.values(), want)})
         not_held = sorted(name for name, tensor in gate.weights.items() if tensor.dim() >= 2 and name not in held)
+        measured = [d["max_abs"] for d in differing if "max_abs" in d]  # a code's digest gives no |Δ|
         return [{"name": self.name, "passed": not differing and not not_held,
-                 "max_abs": max((d.get("max_abs", float("inf")) for d in differing), default=0.0),
-                 "plain": len(stored.plain), "compressed": sorted(stored.compressed),
+                 "max_abs": max(measured) if measured else None if differing else 0.0,
+                 "plain": len(stored.plain), "coded": len(stored.coded),
+                 "coded_unrecorded": sorted({c.tensor for c in stored.coded if c.decoded_sha256 is None}),
                  "differing": differing, "not_held": not_held}]
 
     def owns(self, record: dict) -> bool:
         return record["name"] == self.name
 
     def row(self, record: dict) -> list:
-        held = f"{record['plain']} constants" + (f", {len(record['compressed'])} tensors compressed"
-                                                  if record["compressed"] else "")
-        wrong = [f"{d['tensor']} differs ({d['const']}: " + (f"{d['elements']} elements)" if "elements" in d
-                                                               else f"{d['why']})") for d in record["differing"][:3]] + [f"{name} not held" for name in record["not_held"][:3]]
+        held = f"{record['plain']} constants, {record['coded']} codes"
+        wrong = [f"{d['tensor']} differs (" + (f"{d['const']}: {d['elements']} elements)" if "elements" in d
+                                               else f"{d['why']})") for d in record["differing"][:3]]
+        wrong += [f"{name} not held" for name in record["not_held"][:3]]
         return [f"{record['name']}: {held}" + ("; " + "; ".join(wrong) if wrong else ""), record["max_abs"],
                 record["passed"]]
+
+
+def _differences(got: np.ndarray, want: np.ndarray) -> dict:
+    if got.shape != want.shape:
+        return {"why": f"shape {list(got.shape)}, not {list(want.shape)}"}
+    delta = np.abs(got.astype(np.float32) - want.astype(np.float32))
+    return {"elements": int(np.count_nonzero(delta)), "max_abs": float(delta.max())}
 
 
 @register_invariant
