@@ -154,7 +154,9 @@ class WeightsAsIntended(Invariant):
         return record["name"] == self.name
 
     def row(self, record: dict) -> list:
-        held = f"{record['plain']} constants, {record['coded']} codes"
+        held = f"{record['plain']} constants, {record['coded']} codes" + (
+            f" ({len(record['coded_unrecorded'])} tensors' codes with no recipe record to hold them to)"
+            if record["coded_unrecorded"] else "")
         wrong = [f"{d['tensor']} differs (" + (f"{d['const']}: {d['elements']} elements)" if "elements" in d
                                                else f"{d['why']})") for d in record["differing"][:3]]
         wrong += [f"{name} not held" for name in record["not_held"][:3]]
