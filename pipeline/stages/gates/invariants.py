@@ -132,7 +132,8 @@ class WeightsAsIntended(Invariant):
             if coded and entry.decoded_sha256 is None:  # no record of the recipe's to hold it to
                 held.add(entry.tensor)
                 continue
-            want = np.ascontiguousarray(want.float().numpy(), entry.dtype if coded else entry.const.dtype.numpy)
+            # The reference's own array (an fp16 reference holds fp16 halves), cast only where its dtype differs.
+            want = np.ascontiguousarray(want.numpy(), entry.dtype if coded else entry.const.dtype.numpy)
             recorded = entry.decoded_sha256 if coded else entry.const.digest().sha256
             if recorded == hashlib.sha256(want).hexdigest() and (coded or entry.const.shape == want.shape):
                 held.add(entry.tensor)
