@@ -82,3 +82,16 @@ def test_a_code_decoded_otherwise_than_its_recipe_recorded_fails_and_is_named(fi
     record = _records(tmp_path / "int8-pc", fixture_bundle, _one_step_up(name, (0, 0)))
     assert not record["passed"] and [d["tensor"] for d in record["differing"]] == [name]
     assert "decoded_sha256" in record["differing"][0]["why"]
+
+
+def test_codes_coremltools_rewrote_after_the_recipe_wrote_them_carry_no_record(fixture_packages, fixture_bundle,
+                                                                               tmp_path):
+    """palette4-int8lut's LUTs are quantized by coremltools after the recipe wrote them
+    (`Recipe.after_codes`): the recipe's decoding is no longer the package's, so it records none,
+    and the gate's record says which codes it could not hold to one."""
+    compress_package(fixture_packages / "chunk_kv", "palette4-int8lut", tmp_path / "lut")
+    selection = read_json(tmp_path / "lut" / "manifest.json")["selection"]["weights"]
+    assert not any("decoded_sha256" in entry for entry in selection.values())
+    record = _records(tmp_path / "lut", fixture_bundle)
+    assert record["passed"] and not record["not_held"]
+    assert record["coded_unrecorded"] == sorted({t for e in selection.values() if e["compressed"] for t in e["hf_names"]})

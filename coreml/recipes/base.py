@@ -207,8 +207,11 @@ class Recipe(ABC):
         """This recipe readied for `weights`: how it selects each one, with any encoders it
         computed from `context` (calibration, the source CMF)."""
 
-    def after_codes(self, program) -> None:
-        """A pass over `program` once its code steps are written (none by default)."""
+    def after_codes(self, program) -> bool:
+        """A pass over `program` once its code steps are written (none by default); whether it
+        changed what the codes decode to (then what they decode to is coremltools', and the
+        recipe's own record of each decoding, `decoded_sha256`, is dropped)."""
+        return False
 
 
 @dataclass(frozen=True)

@@ -167,7 +167,8 @@ def apply_recipe(mlmodel, program, recipe: Recipe, steps: dict[str, dict], encod
                              for name, step in steps["code"].items()})
         writer.apply(program)
         written = writer.records
-        recipe.after_codes(program)
+        if recipe.after_codes(program):
+            written = {name: {k: v for k, v in record.items() if k != "decoded_sha256"} for name, record in written.items()}
     if "quantize" in steps:
         configs = {n: cto.OpLinearQuantizerConfig(**step.record()) for n, step in steps["quantize"].items()}
         LinearQuantizeWeights(cto.OptimizationConfig(op_name_configs=configs)).apply(program)

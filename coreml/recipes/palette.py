@@ -80,16 +80,18 @@ class QuantizedLutRecipe(PaletteRecipe):
             how += f" + LUT {describe_params(self.quantize_lut.record())}"
         return how
 
-    def after_codes(self, program) -> None:
+    def after_codes(self, program) -> bool:
         """Quantize the LUT of each palette the code steps wrote, by name: a global config would
         quantize every other constant over the threshold too (the parts of a split head, a
-        weight the recipe left as it was)."""
+        weight the recipe left as it was). The palettes then decode through coremltools' int8
+        LUTs, not the ones the recipe wrote."""
         lut = cto.OpLinearQuantizerConfig(**self.quantize_lut.record())
         luts = {op.lut.op.name: lut for function in program.functions.values()
                 for op in function.find_ops(op_type="constexpr_lut_to_dense") if op.lut.op.op_type == "const"}
         quantize_luts = LinearQuantizeWeights(cto.OptimizationConfig(global_config=None, op_name_configs=luts))
         quantize_luts.joint_compression = True
         quantize_luts.apply(program)
+        return bool(luts)
 
 
 @dataclass(frozen=True)
