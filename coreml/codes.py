@@ -74,14 +74,21 @@ def in_row_blocks(decode, rows: int, unit: int, bytes_per_row: int, block_args) 
     at a time, written into one array: each block's rows are the same elementwise decoding of
     the same values, so the result is the whole decoding's to the bit, while the decoding's
     full-size temporaries (`bytes_per_row` a row) are one block's."""
-    step = max(1, DECODE_BLOCK_BYTES // max(1, unit * bytes_per_row)) * unit
     out = None
-    for start in range(0, rows, step):
-        block = np.asarray(decode(*block_args(start, min(rows, start + step))))
+    for start, stop in row_blocks(rows, unit, bytes_per_row):
+        block = np.asarray(decode(*block_args(start, stop)))
         if out is None:
             out = np.empty((rows, *block.shape[1:]), block.dtype)
-        out[start:start + len(block)] = block
+        out[start:stop] = block
     return out
+
+
+def row_blocks(rows: int, unit: int, bytes_per_row: int) -> Iterator[tuple[int, int]]:
+    """[start, stop) over `rows` in blocks of whole `unit`s of rows, each about
+    `DECODE_BLOCK_BYTES` of temporaries at `bytes_per_row`."""
+    step = max(1, DECODE_BLOCK_BYTES // max(1, unit * bytes_per_row)) * unit
+    for start in range(0, rows, step):
+        yield start, min(rows, start + step)
 
 
 def shift_scale(data: np.ndarray, offset: np.ndarray | None, scale: np.ndarray) -> np.ndarray:
@@ -193,9 +200,8 @@ def decoded_blocks(code) -> Iterator[np.ndarray]:
     else:
         yield code.decode() if hasattr(code, "decode") else np.asarray(code, np.float32)
         return
-    step = max(1, DECODE_BLOCK_BYTES // max(1, unit * 5 * 4 * cols)) * unit
-    for start in range(0, rows, step):
-        yield cut(start, min(rows, start + step)).decode()
+    for start, stop in row_blocks(rows, unit, 5 * 4 * cols):
+        yield cut(start, stop).decode()
 
 
 def rows_of(code: ShiftScale, ids: np.ndarray) -> ShiftScale:

@@ -126,17 +126,25 @@ def _edit_weight(mlpackage: Path, name: str, edit: Callable[[np.ndarray], np.nda
     """Bundle weight `name` as the package stores it (FP32 or fp16, and scaled where an fp16
     mitigation rescales it) replaced in place by `edit` of its stored values, computed in
     float32 and rounded once to the stored dtype."""
+    for path, offset, dtype, shape in _stored_weights(mlpackage, name):
+        _rewrite_blob(path, offset, dtype, shape, lambda stored: edit(stored.astype(np.float32)))
+
+
+def _rewrite_blob(path: Path, offset: int, dtype, shape: tuple[int, ...],
+                  edit: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    """The blob at `offset` of the weight file `path` (MIL `dtype`, `shape`) replaced in place by
+    `edit` of its values, rounded to `dtype`; returns the values it held."""
     from coreml.mil.loader import BlobStorage
 
-    for path, offset, dtype, shape in _stored_weights(mlpackage, name):
-        storage = BlobStorage(path)
-        entry = storage.entry(offset, dtype)
-        stored = storage.read(offset, dtype, shape).astype(np.float32)
-        del storage  # its read-only map, before the file is written
-        wrong = np.ascontiguousarray(edit(stored).astype(dtype.numpy))
-        with open(path, "r+b") as blob:
-            blob.seek(entry.data_offset)
-            blob.write(wrong.tobytes())
+    storage = BlobStorage(path)
+    entry = storage.entry(offset, dtype)
+    stored = storage.read(offset, dtype, shape).copy()
+    del storage  # its read-only map, before the file is written
+    wrong = np.ascontiguousarray(edit(stored), dtype.numpy)
+    with open(path, "r+b") as blob:
+        blob.seek(entry.data_offset)
+        blob.write(wrong.tobytes())
+    return stored
 
 
 def _bundle_tensor(bundle: Path, name: str) -> np.ndarray:
@@ -204,7 +212,7 @@ def _code_scale(mlpackage: Path, bundle: Path, arch: dict) -> str:
     """The first `scale` (else `lut`) constant the decompression ops of the middle layer's
     down_proj read, walking from the op its consumers read inwards, with its first entry the
     next value of its dtype up: every function reads the one blob."""
-    from coreml.mil.loader import BlobStorage, blob_file, program_spec, tensor_spec
+    from coreml.mil.loader import blob_file, program_spec, tensor_spec
     from coreml.split import program_views
     from manifests.identity import MANIFEST_NAME, read_json
 
@@ -233,16 +241,15 @@ def _code_scale(mlpackage: Path, bundle: Path, arch: dict) -> str:
     spec = tensor_spec(value.type, str(spec_path))
     if spec.dtype.numpy.kind != "f":
         raise FaultNotApplicable(f"{spec_path}: {what} is {spec.dtype.name}, not a float")
+
+    def step_first(values):
+        stepped = values.copy()
+        stepped.reshape(-1)[0] = np.nextafter(values.reshape(-1)[0], np.inf, dtype=values.dtype)
+        return stepped
+
     path = blob_file(spec_path.parent, value.blobFileValue.fileName, str(spec_path))
-    storage = BlobStorage(path)
-    entry = storage.entry(value.blobFileValue.offset, spec.dtype)
-    first = storage.read(value.blobFileValue.offset, spec.dtype, spec.shape).reshape(-1)[:1].copy()
-    del storage  # its read-only map, before the file is written
-    stepped = np.nextafter(first, np.array([np.inf], first.dtype))
-    with open(path, "r+b") as blob:
-        blob.seek(entry.data_offset)
-        blob.write(stepped.tobytes())
-    return f"{name}: {what}, entry 0 {first[0]} -> {stepped[0]}"
+    first = _rewrite_blob(path, value.blobFileValue.offset, spec.dtype, tuple(spec.shape), step_first).reshape(-1)[0]
+    return f"{name}: {what}, entry 0 {first} -> {np.nextafter(first, np.inf, dtype=first.dtype)}"
 
 
 # ------------------------------------------------------------------ program constants

@@ -115,33 +115,44 @@ class WeightsAsIntended(Invariant):
         return hasattr(gate.candidate, "package")
 
     def run(self, gate: GateRun) -> list[dict]:
-        from coreml.crosscheck import CodedTensor, stored_weights
+        from coreml.crosscheck import stored_weights
 
         package = gate.candidate.package
         stored = stored_weights(package.path, package.manifest)
         differing, held = [], set()
-        for entry in [*stored.plain, *stored.coded]:
+
+        def where(entry) -> dict:
+            return {"tensor": entry.tensor, "rows": entry.rows, "program": entry.program}
+
+        def wanted(entry, dtype) -> np.ndarray | None:
+            """The reference's tensor (or rows) `entry` holds, as its own array (an fp16 reference
+            holds fp16 halves) cast only where `dtype` differs; None, recorded, where it has none."""
             want = gate.weights.get(entry.tensor)
-            where = {"tensor": entry.tensor, "rows": entry.rows, "program": entry.program}
             if want is None:
-                differing.append({**where, "why": "the intended reference has no such tensor"})
+                differing.append({**where(entry), "why": "the intended reference has no such tensor"})
+                return None
+            return np.ascontiguousarray((want if entry.rows is None else want[slice(*entry.rows)]).numpy(), dtype)
+
+        for entry in stored.plain:
+            want = wanted(entry, entry.const.dtype.numpy)
+            if want is None:
                 continue
-            want = want if entry.rows is None else want[slice(*entry.rows)]
-            coded = isinstance(entry, CodedTensor)
-            if coded and entry.decoded_sha256 is None:  # no record of the recipe's to hold it to
+            digest = entry.const.digest()
+            if digest.shape == want.shape and digest.sha256 == hashlib.sha256(want).hexdigest():
                 held.add(entry.tensor)
-                continue
-            # The reference's own array (an fp16 reference holds fp16 halves), cast only where its dtype differs.
-            want = np.ascontiguousarray(want.numpy(), entry.dtype if coded else entry.const.dtype.numpy)
-            recorded = entry.decoded_sha256 if coded else entry.const.digest().sha256
-            if recorded == hashlib.sha256(want).hexdigest() and (coded or entry.const.shape == want.shape):
-                held.add(entry.tensor)
-            elif coded:
-                differing.append({**where, "why": "the package decodes it otherwise than its recipe's record "
-                                                  "(selection.weights[].decoded_sha256)"})
             else:
-                differing.append({**where, "function": entry.const.function, "const": entry.const.name,
+                differing.append({**where(entry), "function": entry.const.function, "const": entry.const.name,
                                   **_differences(entry.const.values(), want)})
+        for entry in stored.coded:
+            want = wanted(entry, entry.dtype)
+            if want is None:
+                continue
+            # No record of the recipe's to hold it to, or its decoding's.
+            if entry.decoded_sha256 is None or entry.decoded_sha256 == hashlib.sha256(want).hexdigest():
+                held.add(entry.tensor)
+            else:
+                differing.append({**where(entry), "why": "the package decodes it otherwise than its recipe's "
+                                                         "record (selection.weights[].decoded_sha256)"})
         not_held = sorted(name for name, tensor in gate.weights.items() if tensor.dim() >= 2 and name not in held)
         measured = [d["max_abs"] for d in differing if "max_abs" in d]  # a code's digest gives no |Δ|
         return [{"name": self.name, "passed": not differing and not not_held,
